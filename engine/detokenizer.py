@@ -1,0 +1,96 @@
+"""Incremental detokenization and stop-string matching.
+
+Byte-level BPE tokens need not end on a UTF-8 character boundary, so text is released only when it decodes cleanly:
+we decode a small window ``tokens[prefix_offset:]`` and compare against ``tokens[prefix_offset:read_offset]``; if the
+new text ends in U+FFFD (an incomplete character) we wait for the next token. The window keeps a few tokens of left
+context because some decoders (e.g. metaspace / byte fallback) render a token differently at the start of a string.
+
+Stop strings are matched on the accumulated output text, so a stop string split across tokens is still found. Text
+that could be the start of a stop string is held back until it is known not to be one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.tokenizer import Tokenizer
+
+_CONTEXT = 6
+
+
+@dataclass(slots=True)
+class IncrementalDetokenizer:
+    tokenizer: Tokenizer
+    stop: tuple[str, ...] = ()
+    include_stop_str: bool = False
+    skip_special_tokens: bool = True
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0
+    prefix_offset: int = 0
+    read_offset: int = 0
+    stopped_on: str | None = None
+
+    def _ids(self, ids: list[int]) -> list[int]:
+        if not self.skip_special_tokens:
+            return ids
+        special = self.tokenizer.special_ids
+        return [t for t in ids if t not in special]
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly released text (possibly empty)."""
+        self.tokens.append(token_id)
+        prefix = self.tokenizer.decode(self._ids(self.tokens[self.prefix_offset : self.read_offset]),
+                                       skip_special_tokens=False)
+        full = self.tokenizer.decode(self._ids(self.tokens[self.prefix_offset :]), skip_special_tokens=False)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self.read_offset = len(self.tokens)
+            self.prefix_offset = max(self.read_offset - _CONTEXT, 0)
+        return self._release()
+
+    def _release(self) -> str:
+        if self.stop and self.stopped_on is None:
+            # Search only where a new match can start: stop strings overlapping the unreleased tail.
+            longest = max(len(s) for s in self.stop)
+            start = max(self.emitted - longest + 1, 0)
+            best: tuple[int, str] | None = None
+            for s in self.stop:
+                pos = self.text.find(s, start)
+                if pos >= 0 and (best is None or pos < best[0]):
+                    best = (pos, s)
+            if best is not None:
+                pos, s = best
+                self.stopped_on = s
+                self.text = self.text[: pos + len(s)] if self.include_stop_str else self.text[:pos]
+                out = self.text[self.emitted :]
+                self.emitted = len(self.text)
+                return out
+            hold = _partial_stop_len(self.text, self.stop)
+            end = len(self.text) - hold
+        else:
+            end = len(self.text)
+        if end <= self.emitted:
+            return ""
+        out = self.text[self.emitted : end]
+        self.emitted = end
+        return out
+
+    def flush(self) -> str:
+        """At the end of generation, release whatever was held back."""
+        if self.stopped_on is not None:
+            return ""
+        out = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return out
+
+
+def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best

@@ -1,0 +1,33 @@
+"""KV cache tensors: per layer, K and V each ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous.
+
+The cache is sized from ``CacheConfig.num_blocks`` if set, otherwise from the memory budget.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import CacheConfig
+from engine.model_config import ModelConfig
+
+
+def num_blocks_for(cache: CacheConfig, cfg: ModelConfig, dtype: torch.dtype, kv_heads: int) -> int:
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_block = 2 * cfg.num_layers * cache.block_size * kv_heads * cfg.head_dim * elem
+    n = cache.memory_budget_bytes // per_block
+    if n < 1:
+        raise ValueError(f"memory budget {cache.memory_budget_bytes} B holds no KV block of {per_block} B")
+    return int(n)
+
+
+def allocate_kv_cache(
+    num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]

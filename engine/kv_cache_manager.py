@@ -1,0 +1,91 @@
+"""Per-request block tables over the shared :class:`BlockPool`, with prefix-cache lookup.
+
+Block tables are append-only: a running request only ever gains blocks, and loses them all at once when it finishes
+or is preempted. A full block is published to the prefix cache as soon as the step that computes it is scheduled.
+"""
+
+from __future__ import annotations
+
+from engine.block_pool import BlockPool, KVBlock
+from engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.block_tables: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.block_tables.get(request_id, ())]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """Longest cached prefix of the request, in whole blocks, leaving at least one token to compute.
+
+        The last token must always be computed: its logits produce the next token.
+        """
+        if not self.pool.enable_prefix_caching:
+            return []
+        hits: list[KVBlock] = []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.pool.queried_blocks += min(len(request.block_hashes), max_blocks)
+        self.pool.hit_blocks += len(hits)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None) -> bool:
+        """Make room for ``num_new_tokens`` beyond what is computed; False (and no change) if blocks are short.
+
+        ``computed`` are prefix-cache hits for a request that holds no blocks yet.
+        """
+        table = self.block_tables.get(request.request_id)
+        computed = computed or []
+        if table is None:
+            table = []
+        elif computed:
+            raise ValueError("prefix hits can only be attached to a request without blocks")
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(computed)
+        # Touching a cached block with no holders takes it out of the free queue.
+        evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - evictable_hits:
+            return False
+        if computed:
+            self.pool.touch(computed)
+            table.extend(computed)
+        if need > 0:
+            table.extend(self.pool.get_new_blocks(need))
+        self.block_tables[request.request_id] = table
+        self._cache_full_blocks(request, table, num_computed + num_new_tokens)
+        return True
+
+    def _cache_full_blocks(self, request: Request, table: list[KVBlock], num_tokens: int) -> None:
+        if not self.pool.enable_prefix_caching:
+            return
+        rid = request.request_id
+        start = self._num_cached_blocks.get(rid, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        for i in range(start, end):
+            self.pool.cache_block(table[i], request.block_hashes[i])
+        if end > start:
+            self._num_cached_blocks[rid] = end
+
+    def cache_computed(self, request: Request) -> None:
+        """Publish blocks that became full after tokens were appended (their hashes exist only now)."""
+        table = self.block_tables.get(request.request_id)
+        if table is not None:
+            self._cache_full_blocks(request, table, request.num_computed_tokens)
+
+    def free(self, request: Request) -> None:
+        table = self.block_tables.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if table:
+            self.pool.free_blocks(reversed(table))

@@ -1,0 +1,245 @@
+"""The engine loop: add requests, ``step()`` until done, collect outputs.
+
+One ``step()`` = schedule → forward → sample → append tokens → check stops → free finished requests. The engine is
+single-threaded and synchronous; workers drive it from their own loop.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.block_hash import extra_keys_for
+from engine.block_pool import BlockPool, KVEventBatch
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import allocate_kv_cache, num_blocks_for
+from engine.kv_cache_manager import KVCacheManager
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.models.decoder import AllReduce, ShardSpec, _identity
+from engine.request import Request, RequestStatus, TokenLogprobs
+from engine.sampler import Sampler, SampleResult
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit in the model's context (leaving room for at least one generated token)."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request. ``new_*`` is the delta; the rest is cumulative."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    text: str = ""
+
+
+def _eos_ids(model_dir: Path, config_eos: tuple[int, ...], tok_eos: int | None) -> tuple[int, ...]:
+    ids = set(config_eos)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+        elif eos is not None:
+            ids.add(int(eos))
+    if tok_eos is not None and not ids:
+        ids.add(tok_eos)
+    return tuple(sorted(ids))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, shard: ShardSpec | None = None, tp_reduce: AllReduce = _identity,
+                 ep_reduce: AllReduce = _identity) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        model_dir = Path(config.model)
+        self.tokenizer = Tokenizer(model_dir)
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device cuda requested but torch.cuda.is_available() is False")
+        dtype = config.torch_dtype
+        self.model, self.model_config = load_model(model_dir, dtype, config.device,
+                                                   shard=shard, tp_reduce=tp_reduce, ep_reduce=ep_reduce)
+        cfg = self.model_config
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        cache = config.cache
+        kv_heads = self.model.layers[0].self_attn.kv_heads
+        num_blocks = num_blocks_for(cache, cfg, dtype, kv_heads)
+        self.block_size = cache.block_size
+        self.kv_caches = allocate_kv_cache(cfg.num_layers, num_blocks, cache.block_size, kv_heads, cfg.head_dim,
+                                           dtype, device)
+        self.pool = BlockPool(num_blocks, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.runner = ModelRunner(self.model, self.kv_caches, cache.block_size,
+                                  config.scheduler.max_num_batched_tokens, self.kv.block_ids, self.sampler, device)
+        self.eos_token_ids = _eos_ids(model_dir, cfg.eos_token_ids, self.tokenizer.eos_token_id)
+        self.extra_keys = extra_keys_for(model=model_dir.name)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.step_seconds = 0.0
+        self.schedule_seconds = 0.0
+        gc.collect()
+        gc.freeze()
+
+    # ---- requests ------------------------------------------------------------------------------------------
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                     stream_text: bool = False) -> Request:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} tokens and at least one "
+                "must be left to generate"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, extra_keys=self.extra_keys,
+                      block_size=self.block_size)
+        if params.stop or stream_text:
+            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                                      params.skip_special_tokens)
+        return req
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    stream_text: bool = False) -> str:
+        req = self.make_request(prompt, params, request_id, stream_text)
+        try:
+            self.scheduler.add(req)
+        except ValueError:
+            self._detok.pop(req.request_id, None)
+            raise
+        return req.request_id
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        outputs = []
+        for req in self.scheduler.abort(request_ids):
+            outputs.append(self._output(req, [], ""))
+            self._detok.pop(req.request_id, None)
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+
+    def step(self, after_layer: Callable[[int], None] | None = None) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if not sched:
+            return []
+        reqs, result = self.runner.execute(sched, after_layer)
+        self.scheduler.finish_step(sched)
+        outputs = self._process(reqs, result)
+        self.num_steps += 1
+        t2 = time.perf_counter()
+        self.schedule_seconds += t1 - t0
+        self.step_seconds += t2 - t0
+        return outputs
+
+    def _process(self, reqs: list[Request], result: SampleResult | None) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        if result is None:
+            return outputs
+        now = time.monotonic()
+        for req, token, lp in zip(reqs, result.token_ids, result.logprobs, strict=True):
+            if req.is_finished:
+                continue
+            req.append_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if lp is not None:
+                req.logprobs.append(lp)
+            new_text = ""
+            detok = self._detok.get(req.request_id)
+            if detok is not None:
+                new_text = detok.add(token)
+            status = self._check_stop(req, token, detok)
+            if status is not None:
+                if detok is not None and detok.stopped_on is None:
+                    new_text += detok.flush()
+                self.scheduler.finish(req, status)
+            outputs.append(self._output(req, [token], new_text))
+            if req.is_finished:
+                self._detok.pop(req.request_id, None)
+        return outputs
+
+    def _check_stop(self, req: Request, token: int, detok: IncrementalDetokenizer | None) -> RequestStatus | None:
+        p = req.params
+        n = req.num_output_tokens
+        if n >= p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if detok is not None and detok.stopped_on is not None:
+                req.stop_reason = detok.stopped_on
+                return RequestStatus.FINISHED_STOPPED
+        if n >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        detok = self._detok.get(req.request_id)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=req.output_token_ids,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=req.is_finished,
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            logprobs=req.logprobs,
+            text=detok.text if detok is not None else "",
+        )
+
+    # ---- introspection -------------------------------------------------------------------------------------
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        return self.pool.take_events()
+
+    def check_block_accounting(self) -> None:
+        """Raise AssertionError unless, with no live requests, every block is free or cached (nothing leaked)."""
+        if self.scheduler.has_unfinished():
+            raise AssertionError(f"{self.scheduler.num_unfinished} requests still live")
+        if self.kv.block_tables:
+            raise AssertionError(f"block tables left for {list(self.kv.block_tables)[:5]}")
+        self.pool.check_accounting()
+
+    @property
+    def overhead_fraction(self) -> float:
+        """Fraction of step time spent in scheduling (Python bookkeeping before the forward pass)."""
+        return self.schedule_seconds / self.step_seconds if self.step_seconds else 0.0

@@ -1,0 +1,84 @@
+"""Turns a scheduler step into one forward pass and one sampling call.
+
+Inputs are built in preallocated numpy buffers exposed to torch without copies (``torch.from_numpy``), so a step
+allocates only the small per-step index tensors. Logits are computed only for rows that produce a token: the last
+new token of each request whose computed length reaches its full length this step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata, build_metadata
+from engine.models.decoder import CausalLM
+from engine.request import Request
+from engine.sampler import Sampler, SampleResult
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor
+    sample_requests: list[Request]
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                 max_num_tokens: int, block_ids: Callable[[str], list[int]], sampler: Sampler,
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.block_ids = block_ids
+        self.sampler = sampler
+        self.device = device
+        self._ids = np.zeros(max_num_tokens, dtype=np.int64)
+        self._pos = np.zeros(max_num_tokens, dtype=np.int64)
+        self._ids_t = torch.from_numpy(self._ids)
+        self._pos_t = torch.from_numpy(self._pos)
+        self.sliding_window = model.cfg.sliding_window
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        n = len(out.requests)
+        q_lens = np.asarray(out.num_new_tokens, dtype=np.int64)
+        ctx = np.empty(n, dtype=np.int64)
+        tables = []
+        sample_rows = []
+        sample_reqs = []
+        t = 0
+        for i, (req, q) in enumerate(zip(out.requests, out.num_new_tokens, strict=True)):
+            start = req.num_computed_tokens
+            end = start + q
+            self._ids[t : t + q] = req.all_token_ids[start:end]
+            self._pos[t : t + q] = np.arange(start, end)
+            ctx[i] = end
+            tables.append(self.block_ids(req.request_id))
+            t += q
+            if end == req.num_tokens:
+                sample_rows.append(t - 1)
+                sample_reqs.append(req)
+        meta = build_metadata(q_lens, ctx, tables, self.block_size, self.sliding_window, self.device)
+        return StepInputs(
+            input_ids=self._ids_t[:t].to(self.device, non_blocking=True),
+            positions=self._pos_t[:t].to(self.device, non_blocking=True),
+            meta=meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            sample_requests=sample_reqs,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput,
+                after_layer: Callable[[int], None] | None = None) -> tuple[list[Request], SampleResult | None]:
+        inputs = self.prepare(out)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, after_layer=after_layer)
+        if not inputs.sample_requests:
+            return [], None
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+        return inputs.sample_requests, self.sampler(logits, inputs.sample_requests)

@@ -1,0 +1,1 @@
+"""Model definitions. One decoder (:mod:`engine.models.decoder`) covers every supported architecture."""

@@ -1,0 +1,329 @@
+"""One decoder-only transformer for Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE.
+
+The architectures differ only in switches read from :class:`ModelConfig` (q/k/v bias, q/k norm, sliding window,
+sparse MoE layers, tied embeddings), so one class serves them all.
+
+Weights load through a per-parameter ``weight_loader`` (attached to each parameter) and a packed-modules mapping:
+HF's separate ``q_proj``/``k_proj``/``v_proj`` land in shards of one ``qkv_proj`` matrix, ``gate_proj``/``up_proj``
+in ``gate_up_proj``, and per-expert matrices in stacked expert tensors. The loaders take a tensor-parallel rank and
+world size and copy only this rank's slice: attention heads and MLP columns are split (column parallel), ``o_proj``
+and ``down_proj`` rows are split (row parallel, summed by ``all_reduce``), norms and embeddings are replicated.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.model_config import ModelConfig
+from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass(slots=True, frozen=True)
+class ShardSpec:
+    """This rank's place in the model's tensor- and expert-parallel layout."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank={self.tp_rank} not in [0, tp_size={self.tp_size})")
+        if not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(f"ep_rank={self.ep_rank} not in [0, ep_size={self.ep_size})")
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, shard: ShardSpec, dtype: torch.dtype, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        tp = shard.tp_size
+        if cfg.num_heads % tp or cfg.num_kv_heads % tp:
+            raise ValueError(f"tp_size={tp} must divide heads={cfg.num_heads} and kv heads={cfg.num_kv_heads}")
+        self.heads = cfg.num_heads // tp
+        self.kv_heads = cfg.num_kv_heads // tp
+        self.head_dim = cfg.head_dim
+        self.q_size = self.heads * cfg.head_dim
+        self.kv_size = self.kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype=dtype)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.qkv_bias else None
+        self.o_proj = _param(cfg.hidden_size, self.q_size, dtype=dtype)
+        self.o_bias = _param(cfg.hidden_size, dtype=dtype) if cfg.o_bias else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.tp_rank = shard.tp_rank
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        all_reduce: AllReduce,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(t, self.heads, self.head_dim)
+        k = k.view(t, self.kv_heads, self.head_dim)
+        v = v.view(t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
+        o = paged_attention(q, kv[0], kv[1], meta, self.scale)
+        out = F.linear(o, self.o_proj)
+        out = all_reduce(out)
+        if self.o_bias is not None:
+            out = out + self.o_bias
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, shard: ShardSpec, dtype: torch.dtype,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, shard, dtype, rotary)
+        self.mlp: nn.Module
+        if cfg.is_moe_layer(layer):
+            assert cfg.moe is not None
+            if cfg.moe.num_experts % shard.ep_size:
+                raise ValueError(f"ep_size={shard.ep_size} must divide num_experts={cfg.moe.num_experts}")
+            local = cfg.moe.num_experts // shard.ep_size
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, dtype, num_local=local, expert_offset=shard.ep_rank * local)
+        else:
+            if cfg.intermediate_size % shard.tp_size:
+                raise ValueError(f"tp_size={shard.tp_size} must divide intermediate={cfg.intermediate_size}")
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size // shard.tp_size, dtype)
+        self.moe = cfg.is_moe_layer(layer)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv: tuple[torch.Tensor, torch.Tensor], tp_reduce: AllReduce, ep_reduce: AllReduce) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), positions, meta, kv, tp_reduce)
+        m = self.mlp(self.post_attention_layernorm(h))
+        return h + (ep_reduce(m) if self.moe else tp_reduce(m))
+
+
+class CausalLM(nn.Module):
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    expert_mapping: ClassVar[dict[str, tuple[str, int | None]]] = {
+        "w1": ("w13", 0), "gate_proj": ("w13", 0),
+        "w3": ("w13", 1), "up_proj": ("w13", 1),
+        "w2": ("w2", None), "down_proj": ("w2", None),
+    }
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
+                 shard: ShardSpec | None = None, tp_reduce: AllReduce = _identity,
+                 ep_reduce: AllReduce = _identity) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.shard = shard or ShardSpec()
+        self.dtype = dtype
+        self.tp_reduce = tp_reduce
+        self.ep_reduce = ep_reduce
+        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, dtype)
+        self.rotary = rotary
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.shard, dtype, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size,
+                                                                               dtype=dtype)
+        self._attach_loaders()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                layers: range | None = None, hidden: torch.Tensor | None = None,
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Run ``layers`` (all by default). A pipeline stage passes its range and the previous stage's ``hidden``.
+
+        ``after_layer(i)`` is called once layer ``i`` has written its KV, which is when its blocks can be sent.
+        """
+        layers = layers if layers is not None else range(self.cfg.num_layers)
+        x = F.embedding(input_ids, self.embed_tokens) if hidden is None else hidden
+        for i in layers:
+            x = self.layers[i](x, positions, meta, kv_caches[i], self.tp_reduce, self.ep_reduce)
+            if after_layer is not None:
+                after_layer(i)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(hidden), self.lm_head).float()
+
+    # ---- weight loading -------------------------------------------------------------------------------------
+
+    def _attach_loaders(self) -> None:
+        sh = self.shard
+        for layer in self.layers:
+            attn = layer.self_attn
+            q, kv = attn.q_size, attn.kv_size
+            offsets = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
+            attn.qkv_proj.weight_loader = _column_loader(offsets, sh)
+            if attn.qkv_bias is not None:
+                attn.qkv_bias.weight_loader = _column_loader(offsets, sh)
+            attn.o_proj.weight_loader = _row_loader(sh)
+            mlp = layer.mlp
+            if isinstance(mlp, GatedMLP):
+                i = mlp.intermediate
+                mlp.gate_up_proj.weight_loader = _column_loader({0: (0, i), 1: (i, i)}, sh)
+                mlp.down_proj.weight_loader = _row_loader(sh)
+            elif isinstance(mlp, SparseMoE):
+                mlp.w13.weight_loader = _expert_loader(mlp)
+                mlp.w2.weight_loader = _expert_loader(mlp)
+
+    def hf_to_param(self, name: str) -> tuple[str, str | int | None, int | None] | None:
+        """Map an HF checkpoint key to (parameter name, shard id, expert id); None for keys to skip."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight":
+            return (None if self.cfg.tie_word_embeddings else ("lm_head", None, None))  # type: ignore[return-value]
+        if name == "embed_tokens.weight":
+            return ("embed_tokens", None, None)
+        if name == "norm.weight":
+            return ("norm.weight", None, None)
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+        if m is None:
+            raise KeyError(name)
+        layer, rest = m.group(1), m.group(2)
+        p = f"layers.{layer}."
+        if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            return (p + rest, None, None)
+        m = re.fullmatch(r"self_attn\.([qkvo])_proj\.(weight|bias)", rest)
+        if m:
+            which, kind = m.groups()
+            if which == "o":
+                return (p + ("self_attn.o_proj" if kind == "weight" else "self_attn.o_bias"), None, None)
+            return (p + ("self_attn.qkv_proj" if kind == "weight" else "self_attn.qkv_bias"), which, None)
+        m = re.fullmatch(r"self_attn\.([qk])_norm\.weight", rest)
+        if m:
+            return (p + f"self_attn.{m.group(1)}_norm.weight", None, None)
+        m = re.fullmatch(r"mlp\.(gate_proj|up_proj|down_proj)\.weight", rest)
+        if m:
+            proj = m.group(1)
+            if proj == "down_proj":
+                return (p + "mlp.down_proj", None, None)
+            target, shard_id = self.packed_modules_mapping[proj]
+            return (p + f"mlp.{target}", shard_id, None)
+        m = re.fullmatch(r"(?:block_sparse_moe|mlp)\.gate\.weight", rest)
+        if m:
+            return (p + "mlp.gate", None, None)
+        m = re.fullmatch(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight",
+                         rest)
+        if m:
+            target, shard_id = self.expert_mapping[m.group(2)]
+            return (p + f"mlp.{target}", shard_id, int(m.group(1)))
+        m = re.fullmatch(r"mlp\.experts\.(gate_up_proj|down_proj)", rest)  # transformers-5 fused experts
+        if m:
+            return (p + ("mlp.w13" if m.group(1) == "gate_up_proj" else "mlp.w2"), "fused", None)
+        raise KeyError(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        expected: dict[str, int] = {}
+        for pname, param in params.items():
+            if pname == "lm_head" and self.cfg.tie_word_embeddings:
+                continue
+            expected[pname] = _expected_pieces(pname, param)
+        seen: dict[str, int] = {}
+        for name, tensor in weights:
+            try:
+                target = self.hf_to_param(name)
+            except KeyError:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint for {self.cfg.architecture}") from None
+            if target is None:
+                continue
+            pname, shard_id, expert = target
+            if pname not in params:
+                raise ValueError(f"weight {name!r} maps to {pname!r}, which this model does not have")
+            param = params[pname]
+            loader = getattr(param, "weight_loader", _default_loader)
+            with torch.no_grad():
+                loader(param, tensor.to(param.dtype), shard_id, expert)
+            seen[pname] = seen.get(pname, 0) + (expected.get(pname, 1) if shard_id == "fused" else 1)
+        missing = [p for p, n in expected.items() if seen.get(p, 0) < n]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for {missing[:6]}{'...' if len(missing) > 6 else ''}")
+
+
+def _expected_pieces(pname: str, param: nn.Parameter) -> int:
+    """How many checkpoint tensors fill this parameter (3 for qkv, 2 for gate_up, per expert for MoE)."""
+    if pname.endswith(("qkv_proj", "qkv_bias")):
+        return 3
+    if pname.endswith("gate_up_proj"):
+        return 2
+    if pname.endswith("mlp.w13"):
+        return 2 * param.shape[0]
+    if pname.endswith("mlp.w2"):
+        return param.shape[0]
+    return 1
+
+
+def _default_loader(param: nn.Parameter, w: torch.Tensor, shard_id: object, expert: object) -> None:
+    if param.shape != w.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(w.shape)}")
+    param.data.copy_(w)
+
+
+def _column_loader(offsets: dict, sh: ShardSpec) -> Callable[..., None]:
+    def load(param: nn.Parameter, w: torch.Tensor, shard_id: str | int, expert: object) -> None:
+        start, size = offsets[shard_id]
+        if w.shape[0] != size * sh.tp_size:
+            raise ValueError(f"shard {shard_id!r}: checkpoint has {w.shape[0]} rows, expected {size * sh.tp_size}")
+        param.data.narrow(0, start, size).copy_(w.narrow(0, sh.tp_rank * size, size))
+    return load
+
+
+def _row_loader(sh: ShardSpec) -> Callable[..., None]:
+    def load(param: nn.Parameter, w: torch.Tensor, shard_id: object, expert: object) -> None:
+        size = param.shape[1]
+        if w.shape[1] != size * sh.tp_size or w.shape[0] != param.shape[0]:
+            raise ValueError(f"row-parallel shape mismatch: {tuple(w.shape)} vs local {tuple(param.shape)}")
+        param.data.copy_(w.narrow(1, sh.tp_rank * size, size))
+    return load
+
+
+def _expert_loader(moe: SparseMoE) -> Callable[..., None]:
+    def load(param: nn.Parameter, w: torch.Tensor, shard_id: int | str | None, expert: int | None) -> None:
+        lo, n = moe.expert_offset, moe.num_local
+        if shard_id == "fused":
+            param.data.copy_(w[lo : lo + n])
+            return
+        assert expert is not None
+        local = expert - lo
+        if not 0 <= local < n:
+            return  # another expert-parallel rank owns it
+        if shard_id is None:
+            param.data[local].copy_(w)
+        else:
+            inter = moe.inter
+            param.data[local].narrow(0, int(shard_id) * inter, inter).copy_(w)
+    return load

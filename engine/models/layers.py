@@ -1,0 +1,133 @@
+"""Building blocks shared by every decoder: RMSNorm, rotary embedding, gated MLP and the sparse MoE block.
+
+Numerics follow transformers exactly where it matters for token-for-token parity: RMSNorm in float32 then cast,
+rotary cos/sin computed in float32 from the same inverse frequencies and cast to the activation dtype, and MoE
+routing softmax in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model_config import MoEConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding with a precomputed cos/sin table indexed by absolute position."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(rope, head_dim)
+        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self.half = head_dim // 2
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q``: [T, heads, hd], ``k``: [T, kv_heads, hd]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+    def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., self.half :], x[..., : self.half]), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up packed into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate, hidden, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(hidden, intermediate, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = F.linear(x, self.gate_up_proj)
+        gate, up = gu.split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts. Expert weights are stacked: ``w13`` [E, 2I, H] (gate|up), ``w2`` [E, H, I].
+
+    Tokens are grouped per expert, and only the experts that receive tokens run: on CPU this is the cheapest exact
+    formulation. With expert parallelism each rank holds a slice of the experts (``expert_offset``) and the partial
+    outputs are summed across ranks.
+    """
+
+    def __init__(self, hidden: int, moe: MoEConfig, dtype: torch.dtype, num_local: int | None = None,
+                 expert_offset: int = 0) -> None:
+        super().__init__()
+        self.moe = moe
+        self.num_local = num_local if num_local is not None else moe.num_experts
+        self.expert_offset = expert_offset
+        inter = moe.intermediate_size
+        self.inter = inter
+        self.gate = nn.Parameter(torch.empty(moe.num_experts, hidden, dtype=dtype), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, inter, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.gate)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.moe.weights_in_activation_dtype:
+            weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        flat_experts = experts.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)
+        counts = torch.bincount(flat_experts, minlength=self.moe.num_experts).tolist()
+        token_of = order // self.moe.top_k
+        w_of = weights.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            local = e - self.expert_offset
+            if 0 <= local < self.num_local:
+                idx = token_of[start : start + n]
+                h = F.linear(x.index_select(0, idx), self.w13[local])
+                gate, up = h.split(self.inter, dim=-1)
+                y = F.linear(F.silu(gate) * up, self.w2[local])
+                y = y * w_of[start : start + n, None]
+                out.index_add_(0, idx, y.to(out.dtype))
+            start += n
+        return out

@@ -1,0 +1,115 @@
+"""Request state as the engine sees it.
+
+A request's life is one number moving: ``num_computed_tokens`` chases ``num_tokens`` (prompt plus output so far).
+The scheduler has no prefill or decode phase; a prefill is simply a request far behind, a decode one token behind.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_hash import ROOT_HASH, hash_block
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that ``status >= FINISHED_STOPPED`` means finished."""
+
+    WAITING = 0
+    WAITING_FOR_REMOTE_KV = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """The sampled token's logprob and the top-N alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    extra_keys: tuple[str, ...] = ()
+    block_size: int = 16
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    block_hashes: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r} has an empty prompt")
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+        self._extend_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if len(self.all_token_ids) % self.block_size == 0:
+            self._extend_hashes()
+
+    def _extend_hashes(self) -> None:
+        bs = self.block_size
+        done = len(self.block_hashes)
+        parent = self.block_hashes[-1] if done else ROOT_HASH
+        tokens = self.all_token_ids
+        for i in range(done, len(tokens) // bs):
+            parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], self.extra_keys)
+            self.block_hashes.append(parent)

@@ -1,0 +1,81 @@
+"""Tokenizer for an HF checkpoint directory: ``tokenizer.json`` through the Rust ``tokenizers`` library, plus the
+special tokens and chat template from ``tokenizer_config.json``. transformers is not needed at serving time.
+
+Chat templates render with Jinja2 in a sandbox, the way transformers does (``trim_blocks``, ``lstrip_blocks``,
+``raise_exception``), and the rendered text is encoded without adding special tokens again, as
+``apply_chat_template`` does.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        root = Path(model_dir)
+        path = root / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found")
+        self._tok = HFTokenizer.from_file(str(path))
+        cfg_path = root / "tokenizer_config.json"
+        cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.config = cfg
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token = _token_str(cfg.get("eos_token"))
+        self.chat_template: str | None = cfg.get("chat_template")
+        template_file = root / "chat_template.jinja"
+        if self.chat_template is None and template_file.is_file():
+            self.chat_template = template_file.read_text()
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(
+            i for i, t in self._tok.get_added_tokens_decoder().items() if getattr(t, "special", False)
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    @cached_property
+    def _template_env(self) -> ImmutableSandboxedEnvironment:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        return env
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        template = self._template_env.from_string(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)

@@ -112,7 +112,7 @@ def _group(
     return AttentionGroup(
         token_index=torch.from_numpy(token_index.reshape(-1)).to(device),
         valid=None if all_valid else torch.from_numpy(q_valid.reshape(-1)).to(device),
-        key_slots=torch.from_numpy(key_slots).to(device),
+        key_slots=torch.from_numpy(np.ascontiguousarray(key_slots)).to(device),
         mask=mask_t,
         batch=b,
         max_q=max_q,
@@ -161,8 +161,10 @@ def _attend(
 ) -> torch.Tensor:
     heads, hd = q.shape[1], q.shape[2]
     qb = q.view(g.batch, g.max_q, heads, hd).transpose(1, 2)
-    kb = k_flat[g.key_slots].transpose(1, 2)  # [B, kvh, ctx, hd]
-    vb = v_flat[g.key_slots].transpose(1, 2)
+    kvh = k_flat.shape[1]
+    slots = g.key_slots.reshape(-1)
+    kb = k_flat.index_select(0, slots).view(g.batch, g.max_ctx, kvh, hd).transpose(1, 2)  # [B, kvh, ctx, hd]
+    vb = v_flat.index_select(0, slots).view(g.batch, g.max_ctx, kvh, hd).transpose(1, 2)
     if g.mask is None:
         o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
     else:

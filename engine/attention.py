@@ -10,10 +10,16 @@ into two groups that are padded separately, so a long prefill does not pad every
 - decode group: one new token per sequence, attending over its whole context;
 - prefill group: several new tokens per sequence (a chunk), causal within the chunk and full over the cached prefix.
 
-For each group :class:`AttentionMetadata` precomputes, once per step, the cache slots to gather keys from and the
-boolean mask (causal, context length and optional sliding window). Every layer reuses them. Padded query rows
-attend to key 0 so that no row is fully masked (their output is dropped). Fresh prefills without a cached prefix or
-sliding window use the kernel's own causal mask instead of a mask tensor.
+For each group :class:`AttentionMetadata` precomputes, once per step, where to read keys from and the boolean mask
+(causal, context length and optional sliding window); every layer reuses them. Three cases need no gather or mask:
+
+- a group of one sequence whose blocks are one contiguous run reads K/V as a zero-copy view of the cache;
+- fresh prefills (no cached prefix, no sliding window) use the kernel's own causal mask;
+- decodes over equal-length contexts see every key, so they need no mask.
+
+Padded query rows attend to key 0 so that no row is fully masked (their output is dropped). In bf16, batched
+decode attention runs in float32: the CPU SDPA kernel is about 4x slower in bf16 for single query rows, and fp32 is
+more accurate. A lone sequence keeps the bf16 kernel, which is cheap at batch 1 and matches transformers bit for bit.
 """
 
 from __future__ import annotations
@@ -27,16 +33,16 @@ import torch.nn.functional as F
 
 @dataclass(slots=True)
 class AttentionGroup:
-    token_index: torch.Tensor  # [B * max_q] rows of the flat batch, padded rows point at row 0
-    valid: torch.Tensor | None  # [B * max_q] bool, None when there is no padding
-    key_slots: torch.Tensor  # [B, max_ctx] flat cache slots
+    token_index: torch.Tensor | None  # [B * max_q] rows of the flat batch (padded rows → 0); None: identity
+    key_slots: torch.Tensor | None  # [B * max_ctx] flat cache slots to gather; None when ``key_run`` is set
+    key_run: tuple[int, int] | None  # (first slot, length): K/V are a contiguous slice of the cache
     mask: torch.Tensor | None  # [B, 1, max_q, max_ctx] bool; None when ``causal`` or nothing needs masking
     causal: bool  # fresh prefills: the kernel's own (top-left) causal mask
     batch: int
     max_q: int
     max_ctx: int
-    out_index: torch.Tensor  # [n_tokens_in_group] positions in the padded layout of each real token
-    rows: torch.Tensor  # [n_tokens_in_group] rows of the flat batch this group owns
+    out_index: torch.Tensor | None  # [n] positions in the padded layout of each real token; None: all rows real
+    rows: torch.Tensor | None  # [n] rows of the flat batch this group owns; None: all rows, in order
 
 
 @dataclass(slots=True)
@@ -44,42 +50,54 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot each new token's K/V is written to
     groups: list[AttentionGroup]
     num_tokens: int
+    cos: torch.Tensor | None = None  # [num_tokens, 1, head_dim] rotary tables gathered once per step
+    sin: torch.Tensor | None = None
 
 
 def build_metadata(
     q_lens: np.ndarray,
     ctx_lens: np.ndarray,
-    block_tables: list[list[int]],
+    tables: np.ndarray,
     block_size: int,
     sliding_window: int | None,
     device: torch.device,
 ) -> AttentionMetadata:
-    """Build one step's metadata. ``q_lens[i]`` new tokens for sequence ``i``, whose context ends at ``ctx_lens[i]``."""
-    starts = np.zeros(len(q_lens) + 1, dtype=np.int64)
+    """One step's metadata.
+
+    ``q_lens[i]`` new tokens for sequence ``i``, whose context ends at ``ctx_lens[i]``; ``tables[i]`` its block ids,
+    padded on the right.
+    """
+    n = len(q_lens)
+    starts = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(q_lens, out=starts[1:])
     num_tokens = int(starts[-1])
-    slot_mapping = np.empty(num_tokens, dtype=np.int64)
-    for i, table in enumerate(block_tables):
-        pos = np.arange(ctx_lens[i] - q_lens[i], ctx_lens[i])
-        tbl = np.asarray(table, dtype=np.int64)
-        slot_mapping[starts[i] : starts[i + 1]] = tbl[pos // block_size] * block_size + pos % block_size
-    decode = np.flatnonzero(q_lens == 1)
-    prefill = np.flatnonzero(q_lens > 1)
+    seq_of = np.repeat(np.arange(n), q_lens)
+    pos = np.arange(num_tokens) - starts[seq_of] + (ctx_lens - q_lens)[seq_of]
+    slot_mapping = tables[seq_of, pos // block_size] * block_size + pos % block_size
+    decode = q_lens == 1
     groups = []
-    for members in (decode, prefill):
-        if len(members):
-            groups.append(_group(members, q_lens, ctx_lens, starts, block_tables, block_size, sliding_window, device))
-    return AttentionMetadata(
-        slot_mapping=torch.from_numpy(slot_mapping).to(device), groups=groups, num_tokens=num_tokens
-    )
+    if decode.all() or not decode.any():
+        groups.append(_group(np.arange(n), True, q_lens, ctx_lens, starts, tables, block_size,
+                             sliding_window, device))
+    else:
+        for members in (np.flatnonzero(decode), np.flatnonzero(~decode)):
+            groups.append(_group(members, False, q_lens, ctx_lens, starts, tables, block_size,
+                                 sliding_window, device))
+    return AttentionMetadata(slot_mapping=torch.from_numpy(slot_mapping).to(device), groups=groups,
+                             num_tokens=num_tokens)
+
+
+def _contiguous_run(table: np.ndarray, num_blocks: int) -> bool:
+    return num_blocks <= 1 or bool((np.diff(table[:num_blocks]) == 1).all())
 
 
 def _group(
     members: np.ndarray,
+    whole_batch: bool,
     q_lens: np.ndarray,
     ctx_lens: np.ndarray,
     starts: np.ndarray,
-    block_tables: list[list[int]],
+    tables: np.ndarray,
     block_size: int,
     sliding_window: int | None,
     device: torch.device,
@@ -90,43 +108,43 @@ def _group(
     max_q = int(ql.max())
     max_ctx = int(cl.max())
     max_blocks = -(-max_ctx // block_size)
-    tables = np.zeros((b, max_blocks), dtype=np.int64)
-    for j, m in enumerate(members):
-        t = block_tables[m][:max_blocks]
-        tables[j, : len(t)] = t
-    k_pos = np.arange(max_ctx)
-    key_slots = tables[:, k_pos // block_size] * block_size + k_pos % block_size
     q_off = np.arange(max_q)
     q_valid = q_off[None, :] < ql[:, None]  # [b, max_q]
-    token_index = np.where(q_valid, starts[members][:, None] + q_off[None, :], 0)
-    rows = token_index[q_valid]
-    out_index = np.flatnonzero(q_valid.reshape(-1))
+    padded = not bool(q_valid.all())
+    in_order = whole_batch and not padded
+
+    key_run = None
+    key_slots_t = None
+    if b == 1 and _contiguous_run(tables[members[0]], max_blocks):
+        key_run = (int(tables[members[0], 0]) * block_size, max_ctx)
+    else:
+        k_pos = np.arange(max_ctx)
+        key_slots = tables[members][:, k_pos // block_size] * block_size + k_pos % block_size
+        key_slots_t = torch.from_numpy(np.ascontiguousarray(key_slots).reshape(-1)).to(device)
+
     # Fresh prefills (no cached prefix) need no explicit mask: with right padding, top-left causal masking lets each
-    # real query see exactly its own prefix, and the flash kernel runs without a mask tensor.
-    plain_causal = sliding_window is None and bool((ql == cl).all())
-    # Decodes over equal-length contexts (always so for one sequence) see every key: no mask either.
+    # real query see exactly its own prefix.
+    causal = max_q > 1 and sliding_window is None and bool((ql == cl).all())
+    # Decodes over equal-length contexts (always so for one sequence) see every key.
     unmasked = max_q == 1 and bool((cl == max_ctx).all()) and (sliding_window is None or sliding_window >= max_ctx)
-    mask_t: torch.Tensor | None = None
-    if not plain_causal and not unmasked:
+    mask_t = None
+    if not causal and not unmasked:
+        k_pos = np.arange(max_ctx)
         q_pos = (cl - ql)[:, None] + q_off[None, :]  # [b, max_q] absolute position of each query
         allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < cl[:, None, None])
         if sliding_window is not None:
             allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
         allowed[:, :, 0] |= ~q_valid
         mask_t = torch.from_numpy(allowed[:, None]).to(device)
-    all_valid = bool(q_valid.all())
-    return AttentionGroup(
-        token_index=torch.from_numpy(token_index.reshape(-1)).to(device),
-        valid=None if all_valid else torch.from_numpy(q_valid.reshape(-1)).to(device),
-        key_slots=torch.from_numpy(np.ascontiguousarray(key_slots)).to(device),
-        mask=mask_t,
-        causal=plain_causal,
-        batch=b,
-        max_q=max_q,
-        max_ctx=max_ctx,
-        out_index=torch.from_numpy(out_index).to(device),
-        rows=torch.from_numpy(rows).to(device),
-    )
+
+    token_index = rows = out_index = None
+    if not in_order:
+        idx = np.where(q_valid, starts[members][:, None] + q_off[None, :], 0)
+        token_index = torch.from_numpy(idx.reshape(-1)).to(device)
+        rows = torch.from_numpy(idx[q_valid]).to(device)
+        out_index = torch.from_numpy(np.flatnonzero(q_valid.reshape(-1))).to(device)
+    return AttentionGroup(token_index=token_index, key_slots=key_slots_t, key_run=key_run, mask=mask_t,
+                          causal=causal, batch=b, max_q=max_q, max_ctx=max_ctx, out_index=out_index, rows=rows)
 
 
 def write_kv(
@@ -150,27 +168,38 @@ def paged_attention(
     nb, bs, kvh, _ = k_cache.shape
     k_flat = k_cache.view(nb * bs, kvh, hd)
     v_flat = v_cache.view(nb * bs, kvh, hd)
-    gqa = heads != kvh
-    if len(meta.groups) == 1 and meta.groups[0].valid is None:
-        g = meta.groups[0]
-        out = _attend(q, k_flat, v_flat, g, scale, gqa)
-        return out.reshape(t, heads * hd)
+    if len(meta.groups) == 1 and meta.groups[0].rows is None:
+        return _attend(q, k_flat, v_flat, meta.groups[0], scale).reshape(t, heads * hd)
     out = q.new_empty(t, heads, hd)
     for g in meta.groups:
-        qg = q.index_select(0, g.token_index)
-        og = _attend(qg, k_flat, v_flat, g, scale, gqa).reshape(g.batch * g.max_q, heads, hd)
-        out.index_copy_(0, g.rows, og.index_select(0, g.out_index))
+        qg = q if g.token_index is None else q.index_select(0, g.token_index)
+        og = _attend(qg, k_flat, v_flat, g, scale).reshape(g.batch * g.max_q, heads, hd)
+        if g.out_index is not None:
+            og = og.index_select(0, g.out_index)
+        if g.rows is None:
+            out.copy_(og)
+        else:
+            out.index_copy_(0, g.rows, og)
     return out.reshape(t, heads * hd)
 
 
-def _attend(
-    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, g: AttentionGroup, scale: float, gqa: bool
-) -> torch.Tensor:
+def _attend(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, g: AttentionGroup,
+            scale: float) -> torch.Tensor:
     heads, hd = q.shape[1], q.shape[2]
-    qb = q.view(g.batch, g.max_q, heads, hd).transpose(1, 2)
     kvh = k_flat.shape[1]
-    slots = g.key_slots.reshape(-1)
-    kb = k_flat.index_select(0, slots).view(g.batch, g.max_ctx, kvh, hd).transpose(1, 2)  # [B, kvh, ctx, hd]
-    vb = v_flat.index_select(0, slots).view(g.batch, g.max_ctx, kvh, hd).transpose(1, 2)
-    o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, is_causal=g.causal, scale=scale, enable_gqa=gqa)
-    return o.transpose(1, 2)  # [B, max_q, heads, hd]
+    if g.key_run is not None:
+        first, length = g.key_run
+        kb = k_flat.narrow(0, first, length).unsqueeze(0)
+        vb = v_flat.narrow(0, first, length).unsqueeze(0)
+    else:
+        assert g.key_slots is not None
+        kb = k_flat.index_select(0, g.key_slots).view(g.batch, g.max_ctx, kvh, hd)
+        vb = v_flat.index_select(0, g.key_slots).view(g.batch, g.max_ctx, kvh, hd)
+    qb = q.view(g.batch, g.max_q, heads, hd).transpose(1, 2)
+    kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)  # [B, kvh, ctx, hd]
+    dtype = q.dtype
+    if g.max_q == 1 and g.batch > 1 and dtype == torch.bfloat16 and q.device.type == "cpu":
+        qb, kb, vb = qb.float(), kb.float(), vb.float()
+    o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, is_causal=g.causal, scale=scale,
+                                       enable_gqa=heads != kvh)
+    return o.transpose(1, 2).to(dtype)  # [B, max_q, heads, hd]

@@ -15,10 +15,11 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.block_tables: dict[str, list[KVBlock]] = {}
+        self._ids: dict[str, list[int]] = {}  # block ids of each table, kept in step (append-only)
         self._num_cached_blocks: dict[str, int] = {}
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.block_tables.get(request_id, ())]
+        return self._ids.get(request_id, [])
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -58,11 +59,15 @@ class KVCacheManager:
         evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - evictable_hits:
             return False
+        ids = self._ids.setdefault(request.request_id, [])
         if computed:
             self.pool.touch(computed)
             table.extend(computed)
+            ids.extend(b.block_id for b in computed)
         if need > 0:
-            table.extend(self.pool.get_new_blocks(need))
+            new = self.pool.get_new_blocks(need)
+            table.extend(new)
+            ids.extend(b.block_id for b in new)
         self.block_tables[request.request_id] = table
         self._cache_full_blocks(request, table, num_computed + num_new_tokens)
         return True
@@ -86,6 +91,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         table = self.block_tables.pop(request.request_id, None)
+        self._ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if table:
             self.pool.free_blocks(reversed(table))

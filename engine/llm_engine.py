@@ -94,7 +94,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.runner = ModelRunner(self.model, self.kv_caches, cache.block_size,
-                                  config.scheduler.max_num_batched_tokens, self.kv.block_ids, self.sampler, device)
+                                  config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+                                  self.max_model_len, self.kv.block_ids, self.sampler, device)
         self.eos_token_ids = _eos_ids(model_dir, cfg.eos_token_ids, self.tokenizer.eos_token_id)
         self.extra_keys = extra_keys_for(model=model_dir.name)
         self._detok: dict[str, IncrementalDetokenizer] = {}

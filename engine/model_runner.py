@@ -31,8 +31,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 max_num_tokens: int, block_ids: Callable[[str], list[int]], sampler: Sampler,
-                 device: torch.device) -> None:
+                 max_num_tokens: int, max_num_seqs: int, max_model_len: int,
+                 block_ids: Callable[[str], list[int]], sampler: Sampler, device: torch.device) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -43,28 +43,37 @@ class ModelRunner:
         self._pos = np.zeros(max_num_tokens, dtype=np.int64)
         self._ids_t = torch.from_numpy(self._ids)
         self._pos_t = torch.from_numpy(self._pos)
+        self._tables = np.zeros((max_num_seqs, -(-max_model_len // block_size) + 1), dtype=np.int64)
         self.sliding_window = model.cfg.sliding_window
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         n = len(out.requests)
         q_lens = np.asarray(out.num_new_tokens, dtype=np.int64)
         ctx = np.empty(n, dtype=np.int64)
-        tables = []
+        if n > self._tables.shape[0]:
+            self._tables = np.zeros((n, self._tables.shape[1]), dtype=np.int64)
+        tables = self._tables[:n]
         sample_rows = []
         sample_reqs = []
         t = 0
+        ids = self._ids
         for i, (req, q) in enumerate(zip(out.requests, out.num_new_tokens, strict=True)):
             start = req.num_computed_tokens
             end = start + q
-            self._ids[t : t + q] = req.all_token_ids[start:end]
-            self._pos[t : t + q] = np.arange(start, end)
+            if q == 1:
+                ids[t] = req.all_token_ids[start]
+            else:
+                ids[t : t + q] = req.all_token_ids[start:end]
             ctx[i] = end
-            tables.append(self.block_ids(req.request_id))
+            row = self.block_ids(req.request_id)
+            tables[i, : len(row)] = row
             t += q
             if end == req.num_tokens:
                 sample_rows.append(t - 1)
                 sample_reqs.append(req)
-        meta = build_metadata(q_lens, ctx, tables, self.block_size, self.sliding_window, self.device)
+        width = -(-int(ctx.max()) // self.block_size)
+        meta = build_metadata(q_lens, ctx, tables[:, :width], self.block_size, self.sliding_window, self.device)
+        self._pos[:t] = np.arange(t) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens) + np.repeat(ctx - q_lens, q_lens)
         return StepInputs(
             input_ids=self._ids_t[:t].to(self.device, non_blocking=True),
             positions=self._pos_t[:t].to(self.device, non_blocking=True),

@@ -82,15 +82,14 @@ class Attention(nn.Module):
         all_reduce: AllReduce,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(t, self.heads, self.head_dim)
-        k = k.view(t, self.kv_heads, self.head_dim)
-        v = v.view(t, self.kv_heads, self.head_dim)
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias).view(t, self.heads + 2 * self.kv_heads, self.head_dim)
+        qk, v = qkv.split((self.heads + self.kv_heads, self.kv_heads), dim=1)
+        assert meta.cos is not None and meta.sin is not None
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = qk.split((self.heads, self.kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        qk = self.rotary.apply(qk, meta.cos, meta.sin)
+        q, k = qk.split((self.heads, self.kv_heads), dim=1)
         write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
         o = paged_attention(q, kv[0], kv[1], meta, self.scale)
         out = F.linear(o, self.o_proj)
@@ -169,6 +168,8 @@ class CausalLM(nn.Module):
         """
         layers = layers if layers is not None else range(self.cfg.num_layers)
         x = F.embedding(input_ids, self.embed_tokens) if hidden is None else hidden
+        if meta.cos is None:
+            meta.cos, meta.sin = self.rotary.tables(positions)
         for i in layers:
             x = self.layers[i](x, positions, meta, kv_caches[i], self.tp_reduce, self.ep_reduce)
             if after_layer is not None:

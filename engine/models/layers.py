@@ -23,10 +23,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        # transformers: normalise in float32, cast back, then scale by the weight in the activation dtype.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -58,14 +58,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
         self.half = head_dim // 2
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q``: [T, heads, hd], ``k``: [T, kv_heads, hd]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for a step's positions, ``[T, 1, head_dim]``; gathered once per step, used by every layer."""
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
 
-    def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat((-x[..., self.half :], x[..., : self.half]), dim=-1)
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x``: [T, heads, hd] (q and k may be rotated together, stacked on the head axis)."""
+        rot = torch.cat((-x[..., self.half :], x[..., : self.half]), dim=-1)
+        return x * cos + rot * sin  # not addcmul: keep transformers' rounding in bf16
 
 
 class GatedMLP(nn.Module):

@@ -37,8 +37,13 @@ class IncrementalDetokenizer:
         special = self.tokenizer.special_ids
         return [t for t in ids if t not in special]
 
-    def add(self, token_id: int) -> str:
-        """Append one token; return the newly released text (possibly empty)."""
+    def add(self, token_id: int, match_stops: bool = True) -> str:
+        """Append one token; return the newly released text (possibly empty).
+
+        ``match_stops=False`` (before ``min_tokens`` are out) releases text without looking for stop strings.
+        """
+        if self.stopped_on is not None:
+            return ""
         self.tokens.append(token_id)
         prefix = self.tokenizer.decode(self._ids(self.tokens[self.prefix_offset : self.read_offset]),
                                        skip_special_tokens=False)
@@ -47,10 +52,10 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix) :]
             self.read_offset = len(self.tokens)
             self.prefix_offset = max(self.read_offset - _CONTEXT, 0)
-        return self._release()
+        return self._release(match_stops)
 
-    def _release(self) -> str:
-        if self.stop and self.stopped_on is None:
+    def _release(self, match_stops: bool) -> str:
+        if self.stop and match_stops:
             # Search only where a new match can start: stop strings overlapping the unreleased tail.
             longest = max(len(s) for s in self.stop)
             start = max(self.emitted - longest + 1, 0)
@@ -66,8 +71,7 @@ class IncrementalDetokenizer:
                 out = self.text[self.emitted :]
                 self.emitted = len(self.text)
                 return out
-            hold = _partial_stop_len(self.text, self.stop)
-            end = len(self.text) - hold
+            end = len(self.text) - _partial_stop_len(self.text, self.stop)
         else:
             end = len(self.text)
         if end <= self.emitted:

@@ -42,10 +42,13 @@ class KVCacheManager:
         self.pool.hit_blocks += len(hits)
         return hits
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None,
+                       publish: bool = True) -> bool:
         """Make room for ``num_new_tokens`` beyond what is computed; False (and no change) if blocks are short.
 
-        ``computed`` are prefix-cache hits for a request that holds no blocks yet.
+        ``computed`` are prefix-cache hits for a request that holds no blocks yet. ``publish=False`` keeps the new
+        full blocks out of the prefix cache (their KV will be written by someone else later, see
+        :meth:`cache_computed`).
         """
         table = self.block_tables.get(request.request_id)
         computed = computed or []
@@ -69,7 +72,8 @@ class KVCacheManager:
             table.extend(new)
             ids.extend(b.block_id for b in new)
         self.block_tables[request.request_id] = table
-        self._cache_full_blocks(request, table, num_computed + num_new_tokens)
+        if publish:
+            self._cache_full_blocks(request, table, num_computed + num_new_tokens)
         return True
 
     def _cache_full_blocks(self, request: Request, table: list[KVBlock], num_tokens: int) -> None:

@@ -86,6 +86,12 @@ class LLMEngine:
         cache = config.cache
         kv_heads = self.model.layers[0].self_attn.kv_heads
         num_blocks = num_blocks_for(cache, cfg, dtype, kv_heads)
+        # A sequence can never outgrow the whole cache: it would preempt itself forever.
+        cache_tokens = num_blocks * cache.block_size
+        if config.max_model_len is not None and config.max_model_len > cache_tokens:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the KV cache ({num_blocks} blocks x "
+                             f"{cache.block_size} = {cache_tokens} tokens); add blocks or lower max_model_len")
+        self.max_model_len = min(self.max_model_len, cache_tokens)
         self.block_size = cache.block_size
         self.kv_caches = allocate_kv_cache(cfg.num_layers, num_blocks, cache.block_size, kv_heads, cfg.head_dim,
                                            dtype, device)
@@ -185,7 +191,7 @@ class LLMEngine:
             new_text = ""
             detok = self._detok.get(req.request_id)
             if detok is not None:
-                new_text = detok.add(token)
+                new_text = detok.add(token, match_stops=req.num_output_tokens >= req.params.min_tokens)
             status = self._check_stop(req, token, detok)
             if status is not None:
                 if detok is not None and detok.stopped_on is None:

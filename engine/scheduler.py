@@ -42,7 +42,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
         self.config = config
         self.kv = kv
-        self.max_model_len = max_model_len
+        # A sequence longer than the whole cache would preempt itself forever.
+        self.max_model_len = min(max_model_len, kv.pool.num_blocks * kv.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}
@@ -51,15 +52,13 @@ class Scheduler:
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        need = self.kv.blocks_needed(request.num_tokens + 1)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(f"prompt needs {need} KV blocks, the cache has {self.kv.pool.num_blocks} in all")
         if request.num_tokens >= self.max_model_len:
             raise ValueError(
                 f"prompt of {request.num_tokens} tokens leaves no room to generate within max_model_len="
                 f"{self.max_model_len}"
-            )
-        need = self.kv.blocks_needed(request.num_tokens + 1)
-        if need > self.kv.pool.num_blocks:
-            raise ValueError(
-                f"prompt needs {need} KV blocks, the cache has {self.kv.pool.num_blocks} in all"
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -157,7 +156,9 @@ class Scheduler:
         """Reserve blocks for ``num_remote_tokens`` of KV that another engine will write. False if no room."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        if not self.kv.allocate_slots(request, num_remote_tokens):
+        if not 0 < num_remote_tokens < request.num_tokens + 1:
+            raise ValueError(f"num_remote_tokens={num_remote_tokens} must be in [1, {request.num_tokens}]")
+        if not self.kv.allocate_slots(request, num_remote_tokens, publish=False):
             return False
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
@@ -166,7 +167,13 @@ class Scheduler:
 
     def remote_kv_ready(self, request_id: str, num_tokens: int) -> None:
         """The remote KV for the first ``num_tokens`` tokens landed: the request joins the running batch."""
-        req = self.remote.pop(request_id)
+        req = self.remote.get(request_id)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
+        if not 0 <= num_tokens < req.num_tokens:
+            raise ValueError(f"remote KV for {num_tokens} tokens leaves nothing to compute for a request of "
+                             f"{req.num_tokens} tokens")
+        del self.remote[request_id]
         req.num_computed_tokens = num_tokens
         self.kv.cache_computed(req)
         req.status = RequestStatus.RUNNING

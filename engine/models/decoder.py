@@ -23,7 +23,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.model_config import ModelConfig
-from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE
+from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE, linear
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -82,7 +82,7 @@ class Attention(nn.Module):
         all_reduce: AllReduce,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias).view(t, self.heads + 2 * self.kv_heads, self.head_dim)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias).view(t, self.heads + 2 * self.kv_heads, self.head_dim)
         qk, v = qkv.split((self.heads + self.kv_heads, self.kv_heads), dim=1)
         assert meta.cos is not None and meta.sin is not None
         if self.q_norm is not None and self.k_norm is not None:
@@ -92,7 +92,7 @@ class Attention(nn.Module):
         q, k = qk.split((self.heads, self.kv_heads), dim=1)
         write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
         o = paged_attention(q, kv[0], kv[1], meta, self.scale)
-        out = F.linear(o, self.o_proj)
+        out = linear(o, self.o_proj)
         out = all_reduce(out)
         if self.o_bias is not None:
             out = out + self.o_bias
@@ -177,7 +177,7 @@ class CausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(hidden), self.lm_head).float()
+        return linear(self.norm(hidden), self.lm_head).float()
 
     # ---- weight loading -------------------------------------------------------------------------------------
 

@@ -16,6 +16,29 @@ from torch import nn
 from engine.model_config import MoEConfig, RopeConfig
 
 
+def _onednn_available() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._linear_pointwise.default is not None
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_ONEDNN = _onednn_available()
+_ONEDNN_MIN_ROWS = 8
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, routed to oneDNN's matmul on CPU for batches of rows.
+
+    On x86 CPUs torch's default fp32 GEMM (MKL) reaches about half of what oneDNN does for the skinny-K shapes of
+    small models (measured 75 vs 170 GFLOP/s at 4096x256x1376 on one core). For a handful of rows (single-sequence
+    decode) the plain path has less overhead and is kept.
+    """
+    if _ONEDNN and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] >= _ONEDNN_MIN_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -78,9 +101,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(hidden, intermediate, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = F.linear(x, self.gate_up_proj)
+        gu = linear(x, self.gate_up_proj)
         gate, up = gu.split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        return linear(F.silu(gate) * up, self.down_proj)
 
 
 class SparseMoE(nn.Module):

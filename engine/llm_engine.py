@@ -19,6 +19,7 @@ import torch
 from engine.block_hash import extra_keys_for
 from engine.block_pool import BlockPool, KVEventBatch
 from engine.config import EngineConfig
+from engine.cpu_runtime import configure_cpu_runtime
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import allocate_kv_cache, num_blocks_for
 from engine.kv_cache_manager import KVCacheManager
@@ -71,8 +72,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, shard: ShardSpec | None = None, tp_reduce: AllReduce = _identity,
                  ep_reduce: AllReduce = _identity) -> None:
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        if config.device == "cpu":
+            configure_cpu_runtime(config.num_threads)
         model_dir = Path(config.model)
         self.tokenizer = Tokenizer(model_dir)
         device = torch.device(config.device)

@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 DEFAULT_MODEL_DIR = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem")) / "tiny-llama"
 
@@ -50,7 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true")
+    gen.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"])
+    gen.add_argument("--kv-backend", default="tcp", choices=["nixl", "torch", "tcp"])
     _add_engine_flags(gen)
+
+    from worker.server import add_worker_args
+
+    add_worker_args(sub.add_parser("worker", help="serve one engine over gRPC (prefill, decode or both)"))
 
     bench = sub.add_parser("bench", help="benchmarks, side by side with their peers")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -91,6 +98,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+        if args.mode == "disaggregated":
+            return _print_outputs(args, _disaggregated(args, prompts, params))
         llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                   num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -99,6 +108,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except (PromptTooLongError, UnsupportedModelError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return _print_outputs(args, outputs)
+
+
+def _disaggregated(args: argparse.Namespace, prompts: list[str], params: object) -> list[Any]:
+    from cli.disagg import generate_disaggregated
+    from router.handoff import HandoffError
+
+    model = Path(args.model)
+    if not (model / "config.json").is_file():
+        raise FileNotFoundError(f"{model / 'config.json'} not found: not an HF checkpoint directory")
+    try:
+        return generate_disaggregated(args, prompts, params)  # type: ignore[arg-type]
+    except HandoffError as e:
+        if e.code.name == "INVALID_ARGUMENT":
+            raise ValueError(e.details) from None
+        raise
+
+
+def _print_outputs(args: argparse.Namespace, outputs: list[Any]) -> int:
     for out in outputs:
         if args.json:
             print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids,
@@ -127,6 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_generate(args)
     if args.command == "bench":
         return _cmd_bench(args)
+    if args.command == "worker":
+        from worker.server import serve
+
+        return serve(args)
     raise AssertionError(args.command)
 
 

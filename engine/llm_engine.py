@@ -29,7 +29,7 @@ from engine.models.decoder import AllReduce, ShardSpec, _identity
 from engine.request import Request, RequestStatus, TokenLogprobs
 from engine.sampler import Sampler, SampleResult
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import Tokenizer
 
 
@@ -107,6 +107,7 @@ class LLMEngine:
         self.extra_keys = extra_keys_for(model=model_dir.name)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self.current_step: SchedulerOutput | None = None  # set while a step's forward pass runs
         self.num_steps = 0
         self.num_scheduled_tokens = 0
         self.step_seconds = 0.0
@@ -166,7 +167,11 @@ class LLMEngine:
         t1 = time.perf_counter()
         if not sched:
             return []
-        reqs, result = self.runner.execute(sched, after_layer)
+        self.current_step = sched
+        try:
+            reqs, result = self.runner.execute(sched, after_layer)
+        finally:
+            self.current_step = None
         self.scheduler.finish_step(sched)
         outputs = self._process(reqs, result)
         self.num_steps += 1
@@ -177,31 +182,63 @@ class LLMEngine:
         return outputs
 
     def _process(self, reqs: list[Request], result: SampleResult | None) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
         if result is None:
-            return outputs
+            return []
         now = time.monotonic()
-        for req, token, lp in zip(reqs, result.token_ids, result.logprobs, strict=True):
-            if req.is_finished:
-                continue
-            req.append_token(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if lp is not None:
-                req.logprobs.append(lp)
-            new_text = ""
-            detok = self._detok.get(req.request_id)
-            if detok is not None:
-                new_text = detok.add(token, match_stops=req.num_output_tokens >= req.params.min_tokens)
-            status = self._check_stop(req, token, detok)
-            if status is not None:
-                if detok is not None and detok.stopped_on is None:
-                    new_text += detok.flush()
-                self.scheduler.finish(req, status)
-            outputs.append(self._output(req, [token], new_text))
-            if req.is_finished:
-                self._detok.pop(req.request_id, None)
-        return outputs
+        return [self._accept_token(req, token, lp, now)
+                for req, token, lp in zip(reqs, result.token_ids, result.logprobs, strict=True)
+                if not req.is_finished]
+
+    def _accept_token(self, req: Request, token: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
+        """Append one sampled token: detokenize, check stops, finish (freeing blocks) if it ends the request."""
+        req.append_token(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if lp is not None:
+            req.logprobs.append(lp)
+        new_text = ""
+        detok = self._detok.get(req.request_id)
+        if detok is not None:
+            new_text = detok.add(token, match_stops=req.num_output_tokens >= req.params.min_tokens)
+        status = self._check_stop(req, token, detok)
+        if status is not None:
+            if detok is not None and detok.stopped_on is None:
+                new_text += detok.flush()
+            self.scheduler.finish(req, status)
+        out = self._output(req, [token], new_text)
+        if req.is_finished:
+            self._detok.pop(req.request_id, None)
+        return out
+
+    # ---- disaggregated decode: KV computed elsewhere ------------------------------------------------------------
+
+    def reserve_remote(self, request: Request) -> list[int] | None:
+        """Reserve blocks for ``request``'s prompt, whose KV another engine will write. None if blocks are short."""
+        if not self.scheduler.add_remote(request, request.num_prompt_tokens):
+            self._detok.pop(request.request_id, None)
+            return None
+        return list(self.kv.block_ids(request.request_id))
+
+    def start_remote_decode(self, request_id: str, first_token: int, first_logprob: TokenLogprobs | None) -> \
+            RequestOutput:
+        """The prompt's KV landed and prefill sampled ``first_token``: accept it and join the running batch."""
+        req = self.scheduler.remote.get(request_id)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
+        out = self._accept_token(req, first_token, first_logprob, time.monotonic())
+        if not req.is_finished:
+            self.scheduler.remote_kv_ready(request_id, req.num_prompt_tokens)
+        return out
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> RequestOutput | None:
+        """End a live request with ``status`` (e.g. FINISHED_ERROR when its KV transfer failed)."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.finish(req, status)
+        out = self._output(req, [], "")
+        self._detok.pop(request_id, None)
+        return out
 
     def _check_stop(self, req: Request, token: int, detok: IncrementalDetokenizer | None) -> RequestStatus | None:
         p = req.params

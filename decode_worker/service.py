@@ -1,0 +1,174 @@
+"""Decode worker. Request lifecycle, as queues::
+
+    Prealloc ──► Transfer ──► Waiting ──► Running ──► finished
+    (Reserve:    (KV landing   (KV landed,   (continuous batching
+     blocks       layer by      waiting for   with every other
+     reserved)    layer)        first token)  request)
+
+- **Prealloc**: ``Reserve`` allocates blocks for the whole prompt up front (``WAITING_FOR_REMOTE_KV`` in the
+  engine) and opens a receive lease on them; the reply carries the destination and our compatibility hash. No
+  blocks → RESOURCE_EXHAUSTED, so the caller can pick another decode worker before any prefill work is done.
+- **Transfer**: the receiver reports progress; prefill death, lease expiry or a refused handshake become an
+  explicit FAILED with a message, which ends the request, frees its blocks and reaches the caller's stream.
+- **Waiting**: decode can start only when both the last layer has landed and ``Decode`` has delivered the first
+  token (sampled by prefill). Whichever comes second moves the request to Running. A request whose first token
+  does not arrive within its lease is failed and freed.
+- **Running**: an ordinary engine request; the next token is computed from the received KV.
+
+``--role both`` (colocated) serves ``Generate`` from the same engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from engine.llm_engine import LLMEngine
+from engine.request import TokenLogprobs
+from kvtransfer.base import KVReceiver, TransferState
+from kvtransfer.layout import KVLayout
+from proto.tandem.v1 import worker_pb2 as pb
+from worker.convert import logprob_from_proto
+from worker.service import WorkerService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Pending:
+    """A reserved request in Transfer or Waiting."""
+
+    deadline_s: float
+    kv_done: bool = False
+    first_token: int | None = None
+    first_logprob: TokenLogprobs | None = None
+
+
+class DecodeService(WorkerService):
+    role = "decode"
+
+    def __init__(self, engine: LLMEngine, receiver: KVReceiver | None, layout: KVLayout, kv_backend: str,
+                 worker_id: str | None = None, role: str = "decode") -> None:
+        self.role = role
+        super().__init__(engine, kv_backend, worker_id)
+        self.receiver = receiver
+        self.layout = layout
+        self.pending: dict[str, Pending] = {}
+        self.failed: OrderedDict[str, str] = OrderedDict()  # why recent requests failed, for late Decode calls
+        self.loop.add_hook(self._poll_transfers)
+
+    @property
+    def compat_hash(self) -> str:
+        return self.layout.compat_hash()
+
+    def stop(self) -> None:
+        super().stop()
+        if self.receiver is not None:
+            self.receiver.close()
+
+    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+        self._reject_if_draining(context)
+        if self.receiver is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker has no KV receiver")
+        receiver = self.receiver
+        params = self._params(request.params, context)
+        rid = request.request_id or uuid.uuid4().hex
+        lease_s = (request.lease_ms or 30_000) / 1000.0
+
+        def reserve(eng: LLMEngine) -> pb.ReserveResponse | None:
+            req = eng.make_request(list(request.prompt_token_ids), params, rid, stream_text=True)
+            block_ids = eng.reserve_remote(req)
+            if block_ids is None:
+                return None
+            deadline = time.time() + lease_s
+            try:
+                dest = receiver.reserve(rid, block_ids, req.num_prompt_tokens, deadline)
+            except Exception:
+                eng.abort([rid])
+                raise
+            self.loop.open_stream(rid)
+            self.pending[rid] = Pending(deadline)
+            return pb.ReserveResponse(destination=dest.to_bytes(), compat_hash=self.compat_hash,
+                                      num_blocks=len(block_ids))
+
+        try:
+            resp = self.loop.call_sync(reserve)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if resp is None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "not enough free KV blocks for this prompt")
+        return resp
+
+    def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.TokenChunk]:
+        rid = request.request_id
+        first_lp = logprob_from_proto(request.first_logprob) if request.HasField("first_logprob") else None
+
+        def deliver(eng: LLMEngine) -> Any:
+            p = self.pending.get(rid)
+            q = self.loop.stream(rid)
+            if p is None or q is None:
+                return self.failed.get(rid, "no reservation here (expired, aborted or never reserved)")
+            p.first_token, p.first_logprob = request.first_token_id, first_lp
+            if p.kv_done:
+                self._start(eng, rid)
+            return q
+
+        q = self.loop.call_sync(deliver)
+        if isinstance(q, str):
+            code = grpc.StatusCode.NOT_FOUND if rid not in self.failed else grpc.StatusCode.UNAVAILABLE
+            context.abort(code, f"request {rid}: {q}")
+        yield from self.stream_outputs(rid, q, context)
+
+    def _start(self, eng: LLMEngine, rid: str) -> None:
+        p = self.pending.pop(rid)
+        assert p.first_token is not None
+        self.loop.publish(eng.start_remote_decode(rid, p.first_token, p.first_logprob))
+
+    def _poll_transfers(self) -> None:
+        if not self.pending or self.receiver is None:
+            return
+        eng = self.engine
+        now = time.time()
+        for rid, p in list(self.pending.items()):
+            if not p.kv_done:
+                st = self.receiver.poll(rid)
+                if st.state == TransferState.DONE:
+                    p.kv_done = True
+                    self.receiver.release(rid)
+                elif st.state == TransferState.FAILED:
+                    self._fail(eng, rid, f"KV transfer failed: {st.error}")
+                    continue
+                elif now > p.deadline_s + 1.0:
+                    self._fail(eng, rid, "KV transfer lease expired")
+                    continue
+            if p.kv_done:
+                if p.first_token is not None:
+                    self._start(eng, rid)
+                elif now > p.deadline_s:
+                    self._fail(eng, rid, "no Decode call arrived within the lease")
+
+    def _fail(self, eng: LLMEngine, rid: str, message: str) -> None:
+        log.info("request %s failed: %s", rid, message)
+        self.pending.pop(rid, None)
+        if self.receiver is not None:
+            self.receiver.release(rid)
+        self.failed[rid] = message
+        while len(self.failed) > 1024:
+            self.failed.popitem(last=False)
+        self.fail_request(eng, rid, message)
+
+    def abort_local(self, request_id: str) -> bool:
+        p = self.pending.pop(request_id, None)
+        if p is not None and self.receiver is not None:
+            self.receiver.release(request_id)
+        return p is not None
+
+    def role_load(self, eng: LLMEngine) -> dict[str, int]:
+        return {"transfers_in_flight": sum(1 for p in self.pending.values() if not p.kv_done)}

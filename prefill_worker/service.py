@@ -1,0 +1,200 @@
+"""Prefill worker. Request lifecycle, as queues::
+
+    Bootstrap ──► Waiting ──► Inflight ──► (transfer DONE | FAILED) ──► freed
+    (destination   (engine      (prefill done: first token returned to the caller at once;
+     checked)       schedules,   blocks held, layers still streaming to decode)
+                    chunked)
+
+- **Bootstrap**: ``Prefill`` arrives with decode's serialised destination. Its layout is checked against ours
+  (model, dtype, block size, head geometry, layout) before any work; a mismatch is refused with the field named.
+- **Waiting**: the request is an ordinary engine request generating one token, so it batches and chunks with
+  everything else and reuses the prefix cache.
+- **Inflight**: in the step that computes the prompt's last chunk, the transfer starts at layer 0 and each
+  layer is handed to the sender the moment that layer's forward finishes, so the transfer overlaps the remaining
+  layers. At the last layer the prompt's blocks get an extra reference (the hold) so that finishing the engine
+  request does not free blocks the sender still reads. The first token goes back to the caller immediately:
+  TTFT never waits on the transfer. The hold is dropped when the sender reports DONE or FAILED (peer death, lease
+  expiry): every path frees the blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from engine.block_pool import KVBlock
+from engine.engine_loop import END
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.request import Request
+from kvtransfer.base import DestinationInfo, KVSender, TransferState
+from kvtransfer.layout import CompatibilityError, KVLayout
+from proto.tandem.v1 import worker_pb2 as pb
+from worker.convert import logprob_to_proto
+from worker.service import WorkerService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Bootstrap:
+    """A request whose destination was accepted; it waits in the engine until its final prefill step."""
+
+    dest: DestinationInfo
+    deadline_s: float
+    started: bool = False
+
+
+@dataclass(slots=True)
+class Inflight:
+    """Prefill done; blocks held until the transfer finishes either way."""
+
+    held: list[KVBlock]
+    deadline_s: float
+
+
+class PrefillService(WorkerService):
+    role = "prefill"
+
+    def __init__(self, engine: LLMEngine, sender: KVSender, layout: KVLayout, kv_backend: str,
+                 worker_id: str | None = None) -> None:
+        super().__init__(engine, kv_backend, worker_id)
+        self.sender = sender
+        self.layout = layout
+        self.bootstrap: dict[str, Bootstrap] = {}
+        self.inflight: dict[str, Inflight] = {}
+        self._step_sends: list[Request] = []
+        self._step_seen: object = None
+        self.loop.after_layer = self._after_layer
+        self.loop.add_hook(self._poll_transfers)
+
+    @property
+    def compat_hash(self) -> str:
+        return self.layout.compat_hash()
+
+    def stop(self) -> None:
+        super().stop()
+        self.sender.close()
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.TokenChunk]:
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a prefill worker does not decode; use a decode or "
+                      "colocated (--role both) worker")
+        yield pb.TokenChunk()  # pragma: no cover - abort raises
+
+    def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
+        self._reject_if_draining(context)
+        params = self._params(request.params, context)
+        rid = request.request_id or uuid.uuid4().hex
+        lease_s = (request.lease_ms or 30_000) / 1000.0
+        dest = None
+        if request.destination:
+            try:
+                dest = DestinationInfo.from_bytes(request.destination)
+                self.layout.check_compatible(dest.layout)
+            except CompatibilityError as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV handshake refused: {e}")
+            except ValueError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV destination: {e}")
+        one = dataclasses.replace(params, max_tokens=1, min_tokens=0, stop=(), logprobs=params.logprobs)
+
+        def add(eng: LLMEngine) -> queue.SimpleQueue[RequestOutput | None]:
+            q = self.loop.open_stream(rid)
+            try:
+                eng.add_request(list(request.prompt_token_ids), one, rid)
+            except ValueError:
+                self.loop.close_stream(rid)
+                raise
+            if dest is not None:
+                self.bootstrap[rid] = Bootstrap(dest, time.time() + lease_s)
+            return q
+
+        try:
+            q = self.loop.call_sync(add)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        out = q.get(timeout=lease_s + 60)
+        if out is END or out is None or not out.token_ids:
+            context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} did not complete")
+        while q.get() is not END:
+            pass
+        resp = pb.PrefillResponse(first_token_id=out.token_ids[0], num_cached_tokens=out.num_cached_tokens,
+                                  first_text=self.engine.tokenizer.decode(out.token_ids))
+        if out.logprobs:
+            resp.first_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
+        return resp
+
+    # ---- the transfer, on the engine loop thread -----------------------------------------------------------
+
+    def _after_layer(self, layer: int) -> None:
+        step = self.engine.current_step
+        if step is not self._step_seen:
+            self._step_seen = step
+            self._step_sends = []
+            if step is not None and self.bootstrap:
+                for req, n in zip(step.requests, step.num_new_tokens, strict=True):
+                    if req.num_computed_tokens + n == req.num_tokens and req.request_id in self.bootstrap:
+                        self._step_sends.append(req)
+        if not self._step_sends:
+            return
+        last = layer == self.engine.model_config.num_layers - 1
+        for req in list(self._step_sends):
+            rid = req.request_id
+            boot = self.bootstrap.get(rid)
+            if boot is None:
+                continue
+            try:
+                if not boot.started:
+                    nblocks = -(-req.num_prompt_tokens // self.engine.block_size)
+                    src = self.engine.kv.block_ids(rid)[:nblocks]
+                    self.sender.start(rid, boot.dest, src, boot.deadline_s)
+                    boot.started = True
+                self.sender.send_layer(rid, layer)
+                if last:
+                    self.sender.finish(rid)
+                    nblocks = -(-req.num_prompt_tokens // self.engine.block_size)
+                    held = self.engine.kv.block_tables[rid][:nblocks]
+                    self.engine.pool.touch(held)
+                    self.inflight[rid] = Inflight(list(held), boot.deadline_s)
+                    del self.bootstrap[rid]
+            except Exception as e:  # a broken transfer must not take the engine down
+                log.warning("transfer of %s failed to start: %s", rid, e)
+                self.bootstrap.pop(rid, None)
+                self.sender.release(rid)
+                self._step_sends.remove(req)
+
+    def _poll_transfers(self) -> None:
+        now = time.time()
+        for rid in list(self.inflight):
+            st = self.sender.poll(rid)
+            expired = now > self.inflight[rid].deadline_s + 1.0
+            if st.state >= TransferState.DONE or expired:
+                if st.state == TransferState.FAILED or expired:
+                    log.info("KV transfer of %s failed: %s", rid, st.error or "lease expired")
+                self._drop(rid)
+        # A request that never reached its final prefill step (aborted, or finished early) releases its lease.
+        for rid in list(self.bootstrap):
+            if rid not in self.engine.scheduler.requests:
+                del self.bootstrap[rid]
+                self.sender.release(rid)
+
+    def _drop(self, rid: str) -> None:
+        infl = self.inflight.pop(rid, None)
+        if infl is not None:
+            self.engine.pool.free_blocks(reversed(infl.held))
+        self.sender.release(rid)
+
+    def abort_local(self, request_id: str) -> bool:
+        found = request_id in self.inflight or request_id in self.bootstrap
+        self.bootstrap.pop(request_id, None)
+        self._drop(request_id)
+        return found
+
+    def role_load(self, eng: LLMEngine) -> dict[str, int]:
+        return {"transfers_in_flight": len(self.inflight),
+                "held_blocks": sum(len(i.held) for i in self.inflight.values())}

@@ -1,0 +1,80 @@
+"""The disaggregated handoff, from the caller's side: Reserve on decode, Prefill with that destination, Decode.
+
+Every step is bounded by the lease and by gRPC deadlines. On any failure the caller aborts the request on both
+workers, so no blocks stay reserved, and the error names the step that failed. ``HandoffError.retryable`` says
+whether another worker pair could succeed (worker death, overload) or not (bad input).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from proto.tandem.v1 import worker_pb2 as pb
+from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED}
+
+
+class HandoffError(RuntimeError):
+    def __init__(self, step: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{step} failed ({code.name}): {details}")
+        self.step = step
+        self.code = code
+        self.details = details
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in _RETRYABLE
+
+
+@dataclass(slots=True)
+class WorkerClient:
+    address: str
+    channel: grpc.Channel
+    stub: pb_grpc.WorkerStub
+
+    @classmethod
+    def connect(cls, address: str) -> WorkerClient:
+        channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        return cls(address, channel, pb_grpc.WorkerStub(channel))
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _abort(client: WorkerClient, request_id: str) -> None:
+    with contextlib.suppress(grpc.RpcError):  # a dead worker's blocks went with it
+        client.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=5.0)
+
+
+def disaggregated_generate(prefill: WorkerClient, decode: WorkerClient, request_id: str, prompt: list[int],
+                           params: pb.SamplingParams, lease_ms: int = 30_000,
+                           rpc_timeout_s: float = 120.0) -> Iterator[pb.TokenChunk]:
+    """Yield the request's token chunks (the first carries the prefill-sampled token)."""
+    wire = params
+    step = "Reserve"
+    try:
+        reserve = decode.stub.Reserve(pb.ReserveRequest(request_id=request_id, prompt_token_ids=prompt,
+                                                        params=wire, lease_ms=lease_ms),
+                                      timeout=rpc_timeout_s)
+        step = "Prefill"
+        first = prefill.stub.Prefill(pb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, params=wire,
+                                                       destination=reserve.destination, lease_ms=lease_ms),
+                                     timeout=rpc_timeout_s)
+        step = "Decode"
+        dreq = pb.DecodeRequest(request_id=request_id, first_token_id=first.first_token_id)
+        if first.HasField("first_logprob"):
+            dreq.first_logprob.CopyFrom(first.first_logprob)
+        for chunk in decode.stub.Decode(dreq, timeout=rpc_timeout_s):
+            if not chunk.num_cached_tokens:
+                chunk.num_cached_tokens = first.num_cached_tokens
+            yield chunk
+    except grpc.RpcError as e:
+        _abort(decode, request_id)
+        _abort(prefill, request_id)
+        raise HandoffError(step, e.code(), e.details() or "") from None

@@ -1,0 +1,66 @@
+"""Translation between the wire messages and the engine's types, in one place."""
+
+from __future__ import annotations
+
+from engine.llm_engine import RequestOutput
+from engine.request import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from proto.tandem.v1 import worker_pb2 as pb
+
+
+def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
+    """Raises ValueError (from SamplingParams validation) for out-of-range values."""
+    return SamplingParams(
+        max_tokens=p.max_tokens or 16,
+        temperature=p.temperature,
+        top_p=p.top_p or 1.0,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        seed=p.seed if p.HasField("seed") else None,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        skip_special_tokens=not p.keep_special_tokens,
+    )
+
+
+def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
+        include_stop_str_in_output=s.include_stop_str_in_output, keep_special_tokens=not s.skip_special_tokens,
+    )
+    if s.seed is not None:
+        msg.seed = s.seed
+    if s.logprobs is not None:
+        msg.logprobs = s.logprobs
+    return msg
+
+
+def logprob_to_proto(lp: TokenLogprobs) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def logprob_from_proto(lp: pb.TokenLogprob) -> TokenLogprobs:
+    return TokenLogprobs(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+
+
+def chunk_from_output(out: RequestOutput, logprob_from: int) -> pb.TokenChunk:
+    """The delta of ``out`` as a wire chunk; ``logprob_from`` is how many logprobs were already sent."""
+    chunk = pb.TokenChunk(token_ids=out.new_token_ids, text=out.new_text,
+                          logprobs=[logprob_to_proto(lp) for lp in out.logprobs[logprob_from:]],
+                          num_cached_tokens=out.num_cached_tokens, num_prompt_tokens=len(out.prompt_token_ids))
+    if out.finished:
+        chunk.finish_reason = out.finish_reason or ""
+        if out.stop_reason is not None:
+            chunk.stop_reason = str(out.stop_reason)
+    return chunk

@@ -1,0 +1,74 @@
+"""Start ``tandem worker`` processes on loopback and wait until they are ready; stop them by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class WorkerProcess:
+    role: str
+    proc: subprocess.Popen[str]
+    port: int
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def kill(self) -> None:
+        """SIGKILL: the failure tests' way to make a worker die mid-flight."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def start_worker(role: str, model: str, kv_backend: str = "tcp", extra: list[str] | None = None,
+                 timeout_s: float = 120.0, env: dict[str, str] | None = None) -> WorkerProcess:
+    cmd = [sys.executable, "-m", "cli.main", "worker", "--role", role, "--model", model, "--port", "0",
+           "--kv-backend", kv_backend, *(extra or [])]
+    full_env = {**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
+    log: list[str] = []
+
+    def drain_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            log.append(line)
+            if len(log) > 500:
+                del log[:100]
+
+    threading.Thread(target=drain_stderr, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    port = 0
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{role} worker exited with {proc.returncode}:\n{''.join(log[-40:])}")
+            time.sleep(0.01)
+            continue
+        if line.startswith("READY "):
+            port = int(line.split()[1])
+            break
+    if not port:
+        proc.kill()
+        raise TimeoutError(f"{role} worker not ready within {timeout_s}s:\n{''.join(log[-40:])}")
+    threading.Thread(target=lambda: proc.stdout.read() if proc.stdout else None, daemon=True).start()
+    return WorkerProcess(role, proc, port, log)

@@ -1,0 +1,117 @@
+"""``tandem worker``: one engine behind the Worker gRPC API, on 127.0.0.1 unless told otherwise.
+
+Start-up order: load the model and allocate the KV cache, register the cache with the KV transport, start the
+engine loop, then bind gRPC and print one ``READY <port>`` line (what process supervisors wait for; ``Health``
+answers from then on). SIGTERM or SIGINT drains: new work is refused, in-flight requests finish (bounded by
+``--drain-timeout``), then the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from kvtransfer.layout import KVLayout
+from kvtransfer.registry import get_backend
+from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
+from worker.service import WorkerService
+
+log = logging.getLogger(__name__)
+ROLES = ("prefill", "decode", "both")
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", required=True, choices=ROLES)
+    p.add_argument("--model", required=True)
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on the READY line)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--kv-backend", default="tcp", choices=["nixl", "torch", "tcp"])
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-memory-mb", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+
+
+def kv_layout_for(engine: LLMEngine) -> KVLayout:
+    cfg = engine.model_config
+    digest = hashlib.sha256((Path(engine.config.model) / "config.json").read_bytes()).hexdigest()[:12]
+    return KVLayout(model_id=f"{cfg.architecture}:{digest}", dtype=engine.config.dtype, num_layers=cfg.num_layers,
+                    block_size=engine.block_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+
+
+def build_service(args: argparse.Namespace) -> WorkerService:
+    from decode_worker.service import DecodeService
+    from prefill_worker.service import PrefillService
+
+    engine = LLMEngine(EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        num_threads=args.threads,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
+                          memory_budget_bytes=args.kv_memory_mb << 20,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+    ))
+    layout = kv_layout_for(engine)
+    sender_cls, receiver_cls = get_backend(args.kv_backend)
+    if args.role == "prefill":
+        sender = sender_cls()
+        sender.register(engine.kv_caches, layout)
+        return PrefillService(engine, sender, layout, args.kv_backend, args.worker_id)
+    receiver = receiver_cls()
+    receiver.register(engine.kv_caches, layout)
+    return DecodeService(engine, receiver, layout, args.kv_backend, args.worker_id, role=args.role)
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    t0 = time.monotonic()
+    service = build_service(args)
+    service.start()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="grpc"),
+                         options=[("grpc.max_receive_message_length", 64 << 20),
+                                  ("grpc.so_reuseport", 0)])
+    pb_grpc.add_WorkerServicer_to_server(service, server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    if port == 0:
+        print(f"error: could not bind {args.host}:{args.port}", file=sys.stderr)
+        return 2
+    server.start()
+    log.info("%s worker %s ready on %s:%d in %.1fs", args.role, service.worker_id, args.host, port,
+             time.monotonic() - t0)
+    print(f"READY {port}", flush=True)
+
+    done = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        service.draining = True
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    done.wait()
+    deadline = time.monotonic() + args.drain_timeout
+    while time.monotonic() < deadline and service.engine.has_unfinished():
+        time.sleep(0.05)
+    server.stop(grace=1.0).wait(2.0)
+    service.stop()
+    return 0

@@ -71,6 +71,7 @@ class PrefillService(WorkerService):
         self.inflight: dict[str, Inflight] = {}
         self._step_sends: list[Request] = []
         self._step_seen: object = None
+        self.stall: tuple[int, float] | None = None  # fault injection: (layer, seconds)
         self.loop.after_layer = self._after_layer
         self.loop.add_hook(self._poll_transfers)
 
@@ -155,6 +156,9 @@ class PrefillService(WorkerService):
                     self.sender.start(rid, boot.dest, src, boot.deadline_s)
                     boot.started = True
                 self.sender.send_layer(rid, layer)
+                if self.stall is not None and layer == self.stall[0]:
+                    log.warning("fault injection: stalling %.1fs after layer %d of %s", self.stall[1], layer, rid)
+                    time.sleep(self.stall[1])
                 if last:
                     self.sender.finish(rid)
                     nblocks = -(-req.num_prompt_tokens // self.engine.block_size)

@@ -49,7 +49,7 @@ class WorkerClient:
 
 def _abort(client: WorkerClient, request_id: str) -> None:
     with contextlib.suppress(grpc.RpcError):  # a dead worker's blocks went with it
-        client.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=5.0)
+        client.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=2.0)
 
 
 def disaggregated_generate(prefill: WorkerClient, decode: WorkerClient, request_id: str, prompt: list[int],

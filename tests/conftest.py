@@ -30,3 +30,32 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
         return cache[arch]
 
     return get
+
+
+class HFGreedy:
+    """transformers' greedy continuations (float32, one prompt at a time, no padding), cached per prompt."""
+
+    def __init__(self) -> None:
+        self.models: dict[Path, object] = {}
+        self.cache: dict[tuple[Path, tuple[int, ...], int], list[int]] = {}
+
+    def __call__(self, path: Path, prompt: list[int], max_new: int) -> list[int]:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        key = (path, tuple(prompt), max_new)
+        if key not in self.cache:
+            if path not in self.models:
+                self.models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            model = self.models[path]
+            ids = torch.tensor([prompt])
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,  # type: ignore[attr-defined]
+                                     min_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+            self.cache[key] = out[0, len(prompt):].tolist()
+        return self.cache[key]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy() -> HFGreedy:
+    return HFGreedy()

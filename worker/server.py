@@ -49,6 +49,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    # Fault injection for the failure tests: the prefill engine stalls after sending this layer.
+    p.add_argument("--debug-stall-after-layer", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--debug-stall-seconds", type=float, default=3600.0, help=argparse.SUPPRESS)
 
 
 def kv_layout_for(engine: LLMEngine) -> KVLayout:
@@ -75,7 +78,10 @@ def build_service(args: argparse.Namespace) -> WorkerService:
     if args.role == "prefill":
         sender = sender_cls()
         sender.register(engine.kv_caches, layout)
-        return PrefillService(engine, sender, layout, args.kv_backend, args.worker_id)
+        service = PrefillService(engine, sender, layout, args.kv_backend, args.worker_id)
+        if args.debug_stall_after_layer is not None:
+            service.stall = (args.debug_stall_after_layer, args.debug_stall_seconds)
+        return service
     receiver = receiver_cls()
     receiver.register(engine.kv_caches, layout)
     return DecodeService(engine, receiver, layout, args.kv_backend, args.worker_id, role=args.role)

@@ -72,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     tp.add_argument("--single", action="store_true", help="also measure single-sequence decode rate")
     tp.add_argument("--json", action="store_true")
+    kv = bsub.add_parser("kv", help="KV transfer bandwidth vs raw NIXL and memcpy; overlap; decode ITL")
+    kv.add_argument("--sizes", default="1,8,64", help="request sizes in MiB")
+    kv.add_argument("--backends", default="tcp,torch,nixl")
+    kv.add_argument("--repeats", type=int, default=5)
+    kv.add_argument("--model", default=None, help="checkpoint for the overlap and ITL runs (skipped without)")
+    kv.add_argument("--prompt-len", type=int, default=2048)
+    kv.add_argument("--threads", type=int, default=None)
+    kv.add_argument("--json", action="store_true")
     return parser
 
 
@@ -143,6 +151,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         report = run_throughput_bench(args)
         print(json.dumps(report, indent=None if args.json else 2))
+        return 0
+    if args.bench_command == "kv":
+        from bench.kv import run_kv
+
+        print(json.dumps(run_kv(args), indent=None if args.json else 2, default=str))
         return 0
     raise AssertionError(args.bench_command)
 

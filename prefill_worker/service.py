@@ -24,6 +24,7 @@ import logging
 import queue
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -57,6 +58,21 @@ class Inflight:
 
     held: list[KVBlock]
     deadline_s: float
+    compute_done: float  # perf_counter when the last layer's forward finished
+
+
+@dataclass(slots=True, frozen=True)
+class TransferTiming:
+    """How long a finished transfer outlived the compute it overlapped (for metrics and the overlap bench)."""
+
+    request_id: str
+    compute_done: float
+    transfer_done: float
+    ok: bool
+
+    @property
+    def exposed_s(self) -> float:
+        return max(0.0, self.transfer_done - self.compute_done)
 
 
 class PrefillService(WorkerService):
@@ -72,6 +88,7 @@ class PrefillService(WorkerService):
         self._step_sends: list[Request] = []
         self._step_seen: object = None
         self.stall: tuple[int, float] | None = None  # fault injection: (layer, seconds)
+        self.timings: deque[TransferTiming] = deque(maxlen=1024)
         self.loop.after_layer = self._after_layer
         self.loop.add_hook(self._poll_transfers)
 
@@ -164,7 +181,7 @@ class PrefillService(WorkerService):
                     nblocks = -(-req.num_prompt_tokens // self.engine.block_size)
                     held = self.engine.kv.block_tables[rid][:nblocks]
                     self.engine.pool.touch(held)
-                    self.inflight[rid] = Inflight(list(held), boot.deadline_s)
+                    self.inflight[rid] = Inflight(list(held), boot.deadline_s, time.perf_counter())
                     del self.bootstrap[rid]
             except Exception as e:  # a broken transfer must not take the engine down
                 log.warning("transfer of %s failed to start: %s", rid, e)
@@ -178,8 +195,10 @@ class PrefillService(WorkerService):
             st = self.sender.poll(rid)
             expired = now > self.inflight[rid].deadline_s + 1.0
             if st.state >= TransferState.DONE or expired:
-                if st.state == TransferState.FAILED or expired:
+                ok = st.state == TransferState.DONE
+                if not ok:
                     log.info("KV transfer of %s failed: %s", rid, st.error or "lease expired")
+                self.timings.append(TransferTiming(rid, self.inflight[rid].compute_done, time.perf_counter(), ok))
                 self._drop(rid)
         # A request that never reached its final prefill step (aborted, or finished early) releases its lease.
         for rid in list(self.bootstrap):

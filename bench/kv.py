@@ -1,0 +1,169 @@
+"""``tandem bench kv``: KV transfer bandwidth, compute/transfer overlap, and decode ITL under incoming transfers.
+
+1. **Bandwidth** (:func:`kvtransfer.bench.run_kv_bench`): each backend between two processes for 1, 8 and 64 MiB
+   requests, beside a raw NIXL transfer of the same bytes, a raw socket and an in-process memcpy.
+2. **Overlap**: a real decode worker process and, in this process, a real prefill worker (gRPC server included)
+   on the given model. A ``--prompt-len`` prompt goes through the normal handoff; the prefill worker records when
+   the last layer's forward finished and when the transfer was acknowledged. The same blocks are then sent again
+   with no compute running (``serial``). ``overlap = 1 - exposed / serial``: the fraction of the transfer that
+   was hidden behind prefill compute.
+3. **Decode ITL**: four long decode streams on a decode worker, alone, then while a prefill worker keeps pushing
+   long prompts' KV into the same decode worker. p50/p99 inter-token latency for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import threading
+import time
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from proto.tandem.v1 import worker_pb2 as pb
+from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
+from router.handoff import WorkerClient, disaggregated_generate
+from worker.launcher import start_worker
+
+
+def _params(max_tokens: int) -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _drain(stream: Any) -> list[float]:
+    """Consume a token stream; return the arrival time of every token."""
+    times = []
+    for chunk in stream:
+        now = time.perf_counter()
+        times.extend([now] * len(chunk.token_ids))
+    return times
+
+
+def _worker_args(model: str, backend: str, threads: int | None) -> argparse.Namespace:
+    from worker.server import add_worker_args
+
+    p = argparse.ArgumentParser()
+    add_worker_args(p)
+    argv = ["--role", "prefill", "--model", model, "--kv-backend", backend, "--num-kv-blocks", "512"]
+    if threads:
+        argv += ["--threads", str(threads)]
+    return p.parse_args(argv)
+
+
+def measure_overlap(model: str, backend: str, prompt_len: int, threads: int | None) -> dict[str, Any]:
+    from worker.server import build_service
+
+    decode = start_worker("decode", model, backend, ["--num-kv-blocks", "512"])
+    service = build_service(_worker_args(model, backend, threads))
+    service.start()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    pb_grpc.add_WorkerServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    pre, dec = WorkerClient.connect(f"127.0.0.1:{port}"), WorkerClient.connect(decode.address)
+    try:
+        _drain(disaggregated_generate(pre, dec, "warm", list(range(1, 65)), _params(1)))
+        prompt = [(i * 7919) % 1500 + 1 for i in range(prompt_len)]
+        t0 = time.perf_counter()
+        _drain(disaggregated_generate(pre, dec, "overlap", prompt, _params(1)))
+        total = time.perf_counter() - t0
+        timing = next(t for t in reversed(service.timings) if t.request_id == "overlap")
+        exposed = timing.exposed_s
+
+        # The same bytes again, with nothing computing: the transfer's own duration.
+        res = dec.stub.Reserve(pb.ReserveRequest(request_id="serial", prompt_token_ids=prompt, params=_params(1)))
+        from kvtransfer.base import DestinationInfo, TransferState
+
+        dest = DestinationInfo.from_bytes(res.destination)
+        layers = service.engine.model_config.num_layers
+        src = list(range(len(dest.dst_block_ids)))
+
+        def send_all(_: Any) -> float:
+            t = time.perf_counter()
+            service.sender.start("serial", dest, src, time.time() + 60)
+            for layer in range(layers):
+                service.sender.send_layer("serial", layer)
+            service.sender.finish("serial")
+            return t
+
+        t_start = service.loop.call_sync(send_all)
+        while service.sender.poll("serial").state < TransferState.DONE:
+            time.sleep(0.0005)
+        serial = time.perf_counter() - t_start
+        service.sender.release("serial")
+        _drain(dec.stub.Decode(pb.DecodeRequest(request_id="serial", first_token_id=1)))
+        nbytes = 2 * layers * len(src) * service.layout.block_bytes
+        return {"backend": backend, "prompt_len": prompt_len, "request_s": total, "kv_bytes": nbytes,
+                "serial_transfer_s": serial, "exposed_after_compute_s": exposed,
+                "overlap": max(0.0, min(1.0, 1.0 - exposed / serial)) if serial > 0 else None}
+    finally:
+        pre.close()
+        dec.close()
+        server.stop(1.0)
+        service.stop()
+        decode.stop()
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def measure_itl(model: str, backend: str, load_prompt_len: int, streams: int = 4, tokens: int = 64) -> dict[str, Any]:
+    prefill = start_worker("prefill", model, backend, ["--num-kv-blocks", "1024"])
+    decode = start_worker("decode", model, backend, ["--num-kv-blocks", "1024"])
+    pre, dec = WorkerClient.connect(prefill.address), WorkerClient.connect(decode.address)
+
+    def run_streams(tag: str) -> list[float]:
+        gaps: list[float] = []
+        with futures.ThreadPoolExecutor(streams) as ex:
+            runs = ex.map(lambda i: _drain(disaggregated_generate(pre, dec, f"{tag}-{i}", [3 + i, 4, 5, 6],
+                                                                  _params(tokens))), range(streams))
+            for times in runs:
+                gaps += [b - a for a, b in itertools.pairwise(times[1:])]  # skip the prefill token
+        return gaps
+
+    try:
+        _drain(disaggregated_generate(pre, dec, "warm", list(range(1, 33)), _params(2)))
+        quiet = run_streams("quiet")
+        stop = threading.Event()
+        sent = [0]
+
+        def pressure() -> None:
+            prompt = [(i * 31) % 1500 + 1 for i in range(load_prompt_len)]
+            while not stop.is_set() and sent[0] < 200:
+                _drain(disaggregated_generate(pre, dec, f"load-{sent[0]}", prompt, _params(1)))
+                sent[0] += 1
+
+        t = threading.Thread(target=pressure, daemon=True)
+        t.start()
+        loaded = run_streams("loaded")
+        stop.set()
+        t.join(60)
+        ms = 1000.0
+        return {"backend": backend, "streams": streams, "tokens": tokens, "load_prompt_len": load_prompt_len,
+                "transfers_during_loaded_run": sent[0],
+                "itl_ms_quiet": {"p50": _pct(quiet, 0.5) * ms, "p99": _pct(quiet, 0.99) * ms,
+                                 "mean": statistics.fmean(quiet) * ms},
+                "itl_ms_with_transfers": {"p50": _pct(loaded, 0.5) * ms, "p99": _pct(loaded, 0.99) * ms,
+                                          "mean": statistics.fmean(loaded) * ms}}
+    finally:
+        pre.close()
+        dec.close()
+        prefill.stop()
+        decode.stop()
+
+
+def run_kv(args: argparse.Namespace) -> dict[str, Any]:
+    from kvtransfer.bench import run_kv_bench
+
+    backends = tuple(args.backends.split(","))
+    report: dict[str, Any] = {"bandwidth": run_kv_bench(tuple(int(s) for s in args.sizes.split(",")), backends,
+                                                        args.repeats)}
+    if args.model:
+        report["overlap"] = [measure_overlap(args.model, b, args.prompt_len, args.threads) for b in backends]
+        report["decode_itl"] = [measure_itl(args.model, b, args.prompt_len // 2) for b in backends]
+    return report

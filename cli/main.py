@@ -55,6 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-backend", default="tcp", choices=["nixl", "torch", "tcp"])
     _add_engine_flags(gen)
 
+    up = sub.add_parser("up", help="start a local cluster (Ray, prefill + decode workers, router) serving OpenAI")
+    up.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in tiny model)")
+    up.add_argument("--prefill", type=int, default=None, help="prefill replicas (default 1)")
+    up.add_argument("--decode", type=int, default=None, help="decode replicas (default 1)")
+    up.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    up.add_argument("--redis", default=None, help="redis://... for the worker registry and KV events")
+    up.add_argument("--config", default=None, help="JSON file with any of these settings")
+    up.add_argument("--kv-backend", default=None, choices=["nixl", "torch", "tcp"])
+    sub.add_parser("down", help="stop the cluster `tandem up` started")
+
     from worker.server import add_worker_args
 
     add_worker_args(sub.add_parser("worker", help="serve one engine over gRPC (prefill, decode or both)"))
@@ -160,6 +170,29 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     raise AssertionError(args.bench_command)
 
 
+def _cmd_up(args: argparse.Namespace) -> int:
+    from controlplane.local_cluster import UpConfig, run_up
+
+    settings: dict[str, Any] = {}
+    if args.config:  # the file gives defaults; flags given on the command line win
+        settings = json.loads(Path(args.config).read_text())
+        unknown = set(settings) - set(UpConfig.__dataclass_fields__)
+        if unknown:
+            print(f"error: unknown settings in {args.config}: {sorted(unknown)}", file=sys.stderr)
+            return 2
+        if "worker_flags" in settings:
+            settings["worker_flags"] = tuple(settings["worker_flags"])
+    flags = {"model": args.model, "prefill": args.prefill, "decode": args.decode, "port": args.port,
+             "redis": args.redis, "kv_backend": args.kv_backend}
+    settings.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        cfg = UpConfig(**settings)
+        return run_up(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "model":
@@ -168,6 +201,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_generate(args)
     if args.command == "bench":
         return _cmd_bench(args)
+    if args.command == "up":
+        return _cmd_up(args)
+    if args.command == "down":
+        from controlplane.local_cluster import run_down
+
+        return run_down()
     if args.command == "worker":
         from worker.server import serve
 

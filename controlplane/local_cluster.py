@@ -1,0 +1,176 @@
+"""``tandem up``: a local Tandem cluster on one machine.
+
+Start-up, printed as it goes:
+
+1. the model: the given checkpoint, or the built-in tiny model (generated once, deterministically);
+2. a local Ray instance (loopback only, token auth off, no dashboard);
+3. one placement group and one :class:`WorkerReplica` actor per prefill/decode replica, started in parallel;
+4. the router in this process, once every worker answers health checks; then the URL.
+
+A supervisor task asks each replica to ``ensure()`` its worker every second; a replica whose worker died restarts
+it and the router swaps the address. Ctrl-C, SIGTERM or ``tandem down`` (which signals the PID recorded in the
+state file) stops the router, every worker process, the actors and Ray, in that order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem")) / "up.json"
+
+
+@dataclass(slots=True, frozen=True)
+class UpConfig:
+    model: str | None = None
+    prefill: int = 1
+    decode: int = 1
+    port: int = 8000
+    host: str = "127.0.0.1"
+    redis: str | None = None
+    kv_backend: str = "tcp"
+    worker_flags: tuple[str, ...] = ()
+    cpus_per_replica: float = 0.5
+    min_uncached_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0 or self.decode < 1:
+            raise ValueError(f"need >= 0 prefill and >= 1 decode replicas, got {self.prefill}/{self.decode}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} out of range")
+
+
+def _say(msg: str) -> None:
+    print(f"[tandem up] {msg}", flush=True)
+
+
+def ensure_model(model: str | None) -> Path:
+    from cli.main import DEFAULT_MODEL_DIR
+    from engine.tiny_model import write_tiny_checkpoint
+
+    if model:
+        path = Path(model).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path / 'config.json'} not found: --model must be an HF checkpoint directory")
+        return path
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        _say(f"generating the built-in tiny model in {DEFAULT_MODEL_DIR}")
+        write_tiny_checkpoint(DEFAULT_MODEL_DIR)
+    return DEFAULT_MODEL_DIR
+
+
+def run_up(cfg: UpConfig) -> int:
+    t0 = time.monotonic()
+    model = ensure_model(cfg.model)
+    _say(f"model {model} ({time.monotonic() - t0:.1f}s)")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from controlplane.replica import ReplicaSpec, WorkerReplica
+
+    ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1", configure_logging=False)
+    _say(f"ray started ({time.monotonic() - t0:.1f}s)")
+    replicas: list[tuple[ReplicaSpec, Any, Any]] = []
+    try:
+        specs = ([ReplicaSpec("prefill", str(model), cfg.kv_backend, cfg.cpus_per_replica, cfg.worker_flags)]
+                 * cfg.prefill + [ReplicaSpec("decode", str(model), cfg.kv_backend, cfg.cpus_per_replica,
+                                              cfg.worker_flags)] * cfg.decode)
+        for spec in specs:
+            pg = placement_group([{"CPU": spec.cpus}], strategy="PACK")
+            actor = WorkerReplica.options(num_cpus=spec.cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg)).remote(spec)
+            replicas.append((spec, pg, actor))
+        addresses = ray.get([actor.start.remote() for _, _, actor in replicas], timeout=180)
+        _say(f"{cfg.prefill} prefill + {cfg.decode} decode workers started ({time.monotonic() - t0:.1f}s)")
+        STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
+        STATE_FILE.write_text(json.dumps({"pid": os.getpid(), "port": cfg.port,
+                                          "worker_pids": ray.get([a.pid.remote() for _, _, a in replicas])}))
+        return asyncio.run(_serve(cfg, model, replicas, addresses, t0))
+    finally:
+        for _, _, actor in replicas:
+            with contextlib.suppress(Exception):
+                ray.get(actor.stop.remote(), timeout=20)
+        ray.shutdown()
+        with contextlib.suppress(FileNotFoundError):
+            STATE_FILE.unlink()
+        _say("stopped")
+
+
+async def _serve(cfg: UpConfig, model: Path, replicas: list[Any], addresses: list[str], t0: float) -> int:
+    from aiohttp import web
+    from router.server import RouterConfig, build_router
+
+    router = await build_router(RouterConfig(model=str(model), workers=tuple(addresses), redis=cfg.redis,
+                                             min_uncached_tokens=cfg.min_uncached_tokens))
+    runner = web.AppRunner(router.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    await site.start()
+    _say(f"workers healthy; serving OpenAI API at http://{cfg.host}:{cfg.port}/v1 "
+         f"(ready in {time.monotonic() - t0:.1f}s; Ctrl-C or `tandem down` to stop)")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    current = list(addresses)
+
+    async def supervise() -> None:
+        while not stop.is_set():
+            await asyncio.sleep(1.0)
+            for i, (_, _, actor) in enumerate(replicas):
+                try:
+                    addr, restarted = await asyncio.wrap_future(actor.ensure.remote().future())
+                except Exception as e:  # the actor itself is being restarted by Ray
+                    log.warning("replica %d unreachable: %s", i, e)
+                    continue
+                if restarted or addr != current[i]:
+                    _say(f"replica {i} restarted at {addr}; re-registering")
+                    await router.pool.remove(current[i])
+                    router.pool.add(addr)
+                    current[i] = addr
+
+    sup = asyncio.create_task(supervise())
+    await stop.wait()
+    sup.cancel()
+    await runner.cleanup()
+    await router.close()
+    return 0
+
+
+def run_down(timeout_s: float = 60.0) -> int:
+    if not STATE_FILE.is_file():
+        print("no running `tandem up` found", file=sys.stderr)
+        return 1
+    state = json.loads(STATE_FILE.read_text())
+    pid = int(state["pid"])
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        STATE_FILE.unlink(missing_ok=True)
+        print(f"`tandem up` (pid {pid}) was not running; removed its state file", file=sys.stderr)
+        return 0
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            print(f"stopped `tandem up` (pid {pid})")
+            return 0
+        time.sleep(0.1)
+    print(f"`tandem up` (pid {pid}) did not stop within {timeout_s}s", file=sys.stderr)
+    return 1

@@ -1,0 +1,263 @@
+"""Running one request on the workers: choose where, run it, and survive worker failures.
+
+Per choice (``n`` > 1 fans out into independent choices):
+
+1. **Decide** colocated vs disaggregated. The best decode worker is chosen first (KV overlap and load). If the
+   part of the prompt it does not already cache is shorter than ``DisaggConfig.min_uncached_tokens``, or no
+   prefill worker is up, the request runs colocated there (``Generate``): a short or mostly cached prompt costs
+   less to prefill in place than to ship. Otherwise the cheapest prefill worker computes it and streams the KV
+   into the decode worker (Reserve → Prefill → Decode). Every decision carries its reason and cost breakdown.
+2. **Retry**: a failure before the first token (worker down, overloaded, lease expired) excludes that worker and
+   tries again on another, with bounded attempts and exponential backoff.
+3. **Migrate**: if the decode worker dies mid-stream, the prompt plus every token generated so far is resubmitted
+   to a new pair with the remaining budget. The client's stream continues: no token is repeated or lost (exact
+   for greedy decoding; a sampled continuation is drawn afresh).
+4. **Cancel**: if the client goes away, the request is aborted on every worker it touched, freeing its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+
+from proto.tandem.v1 import worker_pb2 as pb
+from router.pool import Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED,
+              grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+
+
+class Decision(Protocol):
+    worker_id: str
+    overlap_blocks: int
+    request_blocks: int
+
+
+class Selector(Protocol):
+    block_size: int
+
+    def select(self, token_ids: Sequence[int], workers: Sequence[str]) -> Any: ...
+    def release(self, decision: Any) -> None: ...
+
+
+@dataclass(slots=True, frozen=True)
+class DisaggConfig:
+    min_uncached_tokens: int = 64
+    max_attempts: int = 3
+    backoff_s: float = 0.05
+    lease_ms: int = 30_000
+    rpc_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.min_uncached_tokens < 0:
+            raise ValueError(f"min_uncached_tokens must be >= 0, got {self.min_uncached_tokens}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+
+
+class DispatchError(Exception):
+    """A request that could not be served; ``status`` is the HTTP status the gateway should answer."""
+
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+
+
+@dataclass(slots=True)
+class Plan:
+    mode: str  # "colocated" | "disaggregated"
+    reason: str
+    decode: Worker
+    prefill: Worker | None = None
+    decode_decision: Any = None
+    prefill_decision: Any = None
+    breakdown: str = ""
+
+
+@dataclass(slots=True)
+class DispatchStats:
+    decisions: dict[str, int] = field(default_factory=dict)
+    retries: int = 0
+    migrations: int = 0
+
+
+class _WorkerFailed(Exception):
+    def __init__(self, worker: Worker, step: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{step} on {worker.worker_id or worker.address} failed ({code.name}): {details}")
+        self.worker = worker
+        self.step = step
+        self.code = code
+        self.details = details
+
+
+class Dispatcher:
+    def __init__(self, pool: WorkerPool, prefill_selector: Selector, decode_selector: Selector,
+                 config: DisaggConfig | None = None, on_decision: Any = None) -> None:
+        self.pool = pool
+        self.prefill_selector = prefill_selector
+        self.decode_selector = decode_selector
+        self.config = config or DisaggConfig()
+        self.on_decision = on_decision
+        self.stats = DispatchStats()
+        self._background: set[asyncio.Future[None]] = set()
+
+    def plan(self, prompt: list[int], exclude: set[str]) -> Plan:
+        decoders = [w for w in self.pool.available("decode") if w.address not in exclude]
+        if not decoders:
+            raise DispatchError(503, "no decode worker is available", retry_after=1.0)
+        by_id = {w.worker_id: w for w in decoders}
+        d = self.decode_selector.select(prompt, list(by_id))
+        decode = by_id[d.worker_id]
+        bs = self.decode_selector.block_size
+        uncached = len(prompt) - d.overlap_blocks * bs
+        prefillers = [w for w in self.pool.available("prefill") if w.address not in exclude]
+        if not prefillers:
+            return self._decided(Plan("colocated", "no_prefill_worker", decode, decode_decision=d,
+                                      breakdown=_header(d)))
+        if uncached < self.config.min_uncached_tokens:
+            reason = "prefix_hit_on_decode" if d.overlap_blocks else "short_prompt"
+            return self._decided(Plan("colocated", reason, decode, decode_decision=d, breakdown=_header(d)))
+        by_pid = {w.worker_id: w for w in prefillers}
+        p = self.prefill_selector.select(prompt, list(by_pid))
+        return self._decided(Plan("disaggregated", "long_uncached_prompt", decode, by_pid[p.worker_id],
+                                  decode_decision=d, prefill_decision=p,
+                                  breakdown=f"prefill[{_header(p)}];decode[{_header(d)}]"))
+
+    def _decided(self, plan: Plan) -> Plan:
+        self.stats.decisions[plan.reason] = self.stats.decisions.get(plan.reason, 0) + 1
+        if self.on_decision is not None:
+            self.on_decision(plan)
+        log.debug("route %s via %s: %s", plan.mode, plan.reason, plan.breakdown)
+        return plan
+
+    def _release(self, plan: Plan) -> None:
+        if plan.decode_decision is not None:
+            self.decode_selector.release(plan.decode_decision)
+        if plan.prefill_decision is not None:
+            self.prefill_selector.release(plan.prefill_decision)
+
+    async def run(self, request_id: str, prompt: list[int], params: pb.SamplingParams,
+                  plan_out: list[Plan] | None = None) -> AsyncIterator[pb.TokenChunk]:
+        """Yield the request's chunks, retrying and migrating across workers as needed."""
+        generated: list[int] = []
+        exclude: set[str] = set()
+        attempt = 0
+        while True:
+            cont = pb.SamplingParams()
+            cont.CopyFrom(params)
+            cont.max_tokens = params.max_tokens - len(generated)
+            cont.min_tokens = max(0, params.min_tokens - len(generated))
+            full = prompt + generated
+            plan = self.plan(full, exclude)
+            if plan_out is not None:
+                plan_out.append(plan)
+            rid = f"{request_id}.{attempt}"
+            try:
+                async for chunk in self._execute(plan, rid, full, cont):
+                    generated.extend(chunk.token_ids)
+                    yield chunk
+                    if chunk.finish_reason:
+                        return
+                raise _WorkerFailed(plan.decode, "Decode", grpc.StatusCode.UNAVAILABLE, "stream ended early")
+            except _WorkerFailed as e:
+                if e.code not in _RETRYABLE:
+                    raise DispatchError(400 if e.code == grpc.StatusCode.INVALID_ARGUMENT else 500,
+                                        e.details) from None
+                attempt += 1
+                exclude.add(e.worker.address)
+                if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    self.pool.mark_down(e.worker)
+                if attempt >= self.config.max_attempts:
+                    raise DispatchError(503, f"request failed after {attempt} attempts: {e}",
+                                        retry_after=1.0) from None
+                if generated:
+                    self.stats.migrations += 1
+                    log.warning("migrating %s after %d tokens: %s", request_id, len(generated), e)
+                else:
+                    self.stats.retries += 1
+                    log.warning("retrying %s: %s", request_id, e)
+                await asyncio.sleep(self.config.backoff_s * (2 ** (attempt - 1)))
+            finally:
+                self._release(plan)
+
+    async def _execute(self, plan: Plan, rid: str, prompt: list[int],
+                       params: pb.SamplingParams) -> AsyncIterator[pb.TokenChunk]:
+        touched: list[Worker] = [plan.decode] + ([plan.prefill] if plan.prefill else [])
+        finished = False
+        try:
+            if plan.mode == "colocated":
+                stub = plan.decode.stub
+                assert stub is not None
+                call = stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params),
+                                     timeout=self.config.rpc_timeout_s)
+                async for chunk in _stream(call, plan.decode, "Generate"):
+                    finished = bool(chunk.finish_reason)
+                    yield chunk
+                return
+            async for chunk in self._disaggregated(plan, rid, prompt, params):
+                finished = bool(chunk.finish_reason)
+                yield chunk
+        finally:
+            if not finished:
+                for w in touched:
+                    task = asyncio.ensure_future(_abort(w, rid))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+
+    async def _disaggregated(self, plan: Plan, rid: str, prompt: list[int],
+                             params: pb.SamplingParams) -> AsyncIterator[pb.TokenChunk]:
+        assert plan.prefill is not None and plan.decode.stub is not None and plan.prefill.stub is not None
+        t = self.config.rpc_timeout_s
+        lease = self.config.lease_ms
+        reserve = await _unary(plan.decode, "Reserve", plan.decode.stub.Reserve(
+            pb.ReserveRequest(request_id=rid, prompt_token_ids=prompt, params=params, lease_ms=lease), timeout=t))
+        first = await _unary(plan.prefill, "Prefill", plan.prefill.stub.Prefill(
+            pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params,
+                              destination=reserve.destination, lease_ms=lease), timeout=t))
+        dreq = pb.DecodeRequest(request_id=rid, first_token_id=first.first_token_id)
+        if first.HasField("first_logprob"):
+            dreq.first_logprob.CopyFrom(first.first_logprob)
+        async for chunk in _stream(plan.decode.stub.Decode(dreq, timeout=t), plan.decode, "Decode"):
+            if not chunk.num_cached_tokens:
+                chunk.num_cached_tokens = first.num_cached_tokens
+            yield chunk
+
+
+def _header(d: Any) -> str:
+    chosen = next((b for b in getattr(d, "breakdowns", ()) if b.worker_id == d.worker_id), None)
+    return chosen.as_header() if chosen is not None and hasattr(chosen, "as_header") else str(d.worker_id)
+
+
+async def _unary(w: Worker, step: str, call: Any) -> Any:
+    try:
+        return await call
+    except grpc.aio.AioRpcError as e:
+        raise _WorkerFailed(w, step, e.code(), e.details() or "") from None
+
+
+async def _stream(call: Any, w: Worker, step: str) -> AsyncIterator[pb.TokenChunk]:
+    try:
+        async for chunk in call:
+            yield chunk
+    except grpc.aio.AioRpcError as e:
+        raise _WorkerFailed(w, step, e.code(), e.details() or "") from None
+    finally:
+        call.cancel()
+
+
+async def _abort(w: Worker, rid: str) -> None:
+    if w.stub is None:
+        return
+    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+        await w.stub.Abort(pb.AbortRequest(request_id=rid), timeout=2.0)

@@ -1,0 +1,319 @@
+"""OpenAI-compatible HTTP gateway: ``/v1/completions``, ``/v1/chat/completions`` (JSON or SSE), ``/v1/models``,
+``/health`` and ``/metrics``.
+
+Tokenization happens once, here; workers see token ids only. Text is produced here too, by one incremental
+detokenizer per choice over the token ids the workers stream (stop strings included), so a stream migrated to
+another worker pair mid-way continues byte for byte. A client that disconnects cancels its handler, which aborts
+the request on every worker it reached. ``x-tandem-explain: 1`` on a request returns the routing decision and its
+cost breakdown in the ``x-tandem-route`` response header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import Tokenizer
+from proto.tandem.v1 import worker_pb2 as pb
+from router.dispatch import Dispatcher, DispatchError, Plan
+from router.metrics import RouterMetrics
+from router.openai_protocol import APIError, GenerationRequest, parse_request, usage
+
+log = logging.getLogger(__name__)
+MAX_BODY = 8 << 20
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_waiting_per_worker: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    cached: int = 0
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, tokenizer: Tokenizer, dispatcher: Dispatcher,
+                 metrics: RouterMetrics) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        dispatcher.on_decision = self._count_decision
+
+    def _count_decision(self, plan: Plan) -> None:
+        self.metrics.decisions.labels(plan.mode, plan.reason).inc()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.render_metrics)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as e:
+            return self._error(request, e)
+        except web.HTTPException as e:
+            if e.status >= 400:
+                return self._error(request, APIError(e.status, e.reason or "error"))
+            raise
+
+    def _error(self, request: web.Request, e: APIError) -> web.Response:
+        self.metrics.requests.labels(request.path, str(e.status)).inc()
+        headers = {"Retry-After": str(max(1, round(e.retry_after)))} if e.retry_after else None
+        return web.json_response(e.body(), status=e.status, headers=headers)
+
+    # ---- endpoints -----------------------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "tandem",
+             "max_model_len": self.config.max_model_len}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        pool = self.dispatcher.pool
+        decode = pool.available("decode")
+        body = {"status": "ok" if decode else "unavailable", "decode_workers": len(decode),
+                "prefill_workers": len(pool.available("prefill"))}
+        return web.json_response(body, status=200 if decode else 503)
+
+    async def render_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    # ---- the work ------------------------------------------------------------------------------------------
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "request body is not valid JSON") from None
+        cfg = self.config
+        req = parse_request(body, chat, self.tokenizer, cfg.model_name, cfg.max_model_len, cfg.vocab_size)
+        self._admit()
+        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids) * req.n)
+        choices = [Choice(i, IncrementalDetokenizer(self.tokenizer, tuple(req.params.stop),
+                                                    req.params.include_stop_str_in_output))
+                   for i in range(req.n)]
+        plans: list[Plan] = []
+        explain = request.headers.get("x-tandem-explain") == "1"
+        if req.stream:
+            return await self._stream(request, req, choices, plans, explain, t0)
+        await asyncio.gather(*(self._collect(req, c, plans) for c in choices))
+        self.metrics.e2e.observe(time.perf_counter() - t0)
+        self.metrics.requests.labels(request.path, "200").inc()
+        headers = {"x-tandem-route": _route_header(plans)} if explain else None
+        return web.json_response(self._final_body(req, choices), headers=headers)
+
+    def _admit(self) -> None:
+        pool = self.dispatcher.pool
+        decode = pool.available("decode")
+        if not decode:
+            raise APIError(503, "no decode worker is available", retry_after=1.0)
+        waiting = sum(w.last_load.waiting for w in decode if w.last_load is not None)
+        if waiting > self.config.max_waiting_per_worker * len(decode):
+            raise APIError(429, f"server overloaded: {waiting} requests queued", err_type="rate_limit_error",
+                           retry_after=1.0)
+
+    def _params_for(self, req: GenerationRequest, index: int) -> pb.SamplingParams:
+        params = pb.SamplingParams()
+        params.CopyFrom(req.params)
+        if params.HasField("seed") and index:
+            params.seed = params.seed + index
+        return params
+
+    async def _tokens(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> AsyncIterator[str]:
+        """Run one choice; yield its new text per chunk (also recorded on ``c``)."""
+        rid = f"{req.request_id}-{c.index}"
+        try:
+            async for chunk in self.dispatcher.run(rid, req.prompt_token_ids, self._params_for(req, c.index),
+                                                   plans):
+                c.cached = max(c.cached, chunk.num_cached_tokens)
+                new = ""
+                for tok in chunk.token_ids:
+                    c.token_ids.append(tok)
+                    new += c.detok.add(tok, match_stops=len(c.token_ids) >= req.params.min_tokens)
+                    if c.detok.stopped_on is not None:
+                        break
+                c.logprobs.extend(chunk.logprobs)
+                if c.detok.stopped_on is not None:
+                    c.finish_reason = "stop"
+                elif chunk.finish_reason:
+                    c.finish_reason = chunk.finish_reason
+                    new += c.detok.flush()
+                c.text += new
+                self.metrics.generation_tokens.inc(len(chunk.token_ids))
+                yield new
+                if c.finish_reason:
+                    return
+        except DispatchError as e:
+            raise APIError(e.status, e.message, retry_after=e.retry_after) from None
+        finally:
+            self.metrics.cached_tokens.inc(c.cached)
+
+    async def _collect(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> None:
+        async for _ in self._tokens(req, c, plans):
+            pass
+
+    def _final_body(self, req: GenerationRequest, choices: list[Choice]) -> dict[str, Any]:
+        completion = sum(len(c.token_ids) for c in choices)
+        out: dict[str, Any] = {"id": req.request_id, "created": req.created, "model": req.model,
+                               "usage": usage(len(req.prompt_token_ids), completion,
+                                              max((c.cached for c in choices), default=0))}
+        if req.chat:
+            out["object"] = "chat.completion"
+            out["choices"] = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                               "logprobs": self._chat_logprobs(c.logprobs) if req.want_logprobs else None,
+                               "finish_reason": c.finish_reason} for c in choices]
+        else:
+            prompt_text = self.tokenizer.decode(req.prompt_token_ids) if req.echo else ""
+            out["object"] = "text_completion"
+            out["choices"] = [{"index": c.index, "text": prompt_text + c.text,
+                               "logprobs": self._completion_logprobs(c.logprobs) if req.want_logprobs else None,
+                               "finish_reason": c.finish_reason} for c in choices]
+        return out
+
+    async def _stream(self, request: web.Request, req: GenerationRequest, choices: list[Choice],
+                      plans: list[Plan], explain: bool, t0: float) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        queue: asyncio.Queue[tuple[Choice, str, list[pb.TokenLogprob]] | BaseException | None] = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            try:
+                sent = 0
+                async for text in self._tokens(req, c, plans):
+                    await queue.put((c, text, c.logprobs[sent:]))
+                    sent = len(c.logprobs)
+                await queue.put(None)
+            except BaseException as e:  # surfaced to the client as an SSE error event
+                await queue.put(e)
+
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        started = False
+        last = None
+        obj = "chat.completion.chunk" if req.chat else "text_completion"
+        try:
+            remaining = len(choices)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    if not started and isinstance(item, APIError):
+                        raise item
+                    if not started:
+                        raise item
+                    await _sse(resp, {"error": APIError(500, str(item)).body()["error"]})
+                    remaining -= 1
+                    continue
+                c, text, lps = item
+                if not started:
+                    if explain:
+                        resp.headers["x-tandem-route"] = _route_header(plans)
+                    await resp.prepare(request)
+                    started = True
+                    self.metrics.ttft.labels(plans[0].mode if plans else "unknown").observe(time.perf_counter() - t0)
+                    if req.chat:
+                        for ch in choices:
+                            await _sse(resp, self._chunk(req, obj, ch.index, {"role": "assistant", "content": ""},
+                                                         None, None))
+                now = time.perf_counter()
+                if last is not None:
+                    self.metrics.itl.observe(now - last)
+                last = now
+                if req.chat:
+                    lp = self._chat_logprobs(lps) if req.want_logprobs else None
+                    if text or lps:
+                        await _sse(resp, self._chunk(req, obj, c.index, {"content": text}, None, lp))
+                    if c.finish_reason:
+                        await _sse(resp, self._chunk(req, obj, c.index, {}, c.finish_reason, None))
+                else:
+                    lp = self._completion_logprobs(lps) if req.want_logprobs else None
+                    await _sse(resp, self._chunk(req, obj, c.index, text, c.finish_reason, lp))
+            if not started:
+                await resp.prepare(request)
+            if req.include_usage:
+                await _sse(resp, {"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
+                                  "choices": [], "usage": usage(len(req.prompt_token_ids),
+                                                                sum(len(c.token_ids) for c in choices),
+                                                                max(c.cached for c in choices))})
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            self.metrics.e2e.observe(time.perf_counter() - t0)
+            self.metrics.requests.labels(request.path, "200").inc()
+            return resp
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _chunk(self, req: GenerationRequest, obj: str, index: int, payload: Any, finish: str | None,
+               logprobs: Any) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
+        choice["delta" if req.chat else "text"] = payload
+        return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
+                "choices": [choice]}
+
+    def _tok(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _chat_logprobs(self, lps: list[pb.TokenLogprob]) -> dict[str, Any]:
+        def entry(tid: int, lp: float) -> dict[str, Any]:
+            s = self._tok(tid)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]} for lp in lps]}
+
+    def _completion_logprobs(self, lps: list[pb.TokenLogprob]) -> dict[str, Any]:
+        tokens = [self._tok(lp.token_id) for lp in lps]
+        offsets, pos = [], 0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._tok(t.token_id): t.logprob for t in lp.top} for lp in lps],
+                "text_offset": offsets}
+
+
+async def _sse(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
+    await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+
+def _route_header(plans: list[Plan]) -> str:
+    return " | ".join(f"{p.mode}:{p.reason}:{p.breakdown}" for p in plans)[:4000]

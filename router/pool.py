@@ -1,0 +1,173 @@
+"""The router's view of its workers: connections, health, load reports and their KV event streams.
+
+Workers come from static addresses (``tandem up``, config) or the Redis registry. For each worker the pool keeps a
+``grpc.aio`` channel, polls ``Load`` every ``poll_interval_s`` (feeding the load tracker) and follows its
+``KVEvents`` stream into the KV index, resyncing from ``Snapshot`` whenever the index reports a sequence gap or
+the stream breaks. A worker that fails health checks is marked down and gets no requests until it answers again;
+a draining worker is kept for in-flight work but gets nothing new.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+
+from proto.tandem.v1 import worker_pb2 as pb
+from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class IndexSink(Protocol):
+    def apply(self, worker_id: str, seq: int, hashes: list[int], kinds: bytes) -> bool: ...
+    def resync(self, worker_id: str, seq: int, hashes: list[int]) -> None: ...
+    def remove_worker(self, worker_id: str) -> None: ...
+
+
+class LoadSink(Protocol):
+    def update_from_report(self, worker_id: str, waiting: int, running: int, active_tokens: int,
+                           used_blocks: int, total_blocks: int) -> None: ...
+
+
+@dataclass(slots=True)
+class Worker:
+    address: str
+    role: str = ""
+    worker_id: str = ""
+    channel: grpc.aio.Channel | None = None
+    stub: pb_grpc.WorkerStub | None = None
+    healthy: bool = False
+    draining: bool = False
+    compat_hash: str = ""
+    last_load: pb.LoadResponse | None = None
+    last_seen: float = 0.0
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def serves_prefill(self) -> bool:
+        return self.role == "prefill"
+
+    @property
+    def serves_decode(self) -> bool:
+        return self.role in ("decode", "both")
+
+
+class WorkerPool:
+    def __init__(self, addresses: list[str], index: IndexSink | None = None, load: LoadSink | None = None,
+                 poll_interval_s: float = 0.2) -> None:
+        self.workers: dict[str, Worker] = {a: Worker(a) for a in addresses}
+        self.index = index
+        self.load = load
+        self.poll_interval_s = poll_interval_s
+        self._closing = False
+
+    async def start(self, ready_timeout_s: float = 60.0) -> None:
+        for w in self.workers.values():
+            self._connect(w)
+        deadline = time.monotonic() + ready_timeout_s
+        while not all(w.healthy for w in self.workers.values()):
+            await asyncio.gather(*(self._health(w) for w in self.workers.values()))
+            if all(w.healthy for w in self.workers.values()):
+                break
+            if time.monotonic() > deadline:
+                down = [w.address for w in self.workers.values() if not w.healthy]
+                raise TimeoutError(f"workers not healthy after {ready_timeout_s}s: {down}")
+            await asyncio.sleep(0.1)
+        for w in self.workers.values():
+            w.tasks.append(asyncio.create_task(self._poll(w)))
+            if self.index is not None:
+                w.tasks.append(asyncio.create_task(self._follow_events(w)))
+
+    def add(self, address: str) -> Worker:
+        w = self.workers.get(address)
+        if w is None:
+            w = self.workers[address] = Worker(address)
+            self._connect(w)
+            w.tasks.append(asyncio.create_task(self._poll(w)))
+            if self.index is not None:
+                w.tasks.append(asyncio.create_task(self._follow_events(w)))
+        return w
+
+    async def remove(self, address: str) -> None:
+        w = self.workers.pop(address, None)
+        if w is None:
+            return
+        for t in w.tasks:
+            t.cancel()
+        if self.index is not None and w.worker_id:
+            self.index.remove_worker(w.worker_id)
+        if w.channel is not None:
+            await w.channel.close()
+
+    async def close(self) -> None:
+        self._closing = True
+        for a in list(self.workers):
+            await self.remove(a)
+
+    def _connect(self, w: Worker) -> None:
+        w.channel = grpc.aio.insecure_channel(w.address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        w.stub = pb_grpc.WorkerStub(w.channel)
+
+    def available(self, role: str) -> list[Worker]:
+        """Healthy, non-draining workers that serve ``role`` (``prefill`` or ``decode``)."""
+        ok = [w for w in self.workers.values() if w.healthy and not w.draining]
+        return [w for w in ok if (w.serves_prefill if role == "prefill" else w.serves_decode)]
+
+    def by_id(self, worker_id: str) -> Worker | None:
+        return next((w for w in self.workers.values() if w.worker_id == worker_id), None)
+
+    def mark_down(self, w: Worker) -> None:
+        if w.healthy:
+            log.warning("worker %s (%s) marked down", w.worker_id, w.address)
+        w.healthy = False
+
+    async def _health(self, w: Worker) -> None:
+        assert w.stub is not None
+        try:
+            h = await w.stub.Health(pb.HealthRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            w.healthy = False
+            return
+        w.role, w.worker_id, w.draining, w.compat_hash = h.role, h.worker_id, h.draining, h.compat_hash
+        w.healthy = h.status == "SERVING"
+        w.last_seen = time.monotonic()
+
+    async def _poll(self, w: Worker) -> None:
+        while not self._closing:
+            assert w.stub is not None
+            try:
+                ld = await w.stub.Load(pb.LoadRequest(), timeout=2.0)
+                w.last_load = ld
+                w.last_seen = time.monotonic()
+                if not w.healthy:
+                    await self._health(w)
+                if self.load is not None and w.worker_id:
+                    self.load.update_from_report(w.worker_id, ld.waiting, ld.running + ld.waiting_for_kv,
+                                                 ld.active_tokens, ld.used_blocks, ld.total_blocks)
+            except grpc.aio.AioRpcError:
+                self.mark_down(w)
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await self._health(w)
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def _follow_events(self, w: Worker) -> None:
+        """Apply the worker's KV events to the index; resync from a snapshot on a gap or reconnect."""
+        assert self.index is not None
+        while not self._closing:
+            assert w.stub is not None
+            try:
+                snap = await w.stub.Snapshot(pb.SnapshotRequest(), timeout=10.0)
+                self.index.resync(snap.worker_id, snap.seq, list(snap.hashes))
+                async for batch in w.stub.KVEvents(pb.KVEventsRequest(after_seq=snap.seq)):
+                    if not self.index.apply(batch.worker_id, batch.seq, list(batch.hashes), batch.kinds):
+                        break  # gap: resync
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.5)
+            except asyncio.CancelledError:
+                raise

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from engine.block_hash import extra_keys_for
 from engine.tokenizer import Tokenizer
+from proto.tandem.v1 import worker_pb2 as pb
 from router.cost import CostConfig
 from router.dispatch import DisaggConfig, Dispatcher
 from router.gateway import Gateway, GatewayConfig
@@ -21,6 +22,7 @@ from router.kv_index import KVIndex
 from router.load import LoadTracker
 from router.metrics import RouterMetrics
 from router.pool import WorkerPool
+from router.redis_bus import RedisBus
 from router.selector import Selector
 
 
@@ -37,8 +39,8 @@ class RouterConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.workers:
-            raise ValueError("a router needs at least one worker address")
+        if not self.workers and not self.redis:
+            raise ValueError("a router needs worker addresses or a Redis URL to discover them")
 
 
 @dataclass(slots=True)
@@ -49,7 +51,11 @@ class Router:
     dispatcher: Dispatcher
     gateway: Gateway
 
+    bus: RedisBus | None = None
+
     async def close(self) -> None:
+        if self.bus is not None:
+            await self.bus.close()
         await self.pool.close()
 
 
@@ -64,8 +70,22 @@ async def build_router(cfg: RouterConfig) -> Router:
     max_len, vocab = _max_model_len(model)
     index = KVIndex(cfg.max_index_blocks)
     load = LoadTracker()
-    pool = WorkerPool(list(cfg.workers), index=index, load=load)
+    # With Redis, KV events come from the shared stream (one global order for every router replica); without,
+    # the pool follows each worker's own event stream (the in-process bus).
+    pool = WorkerPool(list(cfg.workers), index=None if cfg.redis else index, load=load)
     await pool.start()
+    bus = None
+    if cfg.redis:
+        async def resync(worker_id: str) -> int | None:
+            w = pool.by_id(worker_id)
+            if w is None or w.stub is None:
+                return None
+            snap = await w.stub.Snapshot(pb.SnapshotRequest(), timeout=10.0)
+            index.resync(snap.worker_id, snap.seq, list(snap.hashes))
+            return int(snap.seq)
+
+        bus = RedisBus(cfg.redis, model.name, index, pool, resync)
+        await bus.start()
     extra = extra_keys_for(model=model.name)
     cost = CostConfig(block_size=cfg.block_size, temperature=cfg.temperature)
     prefill_sel = Selector(index, load, cost, cfg.block_size, extra, seed=cfg.seed)
@@ -74,4 +94,4 @@ async def build_router(cfg: RouterConfig) -> Router:
     metrics = RouterMetrics(pool)
     gateway = Gateway(GatewayConfig(cfg.served_model_name or model.name, max_len, vocab), tokenizer, dispatcher,
                       metrics)
-    return Router(gateway.app(), pool, index, dispatcher, gateway)
+    return Router(gateway.app(), pool, index, dispatcher, gateway, bus)

@@ -49,6 +49,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--redis", default=None, help="redis://host:port: register a lease and publish KV events")
+    p.add_argument("--lease-seconds", type=float, default=3.0)
     # Fault injection for the failure tests: the prefill engine stalls after sending this layer.
     p.add_argument("--debug-stall-after-layer", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--debug-stall-seconds", type=float, default=3600.0, help=argparse.SUPPRESS)
@@ -59,6 +61,11 @@ def kv_layout_for(engine: LLMEngine) -> KVLayout:
     digest = hashlib.sha256((Path(engine.config.model) / "config.json").read_bytes()).hexdigest()[:12]
     return KVLayout(model_id=f"{cfg.architecture}:{digest}", dtype=engine.config.dtype, num_layers=cfg.num_layers,
                     block_size=engine.block_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+
+
+def model_key(engine: LLMEngine) -> str:
+    """Names the model on the Redis bus: workers of one model share a registry and an event stream."""
+    return Path(engine.config.model).name
 
 
 def build_service(args: argparse.Namespace) -> WorkerService:
@@ -102,6 +109,12 @@ def serve(args: argparse.Namespace) -> int:
         print(f"error: could not bind {args.host}:{args.port}", file=sys.stderr)
         return 2
     server.start()
+    if args.redis:
+        from worker.redis_bus import RedisPublisher, WorkerAd
+
+        ad = WorkerAd(service.worker_id, f"{args.host}:{port}", service.role, service.compat_hash)
+        service.publisher = RedisPublisher(args.redis, model_key(service.engine), ad, args.lease_seconds)
+        service.publisher.start()
     log.info("%s worker %s ready on %s:%d in %.1fs", args.role, service.worker_id, args.host, port,
              time.monotonic() - t0)
     print(f"READY {port}", flush=True)
@@ -110,6 +123,8 @@ def serve(args: argparse.Namespace) -> int:
 
     def on_signal(signum: int, frame: object) -> None:
         service.draining = True
+        if service.publisher is not None:
+            service.publisher.set_draining()
         done.set()
 
     signal.signal(signal.SIGTERM, on_signal)

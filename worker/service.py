@@ -41,6 +41,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.draining = False
         self._events: deque[KVEventBatch] = deque(maxlen=EVENT_RING)
         self._events_cv = threading.Condition()
+        self.publisher: Any = None  # worker.redis_bus.RedisPublisher when a Redis URL is configured
         self.loop.add_hook(self._collect_events)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -49,6 +50,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.loop.start()
 
     def stop(self) -> None:
+        if self.publisher is not None:
+            self.publisher.stop()
         self.loop.stop()
         with self._events_cv:
             self._events_cv.notify_all()
@@ -154,6 +157,8 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
         self.draining = True
+        if self.publisher is not None:
+            self.publisher.set_draining()
         return pb.DrainResponse(in_flight=self.loop.call_sync(lambda eng: eng.scheduler.num_unfinished))
 
     # ---- KV events -----------------------------------------------------------------------------------------
@@ -161,6 +166,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     def _collect_events(self) -> None:
         batch = self.engine.take_kv_events()
         if batch is not None:
+            if self.publisher is not None:
+                self.publisher.publish(batch)
             with self._events_cv:
                 self._events.append(batch)
                 self._events_cv.notify_all()

@@ -1,0 +1,259 @@
+"""KV transfer bandwidth: each backend between two processes, next to the raw transports it is built on.
+
+For each request size (total bytes of all layers, K and V) the bench moves one request per repetition from a prefill
+child into a decode child, timed on the sender from ``start`` to the receiver's ACK (so the result includes the
+handshake of a warm connection and the per-layer bookkeeping, i.e. what a request actually pays). The request's
+blocks are a handful of runs on each side (runs of 16 source / 32 destination blocks with gaps), as an engine's
+block tables usually are.
+
+Baselines, same bytes:
+
+- ``raw_nixl``: two plain NIXL agents (no Tandem code), one contiguous descriptor, WRITE + notification;
+- ``raw_socket``: one TCP ``sendall`` / ``recv_into`` over loopback plus a one-byte ack;
+- ``memcpy``: in-process ``torch.Tensor.copy_`` (the ceiling for anything that copies on the CPU).
+
+Ratios: every backend against ``raw_nixl`` and ``tcp`` against ``raw_socket``. Wired into ``tandem bench kv``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvtransfer.harness import Peer
+from kvtransfer.layout import KVLayout
+
+_CTX = mp.get_context("spawn")
+MIB = 1 << 20
+BENCH_LAYOUT = KVLayout("bench", "float16", num_layers=4, block_size=16, num_kv_heads=8, head_dim=128)
+
+
+def _request_bytes_per_block(layout: KVLayout) -> int:
+    return 2 * layout.num_layers * layout.block_bytes
+
+
+def _ids(n: int, run: int, offset: int = 0) -> list[int]:
+    """``n`` block ids in runs of ``run`` consecutive ids separated by one-block gaps."""
+    return [(i // run) * (run + 1) + i % run + offset for i in range(n)]
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+# ------------------------------------------------------------------------------------------------ baselines
+def bench_memcpy(nbytes: int, repeats: int) -> float:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    for _ in range(3):  # fault the pages in and wake the thread pool
+        dst.copy_(src)
+    times = []
+    for _ in range(max(repeats, 10)):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return _gbps(nbytes, statistics.median(times))
+
+
+def _socket_sink(conn: Any, nbytes: int, repeats: int) -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(30)
+    conn.send(srv.getsockname()[1])
+    sock, _ = srv.accept()
+    sock.settimeout(30)
+    buf = memoryview(bytearray(nbytes))
+    for _ in range(repeats + 1):
+        off = 0
+        while off < nbytes:
+            got = sock.recv_into(buf[off:], nbytes - off)
+            if got == 0:
+                return
+            off += got
+        sock.sendall(b"k")
+    sock.close()
+    srv.close()
+
+
+def bench_raw_socket(nbytes: int, repeats: int) -> float:
+    parent, child = _CTX.Pipe()
+    proc = _CTX.Process(target=_socket_sink, args=(child, nbytes, repeats), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(60):
+            raise TimeoutError("raw socket sink did not start")
+        port = parent.recv()
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        data = memoryview(bytearray(os.urandom(1024)) * (nbytes // 1024 + 1))[:nbytes]
+        ack = bytearray(1)
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            sock.sendall(data)
+            sock.recv_into(ack, 1)
+            if i:
+                times.append(time.perf_counter() - t0)
+        sock.close()
+        return _gbps(nbytes, statistics.median(times))
+    finally:
+        proc.join(10)
+        if proc.is_alive() and proc.pid:
+            os.kill(proc.pid, 9)
+            proc.join(5)
+
+
+def _nixl_agent(name: str) -> Any:
+    os.environ["UCX_NET_DEVICES"] = "lo"
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+
+def _nixl_target(conn: Any, nbytes: int, repeats: int) -> None:
+    agent = _nixl_agent(f"raw-target-{os.getpid()}")
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    agent.register_memory(buf)
+    conn.send((agent.get_agent_metadata(), buf.data_ptr()))
+    got = 0
+    end = time.monotonic() + 120
+    while got < repeats + 1 and time.monotonic() < end:
+        for msgs in agent.get_new_notifs().values():
+            got += len(msgs)
+        time.sleep(0.0005)
+    conn.send(got)
+
+
+def bench_raw_nixl(nbytes: int, repeats: int) -> float:
+    """Plain NIXL agents in two processes: one contiguous WRITE with a notification, timed to DONE."""
+    parent, child = _CTX.Pipe()
+    proc = _CTX.Process(target=_nixl_target, args=(child, nbytes, repeats), daemon=True)
+    proc.start()
+    try:
+        agent = _nixl_agent(f"raw-initiator-{os.getpid()}-{time.monotonic_ns()}")
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        agent.register_memory(src)
+        if not parent.poll(60):
+            raise TimeoutError("raw NIXL target did not start")
+        metadata, addr = parent.recv()
+        remote = agent.add_remote_agent(metadata)
+        local = agent.get_xfer_descs([(src.data_ptr(), nbytes, 0)], "DRAM")
+        target = agent.get_xfer_descs([(addr, nbytes, 0)], "DRAM")
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            handle = agent.initialize_xfer("WRITE", local, target, remote, b"raw")
+            state = agent.transfer(handle)
+            deadline = time.monotonic() + 60
+            while state == "PROC" and time.monotonic() < deadline:
+                state = agent.check_xfer_state(handle)
+            elapsed = time.perf_counter() - t0
+            handle.release()
+            if state != "DONE":
+                raise RuntimeError(f"raw NIXL transfer ended in {state}")
+            if i:
+                times.append(elapsed)
+        with contextlib.suppress(Exception):
+            parent.poll(10)
+        return _gbps(nbytes, statistics.median(times))
+    finally:
+        proc.join(10)
+        if proc.is_alive() and proc.pid:
+            os.kill(proc.pid, 9)
+            proc.join(5)
+
+
+# ------------------------------------------------------------------------------------------------- backends
+def bench_backend(backend: str, sizes_mib: Sequence[int], repeats: int, layout: KVLayout = BENCH_LAYOUT) -> dict:
+    """GB/s of ``backend`` per size, two child processes, median of ``repeats`` (after one warm-up request)."""
+    per_block = _request_bytes_per_block(layout)
+    counts = {s: max(1, s * MIB // per_block) for s in sizes_mib}
+    most = max(counts.values())
+    num_blocks = max(_ids(most, 16)[-1], _ids(most, 32)[-1]) + 2
+    r = Peer(backend, "receiver", layout, num_blocks, wait=False)
+    s = Peer(backend, "sender", layout, num_blocks, seed=0, wait=False)
+    out: dict[int, float] = {}
+    try:
+        r.wait_ready()
+        s.wait_ready()
+        for size in sizes_mib:
+            n = counts[size]
+            src, dst = _ids(n, 16), _ids(n, 32)
+            times = []
+            for i in range(repeats + 1):
+                rid = f"bench-{size}-{i}"
+                dest = r.call("reserve", rid, dst, n * layout.block_size, time.time() + 60)
+                st, err, elapsed = s.call("transfer", rid, [dest], src, time.time() + 60, 60.0, timeout_s=90)
+                if st != 2:
+                    raise RuntimeError(f"{backend} {size} MiB transfer failed: {err}")
+                r.call("release", rid)
+                if i:
+                    times.append(elapsed)
+            out[size] = _gbps(n * per_block, statistics.median(times))
+    finally:
+        s.close()
+        r.close()
+    return out
+
+
+def run_kv_bench(
+    sizes_mib: Sequence[int] = (1, 8, 64),
+    backends: Sequence[str] = ("tcp", "torch", "nixl"),
+    repeats: int = 5,
+) -> dict[str, Any]:
+    """Bandwidth (GB/s) of each backend and of the baselines per request size, plus ratios.
+
+    Returns ``{"sizes_mib", "gbps": {size: {name: GB/s}}, "ratios": {size: {"x/y": ratio}}, "layout", "repeats"}``.
+    ``nixl`` and ``raw_nixl`` are skipped (``None``) when NIXL is not installed.
+    """
+    has_nixl = importlib.util.find_spec("nixl") is not None
+    gbps: dict[int, dict[str, float | None]] = {s: {} for s in sizes_mib}
+    per_block = _request_bytes_per_block(BENCH_LAYOUT)
+    for size in sizes_mib:
+        nbytes = max(1, size * MIB // per_block) * per_block
+        gbps[size]["memcpy"] = bench_memcpy(nbytes, repeats)
+        gbps[size]["raw_socket"] = bench_raw_socket(nbytes, repeats)
+        gbps[size]["raw_nixl"] = bench_raw_nixl(nbytes, repeats) if has_nixl else None
+    for backend in backends:
+        if backend == "nixl" and not has_nixl:
+            for size in sizes_mib:
+                gbps[size]["nixl"] = None
+            continue
+        for size, value in bench_backend(backend, sizes_mib, repeats).items():
+            gbps[size][backend] = value
+    ratios: dict[int, dict[str, float | None]] = {}
+    for size, row in gbps.items():
+        ratios[size] = {}
+        for backend in backends:
+            if row.get(backend) is not None and row.get("raw_nixl"):
+                ratios[size][f"{backend}/raw_nixl"] = row[backend] / row["raw_nixl"]  # type: ignore[operator]
+        if row.get("tcp") is not None and row.get("raw_socket"):
+            ratios[size]["tcp/raw_socket"] = row["tcp"] / row["raw_socket"]  # type: ignore[operator]
+    return {"sizes_mib": list(sizes_mib), "gbps": gbps, "ratios": ratios, "layout": BENCH_LAYOUT.to_dict(),
+            "repeats": repeats}
+
+
+def format_kv_bench(result: dict[str, Any]) -> str:
+    """A plain-text table of :func:`run_kv_bench`'s result."""
+    names: list[str] = []
+    for row in result["gbps"].values():
+        names += [n for n in row if n not in names]
+    lines = ["size_MiB " + " ".join(f"{n:>11}" for n in names)]
+    for size, row in result["gbps"].items():
+        cells = [f"{row[n]:11.2f}" if row.get(n) is not None else f"{'-':>11}" for n in names]
+        lines.append(f"{size:>8} " + " ".join(cells))
+    lines.append("ratios:")
+    for size, row in result["ratios"].items():
+        lines.append(f"{size:>8} " + "  ".join(f"{k}={v:.2f}" for k, v in row.items()))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(format_kv_bench(run_kv_bench(repeats=3)))

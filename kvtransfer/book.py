@@ -1,0 +1,185 @@
+"""Per-side request ledger with leases: state, counters, deadline and failure fan-out for every transfer.
+
+Every backend keeps its requests in one :class:`TransferBook`. The book owns the only lease logic in the package:
+
+- a deadline is given as wall-clock ``time.time()`` and converted once to this process's monotonic clock;
+- a small reaper thread turns every unfinished entry past its deadline into FAILED ("lease expired ...");
+- every transition to FAILED is queued, and the reaper delivers it outside the lock: first to the backend's
+  ``notify_peer`` hook (when the failure was decided locally, so the peer fails fast instead of waiting out its own
+  lease), then to the user's ``on_failed(request_id, message)``.
+
+The book never frees blocks: it only reports. ``poll`` also checks deadlines, so a caller that polls sees expiry
+even between reaper ticks.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtransfer.base import OnFailed, TransferState, TransferStatus
+
+log = logging.getLogger(__name__)
+
+
+def mono_deadline(deadline_s: float) -> float:
+    """Convert an absolute wall-clock deadline into this process's monotonic clock."""
+    return time.monotonic() + (deadline_s - time.time())
+
+
+@dataclass(slots=True)
+class Entry:
+    request_id: str
+    deadline: float  # monotonic
+    ctx: Any = None  # backend-specific state
+    state: TransferState = TransferState.PENDING
+    error: str | None = None
+    nbytes: int = 0
+    layers_done: int = 0
+    busy: int = 0  # receivers: writes into the reserved blocks in progress (expiry waits for them)
+    started: float = field(default_factory=time.monotonic)
+
+    def status(self) -> TransferStatus:
+        return TransferStatus(self.state, self.error, self.nbytes, self.layers_done)
+
+
+NotifyPeer = Callable[[Entry, str], None]
+
+
+class TransferBook:
+    def __init__(self, side: str, on_failed: OnFailed | None, notify_peer: NotifyPeer | None = None) -> None:
+        self.side = side
+        self.lock = threading.RLock()
+        self._entries: dict[str, Entry] = {}
+        self._on_failed = on_failed
+        self._notify_peer = notify_peer
+        self._outbox: collections.deque[tuple[Entry, str, bool, bool]] = collections.deque()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle
+    def start(self, interval_s: float) -> None:
+        self._thread = threading.Thread(target=self._reap, args=(interval_s,), name=f"kv-{self.side}-leases")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def stop(self, timeout_s: float) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._deliver()
+
+    # ---- entries
+    def add(self, request_id: str, deadline_s: float, ctx: Any = None) -> Entry:
+        with self.lock:
+            old = self._entries.get(request_id)
+            if old is not None:
+                raise ValueError(f"{self.side}: request {request_id!r} is already registered (release it first)")
+            entry = Entry(request_id, mono_deadline(deadline_s), ctx)
+            self._entries[request_id] = entry
+            return entry
+
+    def find(self, request_id: str) -> Entry | None:
+        with self.lock:
+            return self._entries.get(request_id)
+
+    def get(self, request_id: str) -> Entry:
+        with self.lock:
+            entry = self._entries.get(request_id)
+        if entry is None:
+            raise KeyError(f"{self.side}: unknown request {request_id!r}")
+        return entry
+
+    def pop(self, request_id: str) -> Entry | None:
+        with self.lock:
+            return self._entries.pop(request_id, None)
+
+    def entries(self) -> list[Entry]:
+        with self.lock:
+            return list(self._entries.values())
+
+    def status(self, request_id: str) -> TransferStatus:
+        self.expire_due()
+        with self.lock:
+            return self.get(request_id).status()
+
+    # ---- transitions
+    def fail(self, entry: Entry, message: str, notify_peer: bool = False, tell_owner: bool = True) -> bool:
+        """Move ``entry`` to FAILED (first failure wins); returns whether it transitioned.
+
+        ``notify_peer``: the failure was decided here, so the peer is told. ``tell_owner=False`` for failures the
+        owner caused itself (``release`` of an in-flight request), which do not call ``on_failed``.
+        """
+        with self.lock:
+            if entry.state >= TransferState.DONE:
+                return False
+            entry.state = TransferState.FAILED
+            entry.error = message
+            self._outbox.append((entry, message, notify_peer, tell_owner))
+            return True
+
+    def done(self, entry: Entry) -> bool:
+        with self.lock:
+            if entry.state >= TransferState.DONE:
+                return False
+            entry.state = TransferState.DONE
+            return True
+
+    def expire_due(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            for entry in self._entries.values():
+                if entry.state < TransferState.DONE and now >= entry.deadline and not entry.busy:
+                    self.fail(
+                        entry,
+                        f"{self.side}: lease expired after {now - entry.started:.2f}s "
+                        f"({entry.layers_done} layers, {entry.nbytes} bytes done)",
+                        notify_peer=True,
+                    )
+
+    # ---- guarded writes (receivers): once FAILED is visible, no byte is written into the reserved blocks any more
+    def begin_write(self, entry: Entry) -> bool:
+        with self.lock:
+            if entry.state >= TransferState.DONE:
+                return False
+            entry.busy += 1
+            return True
+
+    def end_write(self, entry: Entry) -> None:
+        with self.lock:
+            entry.busy -= 1
+
+    def wait_idle(self, entry: Entry, timeout_s: float) -> bool:
+        """Wait (bounded) until no write into ``entry``'s blocks is in progress."""
+        end = time.monotonic() + timeout_s
+        while entry.busy and time.monotonic() < end:
+            time.sleep(0.001)
+        return not entry.busy
+
+    # ---- reaper
+    def _deliver(self) -> None:
+        while True:
+            try:
+                entry, message, notify, tell_owner = self._outbox.popleft()
+            except IndexError:
+                return
+            if notify and self._notify_peer is not None:
+                try:
+                    self._notify_peer(entry, message)
+                except Exception as e:  # best effort: the peer's own lease is the backstop
+                    log.debug("%s: could not tell the peer about %s: %s", self.side, entry.request_id, e)
+            if tell_owner and self._on_failed is not None:
+                try:
+                    self._on_failed(entry.request_id, message)
+                except Exception:
+                    log.exception("%s: on_failed callback raised for %s", self.side, entry.request_id)
+
+    def _reap(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.expire_due()
+            self._deliver()

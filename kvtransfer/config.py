@@ -1,0 +1,33 @@
+"""Tunables for every backend, in one frozen config (no environment variables, except where UCX insists)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class TransferConfig:
+    """``host``/``port`` are where a receiver listens (port 0 → ephemeral). Times are seconds."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    poll_interval_s: float = 0.002  # background threads' idle tick (lease checks, notification polling)
+    io_timeout_s: float = 0.2  # socket/store wait slice; threads re-check stop and deadlines between slices
+    connect_timeout_s: float = 10.0  # handshake bound: connecting, forming a process group
+    close_timeout_s: float = 1.0  # close() joins its threads within this
+    ucx_net_devices: str = "lo"  # NIXL/UCX: applied to UCX_NET_DEVICES before the agent is created
+    ucx_tls: str = ""  # NIXL/UCX: UCX_TLS when non-empty (e.g. "tcp,self" to forbid shared memory)
+    nixl_backends: tuple[str, ...] = ("UCX",)
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("TransferConfig.host must be non-empty")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"TransferConfig.port {self.port} out of range")
+        for name in ("poll_interval_s", "io_timeout_s", "connect_timeout_s", "close_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TransferConfig.{name} must be > 0")
+        if self.poll_interval_s > self.close_timeout_s / 4 or self.io_timeout_s > self.close_timeout_s / 2:
+            raise ValueError("TransferConfig poll/io slices must be well under close_timeout_s so close() is prompt")
+        if not self.nixl_backends:
+            raise ValueError("TransferConfig.nixl_backends must name at least one NIXL backend")

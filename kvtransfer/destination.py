@@ -1,0 +1,122 @@
+"""The typed, versioned hand-off from decode to prefill: where the reserved blocks are and how to reach them.
+
+It travels through the router, i.e. through processes that are not the receiver, so it is encoded as JSON (bytes
+base64) and decoded with strict type checks. Pickle is never used for anything that crosses a process boundary:
+unpickling peer bytes runs arbitrary code. ``compat_hash`` is recomputed from the embedded layout on decode, so a
+corrupted or hand-edited blob is refused at the handshake rather than discovered as garbage KV.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass, field
+
+from kvtransfer.layout import KVLayout
+
+DESTINATION_VERSION = 1
+
+
+@dataclass(slots=True, frozen=True)
+class DestinationInfo:
+    """Everything a sender needs to push one request's KV into one decode rank's reserved blocks.
+
+    ``deadline_s`` is an absolute wall-clock time (``time.time()``); each side converts it to its own monotonic
+    clock on arrival. ``regions`` are per-layer ``(k_addr, v_addr)`` base addresses (one-sided backends only) and
+    ``agent_metadata`` is the backend's opaque peer blob (NIXL agent metadata), both empty where unused.
+    """
+
+    backend: str
+    request_id: str
+    transfer_id: int
+    endpoint: str
+    layout: KVLayout
+    dst_block_ids: tuple[int, ...]
+    num_tokens: int
+    deadline_s: float
+    compat_hash: str
+    agent_name: str = ""
+    agent_metadata: bytes = b""
+    regions: tuple[tuple[int, int], ...] = ()
+    mem_type: str = "DRAM"
+    device_id: int = 0
+    version: int = field(default=DESTINATION_VERSION)
+
+    def __post_init__(self) -> None:
+        if self.version != DESTINATION_VERSION:
+            raise ValueError(f"DestinationInfo version {self.version} is not {DESTINATION_VERSION}")
+        if not self.backend or not self.request_id:
+            raise ValueError("DestinationInfo needs a backend and a request_id")
+        if not 0 <= self.transfer_id < 2**63:
+            raise ValueError(f"transfer_id {self.transfer_id} out of range")
+        if self.num_tokens < 1 or not self.dst_block_ids:
+            raise ValueError("DestinationInfo needs at least one token and one block")
+        need = -(-self.num_tokens // self.layout.block_size)
+        if need != len(self.dst_block_ids):
+            raise ValueError(f"{self.num_tokens} tokens need {need} blocks, got {len(self.dst_block_ids)}")
+        if self.compat_hash != self.layout.compat_hash():
+            raise ValueError("DestinationInfo compat_hash does not match its layout (corrupted or tampered)")
+        if self.regions and len(self.regions) != self.layout.num_layers:
+            raise ValueError(f"{len(self.regions)} regions for {self.layout.num_layers} layers")
+        if self.mem_type not in ("DRAM", "VRAM"):
+            raise ValueError(f"mem_type {self.mem_type!r} is not DRAM or VRAM")
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "version": self.version,
+            "backend": self.backend,
+            "request_id": self.request_id,
+            "transfer_id": self.transfer_id,
+            "endpoint": self.endpoint,
+            "layout": self.layout.to_dict(),
+            "dst_block_ids": list(self.dst_block_ids),
+            "num_tokens": self.num_tokens,
+            "deadline_s": self.deadline_s,
+            "compat_hash": self.compat_hash,
+            "agent_name": self.agent_name,
+            "agent_metadata": base64.b64encode(self.agent_metadata).decode(),
+            "regions": [list(r) for r in self.regions],
+            "mem_type": self.mem_type,
+            "device_id": self.device_id,
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> DestinationInfo:
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"DestinationInfo is not valid JSON: {e}") from None
+        if not isinstance(doc, dict):
+            raise ValueError("DestinationInfo must be a JSON object")
+        if doc.get("version") != DESTINATION_VERSION:
+            raise ValueError(f"DestinationInfo version {doc.get('version')!r} is not {DESTINATION_VERSION}")
+        expect: dict[str, type | tuple[type, ...]] = {
+            "backend": str, "request_id": str, "transfer_id": int, "endpoint": str, "layout": dict,
+            "dst_block_ids": list, "num_tokens": int, "deadline_s": (int, float), "compat_hash": str,
+            "agent_name": str, "agent_metadata": str, "regions": list, "mem_type": str, "device_id": int,
+        }
+        for key, typ in expect.items():
+            if not isinstance(doc.get(key), typ) or isinstance(doc.get(key), bool):
+                raise ValueError(f"DestinationInfo field {key!r} missing or not {typ}")
+        if not all(isinstance(b, int) and b >= 0 for b in doc["dst_block_ids"]):
+            raise ValueError("DestinationInfo dst_block_ids must be non-negative ints")
+        regions = doc["regions"]
+        if not all(isinstance(r, list) and len(r) == 2 and all(isinstance(a, int) for a in r) for r in regions):
+            raise ValueError("DestinationInfo regions must be [k_addr, v_addr] int pairs")
+        return cls(
+            backend=doc["backend"],
+            request_id=doc["request_id"],
+            transfer_id=doc["transfer_id"],
+            endpoint=doc["endpoint"],
+            layout=KVLayout.from_dict(doc["layout"]),
+            dst_block_ids=tuple(doc["dst_block_ids"]),
+            num_tokens=doc["num_tokens"],
+            deadline_s=float(doc["deadline_s"]),
+            compat_hash=doc["compat_hash"],
+            agent_name=doc["agent_name"],
+            agent_metadata=base64.b64decode(doc["agent_metadata"], validate=True),
+            regions=tuple((int(k), int(v)) for k, v in regions),
+            mem_type=doc["mem_type"],
+            device_id=doc["device_id"],
+        )

@@ -1,0 +1,197 @@
+"""In-process fake backend for unit tests: the sender copies tensors straight into the receiver's blocks.
+
+It goes through the same :class:`~kvtransfer.landing.Landing` validation and :class:`~kvtransfer.book.TransferBook`
+leases as the real backends, so tests of callers exercise real state transitions. :class:`FakeBehaviour` injects
+the two failure shapes that matter: a loud peer failure at a given layer, and a silent stall (only the lease can
+catch it). Receivers are found by endpoint in a process-local table, so both ends must live in one process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvtransfer.base import DestinationInfo, KVCaches, KVReceiver, KVSender, OnFailed, TransferStatus
+from kvtransfer.book import Entry, TransferBook
+from kvtransfer.config import TransferConfig
+from kvtransfer.landing import Landing
+from kvtransfer.layout import KVLayout
+from kvtransfer.outgoing import Leg, Outbound, Outgoing
+from kvtransfer.wire import Frame, Kind
+
+_RECEIVERS: weakref.WeakValueDictionary[str, FakeReceiver] = weakref.WeakValueDictionary()
+_NEXT = itertools.count()
+_TABLE_LOCK = threading.Lock()
+
+
+@dataclass(slots=True, frozen=True)
+class FakeBehaviour:
+    fail_at_layer: int | None = None  # send_layer(this layer) fails loudly; the receiver is told
+    stall_from_layer: int | None = None  # layers from this one on are dropped silently; leases must catch it
+    message: str = "fake: injected sender failure"
+
+    def __post_init__(self) -> None:
+        for name in ("fail_at_layer", "stall_from_layer"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ValueError(f"FakeBehaviour.{name} must be >= 0")
+
+
+class FakeReceiver(KVReceiver):
+    backend_name: ClassVar[str] = "fake"
+
+    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
+        super().__init__(config, on_failed)
+        self.book = TransferBook("receiver", on_failed, self._notify_peer)
+        self.landing = Landing(self.book, self.backend_name)
+        with _TABLE_LOCK:
+            self.endpoint = f"fake://{next(_NEXT)}"
+            _RECEIVERS[self.endpoint] = self
+        self.book.start(self.config.poll_interval_s)
+
+    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
+        self.landing.register(kv_caches, layout)
+
+    def reserve(
+        self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int, deadline_s: float
+    ) -> DestinationInfo:
+        return self.landing.reserve(request_id, dst_block_ids, num_tokens, deadline_s, endpoint=self.endpoint)
+
+    def poll(self, request_id: str) -> TransferStatus:
+        return self.book.status(request_id)
+
+    def release(self, request_id: str) -> None:
+        entry = self.book.find(request_id)
+        if entry is not None:
+            self.book.fail(entry, "receiver: released before completion", notify_peer=True, tell_owner=False)
+        self.landing.forget(request_id)
+
+    def close(self) -> None:
+        self.book.stop(self.config.close_timeout_s)
+        with _TABLE_LOCK:
+            _RECEIVERS.pop(self.endpoint, None)
+
+    # ---- called by FakeSender
+    def deliver(self, tid: int, frame: Frame, src: object, sender: tuple[FakeSender, Entry, Leg]) -> None:
+        entry = self.landing.live(tid)
+        if entry is None:
+            return
+        if frame.kind == Kind.HELLO:
+            try:
+                self.landing.on_hello(entry, src, sender)  # type: ignore[arg-type]
+            except ValueError as e:
+                entry.ctx.peers.append(sender)
+                self.book.fail(entry, f"receiver: {e}", notify_peer=True)
+        elif frame.kind == Kind.DATA:
+            try:
+                view = self.landing.target(entry, frame)
+            except ValueError as e:
+                self.book.fail(entry, f"receiver: refused DATA: {e}", notify_peer=True)
+                return
+            view.copy_(src)  # type: ignore[arg-type]
+            if self.landing.landed(entry, frame.layer, frame.payload_len):
+                for peer in entry.ctx.peers:
+                    peer[0].acked(peer[1], peer[2])
+        elif frame.kind == Kind.FINISH:
+            self.landing.on_finish(entry)
+        elif frame.kind == Kind.FAIL:
+            self.book.fail(entry, f"receiver: peer reported: {src}")
+
+    def _notify_peer(self, entry: Entry, message: str) -> None:
+        for peer in list(entry.ctx.peers):
+            peer[0].peer_failed(peer[1], message)
+
+
+class FakeSender(KVSender):
+    backend_name: ClassVar[str] = "fake"
+
+    def __init__(
+        self, config: TransferConfig | None = None, on_failed: OnFailed | None = None,
+        behaviour: FakeBehaviour | None = None,
+    ) -> None:
+        super().__init__(config, on_failed)
+        self.behaviour = behaviour or FakeBehaviour()
+        self.book = TransferBook("sender", on_failed, self._notify_peer)
+        self.out = Outbound(self.book, self.backend_name)
+        self.book.start(self.config.poll_interval_s)
+
+    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
+        self.out.register(kv_caches, layout)
+
+    def start(
+        self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_block_ids: Sequence[int],
+        deadline_s: float,
+    ) -> None:
+        entry = self.out.open(request_id, dest, src_block_ids, deadline_s)
+        for leg in entry.ctx.legs:
+            leg.peer = _RECEIVERS.get(leg.dest.endpoint)
+            if leg.peer is None:
+                self.book.fail(entry, f"sender: no fake receiver at {leg.dest.endpoint}")
+                return
+        self.out.plan(entry)
+        assert self.out.layout is not None
+        for leg in entry.ctx.legs:
+            leg.peer.deliver(leg.dest.transfer_id, Frame(Kind.HELLO, leg.dest.transfer_id), self.out.layout,
+                             (self, entry, leg))
+
+    def send_layer(self, request_id: str, layer: int) -> None:
+        entry = self.out.live(request_id)
+        if entry is None:
+            return
+        b = self.behaviour
+        if b.fail_at_layer is not None and layer >= b.fail_at_layer:
+            self.book.fail(entry, b.message, notify_peer=True)
+            return
+        if b.stall_from_layer is not None and layer >= b.stall_from_layer:
+            return
+        k, v = self.out.kv_caches[layer]
+        for leg in entry.ctx.legs:
+            sent = 0
+            for p in leg.pieces:
+                for kv, t in enumerate((k, v)):
+                    frame = Frame(Kind.DATA, leg.dest.transfer_id, layer, kv, p.dst_start, p.num_blocks,
+                                  p.dst_heads[0], p.dst_heads[1], p.nbytes)
+                    leg.peer.deliver(leg.dest.transfer_id, frame, p.src_view(t), (self, entry, leg))
+                    sent += p.nbytes
+            self.out.leg_sent_layer(entry, leg, sent)
+
+    def finish(self, request_id: str) -> None:
+        entry = self.out.live(request_id)
+        if entry is None:
+            return
+        out: Outgoing = entry.ctx
+        out.finish_requested = True
+        b = self.behaviour
+        if b.stall_from_layer is not None:
+            return
+        for leg in out.legs:
+            leg.peer.deliver(leg.dest.transfer_id, Frame(Kind.FINISH, leg.dest.transfer_id), None, (self, entry, leg))
+
+    def poll(self, request_id: str) -> TransferStatus:
+        return self.book.status(request_id)
+
+    def release(self, request_id: str) -> None:
+        entry = self.book.find(request_id)
+        if entry is not None:
+            self.book.fail(entry, "sender: released before completion", notify_peer=True, tell_owner=False)
+        self.book.pop(request_id)
+
+    def close(self) -> None:
+        self.book.stop(self.config.close_timeout_s)
+
+    # ---- called by FakeReceiver
+    def acked(self, entry: Entry, leg: Leg) -> None:
+        self.out.leg_acked(entry, leg)
+
+    def peer_failed(self, entry: Entry, message: str) -> None:
+        self.book.fail(entry, f"sender: receiver reported: {message}")
+
+    def _notify_peer(self, entry: Entry, message: str) -> None:
+        for leg in entry.ctx.legs:
+            if leg.peer is not None:
+                leg.peer.deliver(leg.dest.transfer_id, Frame(Kind.FAIL, leg.dest.transfer_id), message,
+                                 (self, entry, leg))

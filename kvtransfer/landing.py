@@ -1,0 +1,178 @@
+"""Receiver-side bookkeeping shared by every backend: reservations, validation of incoming pieces, completion.
+
+A backend receiver composes one :class:`Landing`. Incoming DATA is checked against the reservation *before* a
+single byte is written: the layer, K/V selector, head slice and every block id must lie inside what was reserved,
+and the length must match. Bytes for an unknown, released, failed or expired request are discarded, never written,
+because by then the engine may have handed those blocks to someone else.
+
+A layer counts as landed when its K and V bytes for every reserved block (all local heads) have arrived, possibly
+from several source ranks when prefill TP > decode TP. The request is DONE when every layer has landed. A FINISH
+from every expected source rank with bytes still missing is a failure, not a wait.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtransfer.base import DestinationInfo, KVCaches, TransferState
+from kvtransfer.book import Entry, TransferBook
+from kvtransfer.layout import KVLayout, flat_bytes, validate_caches
+from kvtransfer.plan import blocks_for_tokens, expected_layer_bytes
+from kvtransfer.tp_mapping import tp_head_map
+from kvtransfer.wire import Frame
+
+
+@dataclass(slots=True)
+class Reservation:
+    transfer_id: int
+    dst_ids: tuple[int, ...]
+    dst_set: frozenset[int]
+    layer_expected: int
+    layer_bytes: list[int]
+    expected_senders: int = 0  # known at the first HELLO (depends on the source TP)
+    hellos: int = 0
+    finishes: int = 0
+    peers: list[Any] = field(default_factory=list)  # backend handles to answer ACK/FAIL on
+
+
+class Landing:
+    def __init__(self, book: TransferBook, backend: str) -> None:
+        self.book = book
+        self.backend = backend
+        self.layout: KVLayout | None = None
+        self.kv_caches: KVCaches = ()
+        self.num_blocks = 0
+        self._by_tid: dict[int, Entry] = {}
+        # Transfer ids are unique per receiver and hard to guess across receivers (a stale sender of a previous
+        # process incarnation cannot hit a live reservation by accident).
+        self._tids = itertools.count(random.Random(os.urandom(8)).getrandbits(40) << 20)
+
+    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
+        self.num_blocks = validate_caches(kv_caches, layout)
+        self.kv_caches = list(kv_caches)
+        self.layout = layout
+        # Flat byte views of each CPU tensor, made once: a full-head piece is then a plain memoryview slice.
+        self.flat = [tuple(flat_bytes(t) for t in pair) for pair in kv_caches] if not kv_caches[0][0].is_cuda else []
+
+    def require_layout(self) -> KVLayout:
+        if self.layout is None:
+            raise RuntimeError(f"{self.backend} receiver: register() the KV caches first")
+        return self.layout
+
+    def reserve(
+        self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int, deadline_s: float, **dest_fields: Any
+    ) -> DestinationInfo:
+        layout = self.require_layout()
+        ids = tuple(int(b) for b in dst_block_ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"reserve {request_id!r}: duplicate block ids")
+        if any(not 0 <= b < self.num_blocks for b in ids):
+            raise ValueError(f"reserve {request_id!r}: block id outside [0, {self.num_blocks})")
+        if blocks_for_tokens(num_tokens, layout.block_size) != len(ids):
+            raise ValueError(f"reserve {request_id!r}: {num_tokens} tokens do not fill {len(ids)} blocks")
+        tid = next(self._tids)
+        res = Reservation(tid, ids, frozenset(ids), expected_layer_bytes(layout, len(ids)), [0] * layout.num_layers)
+        dest = DestinationInfo(
+            backend=self.backend, request_id=request_id, transfer_id=tid, layout=layout, dst_block_ids=ids,
+            num_tokens=num_tokens, deadline_s=deadline_s, compat_hash=layout.compat_hash(), **dest_fields,
+        )
+        with self.book.lock:
+            entry = self.book.add(request_id, deadline_s, res)
+            self._by_tid[tid] = entry
+        return dest
+
+    def forget(self, request_id: str) -> Entry | None:
+        with self.book.lock:
+            entry = self.book.pop(request_id)
+            if entry is not None:
+                self._by_tid.pop(entry.ctx.transfer_id, None)
+            return entry
+
+    def live(self, tid: int) -> Entry | None:
+        """The entry for ``tid`` if bytes for it may still be written."""
+        with self.book.lock:
+            entry = self._by_tid.get(tid)
+            if entry is None or entry.state >= TransferState.DONE:
+                return None
+            return entry
+
+    def by_tid(self, tid: int) -> Entry | None:
+        with self.book.lock:
+            return self._by_tid.get(tid)
+
+    def on_hello(self, entry: Entry, sender: KVLayout, peer: Any) -> None:
+        """Check a sender's layout; raises ``CompatibilityError``/``ValueError`` (caller fails the entry)."""
+        layout = self.require_layout()
+        layout.check_compatible(sender)
+        senders = len(tp_head_map(layout.num_kv_heads, sender.tp_size, layout.tp_size)[layout.tp_rank])
+        with self.book.lock:
+            res: Reservation = entry.ctx
+            res.expected_senders = senders
+            res.hellos += 1
+            if peer is not None and peer not in res.peers:
+                res.peers.append(peer)
+            if entry.state == TransferState.PENDING:
+                entry.state = TransferState.IN_FLIGHT
+
+    def target(self, entry: Entry, frame: Frame) -> torch.Tensor:
+        """The destination view a DATA frame may be written to; ``ValueError`` if it strays outside the lease."""
+        layout = self.require_layout()
+        res: Reservation = entry.ctx
+        if not 0 <= frame.layer < layout.num_layers or frame.kv not in (0, 1):
+            raise ValueError(f"DATA for layer {frame.layer} kv {frame.kv} is out of range")
+        if not 0 <= frame.head_lo < frame.head_hi <= layout.local_heads:
+            raise ValueError(f"DATA heads [{frame.head_lo}, {frame.head_hi}) outside {layout.local_heads}")
+        blocks = range(frame.dst_start, frame.dst_start + frame.num_blocks)
+        if frame.num_blocks < 1 or not all(b in res.dst_set for b in blocks):
+            raise ValueError(f"DATA blocks [{blocks.start}, {blocks.stop}) are not all reserved")
+        heads = frame.head_hi - frame.head_lo
+        want = frame.num_blocks * layout.block_size * heads * layout.head_dim * layout.element_size
+        if frame.payload_len != want:
+            raise ValueError(f"DATA payload {frame.payload_len} bytes, expected {want}")
+        t = self.kv_caches[frame.layer][frame.kv]
+        return t[blocks.start : blocks.stop, :, frame.head_lo : frame.head_hi]
+
+    def byte_range(self, frame: Frame) -> memoryview | None:
+        """The destination bytes of an already validated full-head DATA frame on CPU, else None."""
+        layout = self.layout
+        if not self.flat or layout is None or frame.head_hi - frame.head_lo != layout.local_heads:
+            return None
+        start = frame.dst_start * layout.block_bytes
+        return self.flat[frame.layer][frame.kv][start : start + frame.payload_len]
+
+    def landed(self, entry: Entry, layer: int, nbytes: int) -> bool:
+        """Account ``nbytes`` landed in ``layer``; True when this made the request DONE."""
+        with self.book.lock:
+            if entry.state >= TransferState.DONE:
+                return False
+            res: Reservation = entry.ctx
+            before = res.layer_bytes[layer]
+            res.layer_bytes[layer] = before + nbytes
+            entry.nbytes += nbytes
+            if entry.state == TransferState.PENDING:
+                entry.state = TransferState.IN_FLIGHT
+            if before < res.layer_expected <= res.layer_bytes[layer]:
+                entry.layers_done += 1
+            if entry.layers_done == len(res.layer_bytes):
+                return self.book.done(entry)
+            return False
+
+    def on_finish(self, entry: Entry) -> None:
+        with self.book.lock:
+            res: Reservation = entry.ctx
+            res.finishes += 1
+            if entry.state < TransferState.DONE and res.finishes >= max(res.expected_senders, 1):
+                want = res.layer_expected * len(res.layer_bytes)
+                self.book.fail(
+                    entry,
+                    f"receiver: sender finished but only {entry.nbytes} of {want} bytes landed "
+                    f"({entry.layers_done}/{len(res.layer_bytes)} layers)",
+                    notify_peer=True,
+                )

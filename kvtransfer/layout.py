@@ -1,0 +1,181 @@
+"""The KV layout contract shared by both ends of a transfer, and the block-run helper.
+
+Per layer the engine keeps K and V as two contiguous tensors ``[num_blocks, block_size, num_kv_heads_local,
+head_dim]`` (tag ``"NBHD"``). A request's blocks for one layer are therefore a few contiguous byte ranges, one per
+run of consecutive block ids, which is what lets a layer be described and sent as soon as it is computed.
+
+:class:`KVLayout` is what the two ends compare at the handshake. Everything that changes the meaning of a byte
+(model, dtype, block size, head geometry, layer count, layout tag) must match, and :meth:`KVLayout.compat_hash`
+covers exactly those fields. Tensor parallelism is deliberately *not* in the hash: a prefill replica with TP=2 may
+feed a decode replica with TP=4, and :mod:`kvtransfer.tp_mapping` maps heads rank to rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+LAYOUT_NBHD = "NBHD"
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+}
+
+# The fields that must be equal on both ends, in the order the hash and error messages use.
+COMPAT_FIELDS = ("model_id", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "layout")
+
+
+class CompatibilityError(ValueError):
+    """The two ends of a transfer disagree on something that changes the meaning of the bytes."""
+
+
+@dataclass(slots=True, frozen=True)
+class KVLayout:
+    """What one rank's KV cache looks like. ``num_kv_heads`` is the model total; a rank holds ``local_heads``."""
+
+    model_id: str
+    dtype: str
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    tp_size: int = 1
+    tp_rank: int = 0
+    layout: str = LAYOUT_NBHD
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise ValueError("KVLayout.model_id must be non-empty")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "tp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"KVLayout.tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
+        if self.num_kv_heads % self.tp_size:
+            raise ValueError(f"{self.num_kv_heads} KV heads cannot be split evenly across tp_size={self.tp_size}")
+        if self.layout != LAYOUT_NBHD:
+            raise ValueError(f"KVLayout.layout {self.layout!r} is not supported (only {LAYOUT_NBHD!r})")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_kv_heads // self.tp_size
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token of one layer of K (or V) on this rank."""
+        return self.local_heads * self.head_dim * self.element_size
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer of K (or V) on this rank."""
+        return self.block_size * self.token_bytes
+
+    def compat_hash(self) -> str:
+        """Stable hex digest of the fields that must match across the two ends (TP excluded)."""
+        text = "|".join(f"{name}={getattr(self, name)}" for name in COMPAT_FIELDS)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def check_compatible(self, other: KVLayout) -> None:
+        """Raise :class:`CompatibilityError` naming every mismatching field; TP differences are allowed."""
+        diffs = [
+            f"{name} {getattr(self, name)!r} != {getattr(other, name)!r}"
+            for name in COMPAT_FIELDS
+            if getattr(self, name) != getattr(other, name)
+        ]
+        if diffs:
+            raise CompatibilityError("KV layout mismatch: " + "; ".join(diffs))
+
+    def to_dict(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in (*COMPAT_FIELDS, "tp_size", "tp_rank")}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> KVLayout:
+        fields = (*COMPAT_FIELDS, "tp_size", "tp_rank")
+        unknown = set(data) - set(fields)
+        if unknown:
+            raise ValueError(f"unknown KVLayout fields {sorted(unknown)}")
+        return cls(**{k: data[k] for k in fields if k in data})  # type: ignore[arg-type]
+
+
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Split block ids into ``(start, length)`` runs of consecutive ids, keeping their order.
+
+    >>> block_runs([4, 5, 6, 9, 2, 3])
+    [(4, 3), (9, 1), (2, 2)]
+    """
+    runs: list[tuple[int, int]] = []
+    for raw in block_ids:
+        b = int(raw)
+        if b < 0:
+            raise ValueError(f"block id {b} is negative")
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+def paired_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(src_start, dst_start, length)`` runs that are consecutive on *both* sides, in request order."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"source has {len(src_ids)} blocks but destination reserved {len(dst_ids)}")
+    runs: list[tuple[int, int, int]] = []
+    for s_raw, d_raw in zip(src_ids, dst_ids, strict=True):
+        s, d = int(s_raw), int(d_raw)
+        if s < 0 or d < 0:
+            raise ValueError(f"negative block id in pair ({s}, {d})")
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def validate_caches(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout) -> int:
+    """Check the registered tensors against ``layout``; return ``num_blocks``."""
+    if len(kv_caches) != layout.num_layers:
+        raise ValueError(f"got {len(kv_caches)} layers of KV cache, layout says {layout.num_layers}")
+    shape = None
+    for i, pair in enumerate(kv_caches):
+        if len(pair) != 2:
+            raise ValueError(f"layer {i}: expected a (K, V) pair")
+        for name, t in zip("KV", pair, strict=True):
+            if t.dtype != layout.torch_dtype:
+                raise ValueError(f"layer {i} {name}: dtype {t.dtype} but layout says {layout.dtype}")
+            if t.dim() != 4 or tuple(t.shape[1:]) != (layout.block_size, layout.local_heads, layout.head_dim):
+                raise ValueError(
+                    f"layer {i} {name}: shape {tuple(t.shape)} is not [num_blocks, {layout.block_size}, "
+                    f"{layout.local_heads}, {layout.head_dim}]"
+                )
+            if not t.is_contiguous():
+                raise ValueError(f"layer {i} {name}: tensor is not contiguous")
+            shape = shape or tuple(t.shape)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"layer {i} {name}: {tuple(t.shape)} differs from layer 0 {shape}")
+    return int(kv_caches[0][0].shape[0])
+
+
+def flat_bytes(t: torch.Tensor) -> memoryview:
+    """Writable flat byte memoryview over a contiguous CPU tensor's storage (no copy; any dtype)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("flat_bytes needs a contiguous CPU tensor")
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")

@@ -1,0 +1,73 @@
+"""NIXL helpers shared by both ends: agent creation (UCX pinned to loopback), the HELLO payload, and the
+descriptor offsets of a plan. Design: :mod:`kvtransfer.nixl_backend`."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtransfer.config import TransferConfig
+from kvtransfer.layout import KVLayout
+from kvtransfer.plan import Piece
+
+
+def make_agent(config: TransferConfig, role: str) -> Any:
+    """A NIXL agent with the configured backends, UCX pinned to the configured devices."""
+    if config.ucx_net_devices:
+        os.environ["UCX_NET_DEVICES"] = config.ucx_net_devices
+    if config.ucx_tls:
+        os.environ["UCX_TLS"] = config.ucx_tls
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("the nixl backend needs NIXL: pip install nixl-cu12==1.5.1 (see kvtransfer docs)") from e
+    name = f"tandem-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    cfg = nixl_agent_config(enable_prog_thread=True, backends=list(config.nixl_backends))
+    return nixl_agent(name, cfg)
+
+
+def mem_of(t: torch.Tensor) -> tuple[str, int]:
+    return ("VRAM", t.device.index or 0) if t.is_cuda else ("DRAM", 0)
+
+
+def hello_payload(layout: KVLayout, agent_name: str, metadata: bytes) -> bytes:
+    return json.dumps({"layout": layout.to_dict(), "agent": agent_name,
+                       "metadata": base64.b64encode(metadata).decode()}).encode()
+
+
+def parse_hello(payload: bytes) -> tuple[KVLayout, str, bytes]:
+    try:
+        doc = json.loads(payload)
+        return KVLayout.from_dict(doc["layout"]), str(doc["agent"]), base64.b64decode(doc["metadata"], validate=True)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"malformed NIXL HELLO: {e}") from None
+
+
+def piece_offsets(pieces: Sequence[Piece], src: KVLayout, dst: KVLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Byte offsets (from a layer tensor's base) and lengths of every descriptor of one layer's K (or V).
+
+    Full-head pieces are one descriptor each; head-slice pieces are one descriptor per token row.
+    """
+    src_off: list[np.ndarray] = []
+    dst_off: list[np.ndarray] = []
+    lens: list[np.ndarray] = []
+    head_bytes = src.head_dim * src.element_size
+    for p in pieces:
+        heads = p.src_heads[1] - p.src_heads[0]
+        if heads == src.local_heads and heads == dst.local_heads:
+            src_off.append(np.array([p.src_start * src.block_bytes], dtype=np.uint64))
+            dst_off.append(np.array([p.dst_start * dst.block_bytes], dtype=np.uint64))
+            lens.append(np.array([p.nbytes], dtype=np.uint64))
+            continue
+        rows = np.arange(p.num_blocks * src.block_size, dtype=np.uint64)
+        src_off.append((p.src_start * src.block_size + rows) * src.token_bytes + p.src_heads[0] * head_bytes)
+        dst_off.append((p.dst_start * dst.block_size + rows) * dst.token_bytes + p.dst_heads[0] * head_bytes)
+        lens.append(np.full(rows.shape, heads * head_bytes, dtype=np.uint64))
+    return np.concatenate(src_off), np.concatenate(dst_off), np.concatenate(lens)

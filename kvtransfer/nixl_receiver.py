@@ -1,0 +1,132 @@
+"""NIXL receiver: registers the KV tensors, publishes them in the hand-off, and counts landed layers from the
+senders' notifications. Design: :mod:`kvtransfer.nixl_backend`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from kvtransfer.base import DestinationInfo, KVCaches, KVReceiver, OnFailed, TransferStatus
+from kvtransfer.book import Entry, TransferBook
+from kvtransfer.config import TransferConfig
+from kvtransfer.landing import Landing
+from kvtransfer.layout import KVLayout
+from kvtransfer.nixl_agent import make_agent, mem_of, parse_hello
+from kvtransfer.pacing import Backoff
+from kvtransfer.wire import HEADER_SIZE, Kind, control, unpack
+
+log = logging.getLogger(__name__)
+
+
+class NixlReceiver(KVReceiver):
+    backend_name: ClassVar[str] = "nixl"
+
+    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
+        super().__init__(config, on_failed)
+        self.book = TransferBook("receiver", on_failed, self._notify_peer)
+        self.landing = Landing(self.book, self.backend_name)
+        self._agent = make_agent(self.config, "decode")
+        self._agent_lock = threading.Lock()
+        self._metadata = b""
+        self._regions: tuple[tuple[int, int], ...] = ()
+        self._reg: Any = None
+        self._known: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="kv-nixl-notifs", daemon=True)
+        self._thread.start()
+        self.book.start(self.config.poll_interval_s)
+
+    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
+        self.landing.register(kv_caches, layout)
+        tensors = [t for pair in kv_caches for t in pair]
+        with self._agent_lock:
+            self._reg = self._agent.register_memory(tensors)
+            self._metadata = self._agent.get_agent_metadata()
+        self._regions = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
+        self._mem = mem_of(tensors[0])
+
+    def reserve(
+        self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int, deadline_s: float
+    ) -> DestinationInfo:
+        return self.landing.reserve(
+            request_id, dst_block_ids, num_tokens, deadline_s, endpoint=f"nixl://{self._agent.name}",
+            agent_name=self._agent.name, agent_metadata=self._metadata, regions=self._regions,
+            mem_type=self._mem[0], device_id=self._mem[1],
+        )
+
+    def poll(self, request_id: str) -> TransferStatus:
+        return self.book.status(request_id)
+
+    def release(self, request_id: str) -> None:
+        entry = self.book.find(request_id)
+        if entry is not None:
+            self.book.fail(entry, "receiver: released before completion", notify_peer=True, tell_owner=False)
+            self.landing.forget(request_id)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(self.config.close_timeout_s * 0.6)
+        self.book.stop(self.config.close_timeout_s * 0.2)
+        with self._agent_lock:
+            if self._reg is not None:
+                try:
+                    self._agent.deregister_memory(self._reg)
+                except Exception as e:
+                    log.debug("nixl receiver: deregister failed: %s", e)
+                self._reg = None
+
+    def _send(self, agent_name: str, msg: bytes) -> None:
+        with self._agent_lock:
+            self._agent.send_notif(agent_name, msg)
+
+    def _notify_peer(self, entry: Entry, message: str) -> None:
+        for peer in list(entry.ctx.peers):
+            self._send(peer, control(Kind.FAIL, entry.ctx.transfer_id, message.encode()))
+
+    def _watch(self) -> None:
+        pace = Backoff(self.config.poll_interval_s)
+        while not pace.wait(self._stop):
+            try:
+                with self._agent_lock:
+                    notifs = self._agent.get_new_notifs()
+            except Exception:
+                log.exception("nixl receiver: get_new_notifs failed")
+                continue
+            if notifs:
+                pace.reset()  # polling fast while bytes move measured slower: it competes for the CPUs
+            for remote, msgs in notifs.items():
+                for msg in msgs:
+                    try:
+                        self._handle(remote, bytes(msg))
+                    except Exception:
+                        log.exception("nixl receiver: bad notification from %s", remote)
+
+    def _handle(self, remote: str, msg: bytes) -> None:
+        frame = unpack(msg)
+        payload = msg[HEADER_SIZE : HEADER_SIZE + frame.payload_len] if frame.kind != Kind.DATA else b""
+        entry = self.landing.live(frame.transfer_id)
+        if entry is None:
+            return
+        if frame.kind == Kind.HELLO:
+            try:
+                layout, name, metadata = parse_hello(payload)
+                if name not in self._known:
+                    with self._agent_lock:
+                        self._agent.add_remote_agent(metadata)
+                    self._known.add(name)
+                self.landing.on_hello(entry, layout, name)
+            except ValueError as e:
+                with self.book.lock:
+                    if remote in self._known and remote not in entry.ctx.peers:
+                        entry.ctx.peers.append(remote)
+                self.book.fail(entry, f"receiver: {e}", notify_peer=True)
+        elif frame.kind == Kind.DATA:  # NIXL delivers this after the layer's WRITE completed
+            if self.landing.landed(entry, frame.layer, frame.payload_len):
+                for peer in list(entry.ctx.peers):
+                    self._send(peer, control(Kind.ACK, frame.transfer_id))
+        elif frame.kind == Kind.FINISH:
+            self.landing.on_finish(entry)
+        elif frame.kind == Kind.FAIL:
+            self.book.fail(entry, f"receiver: sender reported: {payload.decode(errors='replace')}")

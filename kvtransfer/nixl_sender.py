@@ -1,0 +1,269 @@
+"""NIXL sender: adds the decode agent, posts one WRITE per layer from its progress thread, completes on ACK.
+Design: :mod:`kvtransfer.nixl_backend`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from kvtransfer.base import DestinationInfo, KVCaches, KVSender, OnFailed, TransferState, TransferStatus
+from kvtransfer.book import Entry, TransferBook
+from kvtransfer.config import TransferConfig
+from kvtransfer.layout import KVLayout
+from kvtransfer.nixl_agent import hello_payload, make_agent, mem_of, piece_offsets
+from kvtransfer.outgoing import Leg, Outbound
+from kvtransfer.pacing import Backoff
+from kvtransfer.wire import HEADER_SIZE, Frame, Kind, control, unpack
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _LegPlan:
+    remote: str
+    src_off: np.ndarray
+    dst_off: np.ndarray
+    lens: np.ndarray
+    nbytes: int  # per layer, K and V
+    pending: list[tuple[int, Any]] = field(default_factory=list)  # (layer, xfer handle)
+    waiting: list[tuple[int, Any]] = field(default_factory=list)  # (layer, CUDA event) not yet posted
+    finish_sent: bool = False
+
+
+class NixlSender(KVSender):
+    backend_name: ClassVar[str] = "nixl"
+
+    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
+        super().__init__(config, on_failed)
+        self.book = TransferBook("sender", on_failed, self._notify_peer)
+        self.out = Outbound(self.book, self.backend_name)
+        self._agent = make_agent(self.config, "prefill")
+        self._agent_lock = threading.Lock()
+        self._reg: Any = None
+        self._metadata = b""
+        self._known: set[str] = set()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._progress, name="kv-nixl-progress", daemon=True)
+        self._thread.start()
+        self.book.start(self.config.poll_interval_s)
+
+    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
+        self.out.register(kv_caches, layout)
+        tensors = [t for pair in kv_caches for t in pair]
+        with self._agent_lock:
+            self._reg = self._agent.register_memory(tensors)
+            self._metadata = self._agent.get_agent_metadata()
+        self._bases = [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches]
+        self._mem = mem_of(tensors[0])
+
+    def start(
+        self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_block_ids: Sequence[int],
+        deadline_s: float,
+    ) -> None:
+        entry = self.out.open(request_id, dest, src_block_ids, deadline_s)
+        for leg in entry.ctx.legs:
+            d = leg.dest
+            try:
+                if d.agent_name not in self._known:
+                    with self._agent_lock:
+                        name = self._agent.add_remote_agent(d.agent_metadata)
+                    name = name.decode() if isinstance(name, bytes) else str(name)
+                    if name != d.agent_name:
+                        raise ValueError(f"agent metadata names {name!r}, destination says {d.agent_name!r}")
+                    self._known.add(name)
+            except Exception as e:
+                self.book.fail(entry, f"sender: cannot add NIXL agent {d.agent_name}: {e}")
+                return
+            leg.peer = _LegPlan(d.agent_name, np.empty(0, np.uint64), np.empty(0, np.uint64), np.empty(0, np.uint64), 0)
+        self.out.plan(entry)  # raises CompatibilityError after notifying the receiver(s)
+        assert self.out.layout is not None
+        hello = hello_payload(self.out.layout, self._agent.name, self._metadata)
+        for leg in entry.ctx.legs:
+            lp: _LegPlan = leg.peer
+            lp.src_off, lp.dst_off, lp.lens = piece_offsets(leg.pieces, self.out.layout, leg.dest.layout)
+            lp.nbytes = 2 * int(lp.lens.sum())
+            try:
+                with self._agent_lock:
+                    self._agent.send_notif(lp.remote, control(Kind.HELLO, leg.dest.transfer_id, hello))
+            except Exception as e:
+                self.book.fail(entry, f"sender: HELLO to {lp.remote} failed: {e}")
+                return
+
+    def send_layer(self, request_id: str, layer: int) -> None:
+        entry = self.book.get(request_id)
+        if entry.state >= TransferState.DONE:
+            return
+        ready = None
+        if self._mem[0] == "VRAM":  # pragma: no cover - needs a GPU
+            ready = torch.cuda.Event()
+            ready.record()
+        with self.book.lock:
+            for leg in entry.ctx.legs:
+                leg.peer.waiting.append((layer, ready))
+        self._wake.set()  # the progress thread posts it now (UCX may copy DRAM inside the post call)
+
+    def finish(self, request_id: str) -> None:
+        entry = self.book.get(request_id)
+        with self.book.lock:
+            entry.ctx.finish_requested = True
+
+    def poll(self, request_id: str) -> TransferStatus:
+        return self.book.status(request_id)
+
+    def release(self, request_id: str) -> None:
+        entry = self.book.find(request_id)
+        if entry is None:
+            return
+        self.book.fail(entry, "sender: released before completion", notify_peer=True, tell_owner=False)
+        self._drain(entry)
+        self.book.pop(request_id)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(self.config.close_timeout_s * 0.6)
+        self.book.stop(self.config.close_timeout_s * 0.2)
+        for entry in self.book.entries():
+            self._drain(entry)
+        with self._agent_lock:
+            if self._reg is not None:
+                try:
+                    self._agent.deregister_memory(self._reg)
+                except Exception as e:
+                    log.debug("nixl sender: deregister failed: %s", e)
+                self._reg = None
+
+    # ---- posting and progress
+    def _post(self, entry: Entry, leg: Leg, layer: int) -> None:
+        lp: _LegPlan = leg.peer
+        k_src, v_src = self._bases[layer]
+        k_dst, v_dst = leg.dest.regions[layer]
+        n = len(lp.lens)
+        local = np.empty((2 * n, 3), dtype=np.uint64)
+        remote = np.empty((2 * n, 3), dtype=np.uint64)
+        local[:n, 0], local[n:, 0] = lp.src_off + np.uint64(k_src), lp.src_off + np.uint64(v_src)
+        remote[:n, 0], remote[n:, 0] = lp.dst_off + np.uint64(k_dst), lp.dst_off + np.uint64(v_dst)
+        local[:, 1] = remote[:, 1] = np.concatenate([lp.lens, lp.lens])
+        local[:, 2], remote[:, 2] = self._mem[1], leg.dest.device_id
+        notif = Frame(Kind.DATA, leg.dest.transfer_id, layer=layer, payload_len=lp.nbytes).pack()
+        try:
+            with self._agent_lock:
+                src = self._agent.get_xfer_descs(local, self._mem[0])
+                dst = self._agent.get_xfer_descs(remote, leg.dest.mem_type)
+                handle = self._agent.initialize_xfer("WRITE", src, dst, lp.remote, notif)
+                state = self._agent.transfer(handle)
+        except Exception as e:
+            self.book.fail(entry, f"sender: posting layer {layer} to {lp.remote} failed: {e}", notify_peer=True)
+            return
+        if state == "ERR":
+            self.book.fail(entry, f"sender: NIXL refused layer {layer} to {lp.remote}", notify_peer=True)
+            with self._agent_lock:
+                handle.release()
+            return
+        with self.book.lock:
+            lp.pending.append((layer, handle))
+
+    def _drain(self, entry: Entry) -> None:
+        for leg in entry.ctx.legs:
+            lp: _LegPlan | None = leg.peer
+            if lp is None:
+                continue
+            with self.book.lock:
+                pending, lp.pending, lp.waiting = lp.pending, [], []
+            for _, handle in pending:
+                try:
+                    with self._agent_lock:
+                        handle.release()
+                except Exception as e:  # an in-flight handle may refuse; NIXL frees it with the agent
+                    log.debug("nixl sender: release of in-flight handle failed: %s", e)
+
+    def _progress(self) -> None:
+        pace = Backoff(self.config.poll_interval_s)
+        while not self._stop.is_set():
+            if self._wake.wait(pace.next_timeout()):
+                self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                if self._tick():
+                    pace.reset()
+            except Exception:
+                log.exception("nixl sender: progress tick failed")
+
+    def _tick(self) -> bool:
+        """One progress pass; True while anything is in flight (keeps polling fast)."""
+        busy = False
+        for entry in self.book.entries():
+            if entry.state >= TransferState.DONE:
+                if entry.state == TransferState.FAILED:
+                    self._drain(entry)
+                continue
+            busy = True
+            for leg in entry.ctx.legs:
+                self._advance(entry, leg)
+        with self._agent_lock:
+            notifs = self._agent.get_new_notifs()
+        for remote, msgs in notifs.items():
+            for msg in msgs:
+                self._on_notif(remote, bytes(msg))
+        return busy or bool(notifs)
+
+    def _advance(self, entry: Entry, leg: Leg) -> None:
+        lp: _LegPlan | None = leg.peer
+        if lp is None:
+            return
+        for layer, ev in list(lp.waiting):
+            if ev is None or ev.query():
+                with self.book.lock:
+                    lp.waiting.remove((layer, ev))
+                self._post(entry, leg, layer)
+                if entry.state >= TransferState.DONE:
+                    return
+        for layer, handle in list(lp.pending):
+            with self._agent_lock:
+                state = self._agent.check_xfer_state(handle)
+            if state == "PROC":
+                continue
+            with self.book.lock:
+                lp.pending.remove((layer, handle))
+            with self._agent_lock:
+                handle.release()
+            if state == "ERR":
+                self.book.fail(entry, f"sender: NIXL WRITE of layer {layer} to {lp.remote} failed "
+                               "(receiver unreachable or gone)", notify_peer=True)
+                return
+            self.out.leg_sent_layer(entry, leg, lp.nbytes)
+        num_layers = len(self._bases)
+        if entry.ctx.finish_requested and not lp.finish_sent and leg.layers_sent >= num_layers:
+            lp.finish_sent = True
+            try:
+                with self._agent_lock:
+                    self._agent.send_notif(lp.remote, control(Kind.FINISH, leg.dest.transfer_id))
+            except Exception as e:
+                self.book.fail(entry, f"sender: FINISH to {lp.remote} failed: {e}")
+
+    def _on_notif(self, remote: str, msg: bytes) -> None:
+        frame = unpack(msg)
+        for entry in self.book.entries():
+            for leg in entry.ctx.legs:
+                if leg.dest.transfer_id != frame.transfer_id or leg.dest.agent_name != remote:
+                    continue
+                if frame.kind == Kind.ACK:
+                    self.out.leg_acked(entry, leg)
+                elif frame.kind == Kind.FAIL:
+                    text = msg[HEADER_SIZE : HEADER_SIZE + frame.payload_len].decode(errors="replace")
+                    self.book.fail(entry, f"sender: receiver reported: {text}")
+                return
+
+    def _notify_peer(self, entry: Entry, message: str) -> None:
+        for leg in entry.ctx.legs:
+            if leg.peer is not None:
+                with self._agent_lock:
+                    self._agent.send_notif(leg.peer.remote, control(Kind.FAIL, leg.dest.transfer_id, message.encode()))

@@ -1,0 +1,98 @@
+"""Socket and buffer helpers for the TCP backend: exact reads straight into tensor memory, bounded writes.
+
+No byte is touched by Python code: payloads go through ``recv_into(..., MSG_WAITALL)`` and ``sendall`` on
+memoryviews of the tensors' storage, one syscall-level call per payload. Every wait is bounded: writes by the
+request's deadline, blocking reads by a watchdog or ``close()`` that shuts the socket down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+
+class PeerClosed(ConnectionError):
+    """The peer closed the connection (cleanly at a frame boundary when ``clean`` is True)."""
+
+    def __init__(self, message: str, clean: bool = False) -> None:
+        super().__init__(message)
+        self.clean = clean
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """Writable flat byte memoryview of a contiguous CPU tensor (no copy; works for bf16/fp8 too)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("byte_view needs a contiguous CPU tensor")
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+
+
+def recv_exact(sock: socket.socket, mv: memoryview, stop: threading.Event, at_boundary: bool = False) -> None:
+    """Fill ``mv`` from ``sock``; raises :class:`PeerClosed` on EOF and ``InterruptedError`` when stopped.
+
+    On a blocking socket ``MSG_WAITALL`` makes this one syscall per payload (the kernel copies straight into the
+    tensor); a shutdown from another thread ends the wait. On a socket with a timeout it loops over slices.
+    """
+    off, n = 0, len(mv)
+    while off < n:
+        try:
+            got = sock.recv_into(mv[off:], n - off, socket.MSG_WAITALL)
+        except TimeoutError:
+            if stop.is_set():
+                raise InterruptedError("stopped") from None
+            continue
+        if got == 0:
+            if stop.is_set():
+                raise InterruptedError("stopped")
+            clean = at_boundary and off == 0
+            raise PeerClosed("peer closed the connection" + ("" if clean else f" mid-frame ({off}/{n} bytes)"), clean)
+        off += got
+
+
+def discard(sock: socket.socket, n: int, stop: threading.Event, scratch: memoryview) -> None:
+    while n > 0:
+        chunk = min(n, len(scratch))
+        recv_exact(sock, scratch[:chunk], stop)
+        n -= chunk
+
+
+def send_all(sock: socket.socket, data: bytes | memoryview, deadline: float) -> None:
+    """Send everything before ``deadline`` (monotonic) or raise ``TimeoutError``/``OSError``.
+
+    ``sendall`` loops in C; its timeout is the total duration. A partial send leaves the stream unusable, so the
+    caller drops the connection on any error. ``close()`` elsewhere interrupts it by shutting the socket down.
+    """
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("deadline passed before the send")
+    sock.settimeout(remaining)
+    sock.sendall(data)
+
+
+def tune(sock: socket.socket, timeout_s: float | None) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(timeout_s)
+
+
+def join_all(threads: Sequence[threading.Thread], timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+
+
+def close_socket(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+def staged(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor holding ``t``'s bytes (``t`` itself when it already is one)."""
+    if t.device.type == "cpu":
+        return t if t.is_contiguous() else t.contiguous()
+    return t.to("cpu", copy=True).contiguous()

@@ -1,0 +1,233 @@
+"""TCP sender: one connection per receiver, a single worker thread streams each queued layer as frames.
+Design and failure semantics: :mod:`kvtransfer.tcp`."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, cast
+
+import torch
+
+from kvtransfer.base import DestinationInfo, KVCaches, KVSender, OnFailed, TransferState, TransferStatus
+from kvtransfer.book import Entry, TransferBook
+from kvtransfer.config import TransferConfig
+from kvtransfer.layout import KVLayout
+from kvtransfer.outgoing import Leg, Outbound
+from kvtransfer.sockio import byte_view, close_socket, join_all, recv_exact, send_all, staged, tune
+from kvtransfer.wire import HEADER_SIZE, Frame, Kind, control, hello_payload, unpack
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Link:
+    endpoint: str
+    sock: socket.socket
+    legs: dict[int, tuple[Entry, Leg]] = field(default_factory=dict)
+    alive: bool = True
+
+
+class TcpSender(KVSender):
+    backend_name: ClassVar[str] = "tcp"
+
+    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
+        super().__init__(config, on_failed)
+        self.book = TransferBook("sender", on_failed, self._notify_peer)
+        self.out = Outbound(self.book, self.backend_name)
+        self._stop = threading.Event()
+        self._links: dict[str, _Link] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[str, object, object]] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._worker = threading.Thread(target=self._work, name="kv-tcp-send", daemon=True)
+        self._worker.start()
+        self.book.start(self.config.poll_interval_s)
+
+    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
+        self.out.register(kv_caches, layout)
+
+    def start(
+        self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_block_ids: Sequence[int],
+        deadline_s: float,
+    ) -> None:
+        entry = self.out.open(request_id, dest, src_block_ids, deadline_s)
+        for leg in entry.ctx.legs:
+            try:
+                link = self._link(leg.dest.endpoint)
+            except OSError as e:
+                self.book.fail(entry, f"sender: cannot connect to receiver {leg.dest.endpoint}: {e}")
+                return
+            with self.book.lock:
+                link.legs[leg.dest.transfer_id] = (entry, leg)
+                leg.peer = link
+        self.out.plan(entry)  # raises CompatibilityError; the peer is told through _notify_peer
+        assert self.out.layout is not None
+        hello = hello_payload(self.out.layout)
+        for leg in entry.ctx.legs:
+            self._queue.put(("bytes", leg.peer, control(Kind.HELLO, leg.dest.transfer_id, hello)))
+
+    def send_layer(self, request_id: str, layer: int) -> None:
+        self.book.get(request_id)  # KeyError for a request that was never started
+        ready = None
+        if self.out.kv_caches and self.out.kv_caches[layer][0].is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        self._queue.put(("layer", (request_id, layer), ready))
+
+    def finish(self, request_id: str) -> None:
+        self.book.get(request_id)
+        self._queue.put(("finish", request_id, None))
+
+    def poll(self, request_id: str) -> TransferStatus:
+        return self.book.status(request_id)
+
+    def release(self, request_id: str) -> None:
+        entry = self.book.find(request_id)
+        if entry is None:
+            return
+        self.book.fail(entry, "sender: released before completion", notify_peer=True, tell_owner=False)
+        with self.book.lock:
+            for leg in entry.ctx.legs:
+                if leg.peer is not None:
+                    leg.peer.legs.pop(leg.dest.transfer_id, None)
+            self.book.pop(request_id)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._queue.put(("stop", None, None))
+        with self._lock:
+            links = list(self._links.values())
+        for link in links:
+            close_socket(link.sock)
+        join_all([self._worker, *self._threads], self.config.close_timeout_s)
+        self.book.stop(self.config.close_timeout_s / 4)
+
+    # ---- connections
+    def _link(self, endpoint: str) -> _Link:
+        with self._lock:
+            link = self._links.get(endpoint)
+            if link is not None and link.alive:
+                return link
+        host, port = endpoint.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=self.config.connect_timeout_s)
+        tune(sock, self.config.io_timeout_s)  # the worker re-arms the timeout to each request's deadline
+        link = _Link(endpoint, sock)
+        with self._lock:
+            self._links[endpoint] = link
+        t = threading.Thread(target=self._read, args=(link,), name=f"kv-tcp-ack-{endpoint}", daemon=True)
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
+        return link
+
+    def _drop(self, link: _Link, reason: str) -> None:
+        with self._lock:
+            link.alive = False
+            if self._links.get(link.endpoint) is link:
+                del self._links[link.endpoint]
+        close_socket(link.sock)
+        with self.book.lock:
+            legs = list(link.legs.values())
+            link.legs.clear()
+        for entry, _ in legs:
+            self.book.fail(entry, f"sender: {reason} ({link.endpoint})")
+
+    def _read(self, link: _Link) -> None:
+        header = bytearray(HEADER_SIZE)
+        try:
+            while not self._stop.is_set():
+                recv_exact(link.sock, memoryview(header), self._stop, at_boundary=True)
+                frame = unpack(header)
+                payload = bytearray(frame.payload_len)
+                if frame.payload_len:
+                    recv_exact(link.sock, memoryview(payload), self._stop)
+                with self.book.lock:
+                    found = link.legs.get(frame.transfer_id)
+                if found is None:
+                    continue
+                entry, leg = found
+                if frame.kind == Kind.ACK:
+                    self.out.leg_acked(entry, leg)
+                    with self.book.lock:
+                        link.legs.pop(frame.transfer_id, None)
+                elif frame.kind == Kind.FAIL:
+                    self.book.fail(entry, f"sender: receiver reported: {payload.decode(errors='replace')}")
+        except InterruptedError:
+            return
+        except (OSError, ValueError) as e:
+            self._drop(link, f"receiver connection lost (peer closed or killed): {e}")
+
+    # ---- worker: the only thread that writes to sender sockets
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            try:
+                op, arg, extra = self._queue.get(timeout=self.config.io_timeout_s)
+            except queue.Empty:
+                continue
+            try:
+                if op == "stop":
+                    return
+                if op == "bytes":
+                    self._send(arg, extra, time.monotonic() + self.config.connect_timeout_s)  # type: ignore[arg-type]
+                elif op == "layer":
+                    rid, layer = cast(tuple[str, int], arg)
+                    if extra is not None:
+                        extra.synchronize()  # type: ignore[attr-defined]
+                    self._send_layer(rid, layer)
+                elif op == "finish":
+                    self._finish(arg)  # type: ignore[arg-type]
+            except InterruptedError:
+                return
+            except Exception:  # never let one request kill the worker
+                log.exception("kv tcp sender: %s failed", op)
+
+    def _send(self, link: _Link, data: bytes | memoryview, deadline: float) -> bool:
+        if not link.alive:
+            return False
+        try:
+            send_all(link.sock, data, deadline)
+            return True
+        except (OSError, TimeoutError) as e:
+            self._drop(link, f"receiver connection lost (peer closed or killed): {e}")
+            return False
+
+    def _send_layer(self, request_id: str, layer: int) -> None:
+        entry = self.out.live(request_id)
+        if entry is None:
+            return
+        k, v = self.out.kv_caches[layer]
+        for leg in entry.ctx.legs:
+            link: _Link = leg.peer
+            sent = 0
+            for p in leg.pieces:
+                for kv, t in enumerate((k, v)):
+                    if entry.state >= TransferState.DONE:
+                        return
+                    hdr = Frame(Kind.DATA, leg.dest.transfer_id, layer, kv, p.dst_start, p.num_blocks,
+                                p.dst_heads[0], p.dst_heads[1], p.nbytes).pack()
+                    src = self.out.source_bytes(layer, kv, p)
+                    if src is None:
+                        src = byte_view(staged(p.src_view(t)))
+                    if not (self._send(link, hdr, entry.deadline) and self._send(link, src, entry.deadline)):
+                        return
+                    sent += p.nbytes
+            self.out.leg_sent_layer(entry, leg, sent)
+
+    def _finish(self, request_id: str) -> None:
+        entry = self.out.live(request_id)
+        if entry is None:
+            return
+        entry.ctx.finish_requested = True
+        for leg in entry.ctx.legs:
+            self._send(leg.peer, control(Kind.FINISH, leg.dest.transfer_id), entry.deadline)
+
+    def _notify_peer(self, entry: Entry, message: str) -> None:
+        for leg in entry.ctx.legs:
+            if leg.peer is not None:
+                payload = control(Kind.FAIL, leg.dest.transfer_id, message.encode())
+                self._queue.put(("bytes", leg.peer, payload))

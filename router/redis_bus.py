@@ -1,0 +1,121 @@
+"""A router's side of the Redis bus: worker discovery from leases, and the shared KV event stream.
+
+Every router replica reads the one stream from its beginning, in order, so all replicas apply the same events in
+the same order and hold the same index: a request that hits the cache through one replica hits it through all.
+Per worker, sequence numbers must increase by one; an entry at or below the last applied one is a duplicate
+(skipped), one further ahead is a gap (events were trimmed or lost), which triggers a resync of that worker from
+its gRPC ``Snapshot``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+
+from router.pool import IndexSink, WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+def _prefix(model_key: str) -> str:
+    return f"tandem:{model_key}"
+
+
+def _unpack(data: bytes) -> list[int]:
+    import struct
+
+    return list(struct.unpack(f"<{len(data) // 8}Q", data))
+
+
+class RedisBus:
+    def __init__(self, url: str, model_key: str, index: IndexSink, pool: WorkerPool,
+                 resync: Callable[[str], Awaitable[int | None]] | None = None, discover_interval_s: float = 0.5,
+                 ) -> None:
+        self.client = aioredis.Redis.from_url(url, socket_timeout=5.0)
+        self.prefix = _prefix(model_key)
+        self.index = index
+        self.pool = pool
+        self.resync = resync
+        self.discover_interval_s = discover_interval_s
+        self.last_seq: dict[str, int] = {}
+        self.applied = 0
+        self.stream_id = b"0-0"
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        await self.discover()
+        self._tasks = [asyncio.create_task(self._follow()), asyncio.create_task(self._discover_loop())]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.client.aclose()
+
+    async def ads(self) -> dict[str, dict[str, object]]:
+        out = {}
+        async for key in self.client.scan_iter(match=f"{self.prefix}:worker:*", count=500):
+            raw = await self.client.get(key)
+            if raw:
+                ad = json.loads(raw)
+                out[str(ad["address"])] = ad
+        return out
+
+    async def discover(self) -> None:
+        """Add workers with a live lease; drop those whose lease expired; mirror the draining flag."""
+        ads = await self.ads()
+        for address, ad in ads.items():
+            w = self.pool.workers.get(address) or self.pool.add(address)
+            w.draining = bool(ad.get("draining"))
+        for address in list(self.pool.workers):
+            if address not in ads:
+                log.info("worker %s lease expired; removing it", address)
+                self.last_seq.pop(self.pool.workers[address].worker_id, None)
+                await self.pool.remove(address)
+
+    async def _discover_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.discover_interval_s)
+            try:
+                await self.discover()
+            except aioredis.RedisError as e:
+                log.warning("redis discovery: %s", e)
+
+    async def _follow(self) -> None:
+        stream = f"{self.prefix}:kv"
+        while True:
+            try:
+                resp = await self.client.xread({stream: self.stream_id}, count=1000, block=500)
+            except aioredis.RedisError as e:
+                log.warning("redis stream: %s", e)
+                await asyncio.sleep(0.5)
+                continue
+            for _, entries in resp or ():
+                for entry_id, fields in entries:
+                    self.stream_id = entry_id
+                    await self._apply(fields)
+
+    async def _apply(self, fields: dict[bytes, bytes]) -> None:
+        worker = fields[b"w"].decode()
+        seq = int(fields[b"s"])
+        last = self.last_seq.get(worker)
+        if last is not None and seq <= last:
+            return  # already covered (e.g. by a snapshot)
+        if last is None and seq != 1 and self.resync is not None:
+            last = await self.resync(worker)  # joined late: start from the worker's snapshot
+            if last is not None:
+                self.last_seq[worker] = last
+                if seq <= last:
+                    return
+        if not self.index.apply(worker, seq, _unpack(fields[b"h"]), fields[b"k"]):
+            if self.resync is not None:
+                snap = await self.resync(worker)
+                if snap is not None:
+                    self.last_seq[worker] = snap
+            return
+        self.last_seq[worker] = seq
+        self.applied += 1

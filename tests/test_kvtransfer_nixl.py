@@ -1,0 +1,99 @@
+"""NIXL-specific kvtransfer checks: descriptors for block runs and head slices, the hand-off, TP over real agents.
+
+The two-process NIXL transfers (exact bytes, layer-by-layer, mismatch, kill -9 of either side) run with the other
+backends in ``test_kvtransfer.py``; this file covers what only the NIXL backend does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("nixl")
+
+from kvtransfer import DestinationInfo, KVLayout, TransferState
+from kvtransfer.harness import digest, make_caches
+from kvtransfer.nixl_backend import NixlReceiver, NixlSender, piece_offsets
+from kvtransfer.plan import plan_leg
+
+LAYOUT = KVLayout("tiny-llama", "float16", num_layers=2, block_size=4, num_kv_heads=4, head_dim=8)
+
+
+def test_full_head_runs_are_one_descriptor_each() -> None:
+    """Equal TP: every paired block run becomes one descriptor per layer and K/V, at block-granular offsets."""
+    pieces = plan_leg(LAYOUT, LAYOUT, [0, 1, 2, 9], [5, 6, 7, 3])
+    src, dst, lens = piece_offsets(pieces, LAYOUT, LAYOUT)
+    bb = LAYOUT.block_bytes
+    assert src.tolist() == [0, 9 * bb] and dst.tolist() == [5 * bb, 3 * bb]
+    assert lens.tolist() == [3 * bb, bb]
+
+
+def test_head_slice_descriptors_address_exactly_the_sliced_elements() -> None:
+    """TP 1→2: rank 1's descriptors cover exactly heads 2..3 of each source token row and land at heads 0..1."""
+    dst = dataclasses.replace(LAYOUT, tp_size=2, tp_rank=1)
+    pieces = plan_leg(LAYOUT, dst, [3], [1])
+    src_off, dst_off, lens = piece_offsets(pieces, LAYOUT, dst)
+    t = torch.arange(8 * 4 * 4 * 8, dtype=torch.float16).view(8, 4, 4, 8)
+    raw = t.view(torch.uint8).reshape(-1).numpy()
+    got = np.concatenate([raw[o : o + n] for o, n in zip(src_off.tolist(), lens.tolist(), strict=True)])
+    want = t[3:4, :, 2:4].contiguous().view(torch.uint8).reshape(-1).numpy()
+    assert np.array_equal(got, want)
+    assert dst_off.tolist() == [(1 * 4 + row) * dst.token_bytes for row in range(4)]
+
+
+def test_destination_info_carries_agent_metadata_and_regions_as_json() -> None:
+    """reserve() publishes agent name, metadata bytes and per-layer K/V addresses in a JSON hand-off."""
+    r = NixlReceiver()
+    caches = make_caches(LAYOUT, 8, None)
+    try:
+        r.register(caches, LAYOUT)
+        d = r.reserve("q", [1, 2], 8, time.time() + 5)
+        doc = json.loads(d.to_bytes())
+        assert doc["agent_name"].startswith("tandem-decode-")
+        back = DestinationInfo.from_bytes(d.to_bytes())
+        assert back.agent_metadata == d.agent_metadata and len(back.agent_metadata) > 0
+        assert back.regions == tuple((k.data_ptr(), v.data_ptr()) for k, v in caches)
+        assert os.environ["UCX_NET_DEVICES"] == "lo"
+    finally:
+        r.close()
+
+
+@pytest.mark.timeout(60)
+def test_tp2_prefill_into_tp1_decode_over_real_agents() -> None:
+    """Two TP=2 prefill agents WRITE their head halves into one TP=1 decode agent; bytes equal the full KV."""
+    full = make_caches(LAYOUT, 8, 11)
+    r = NixlReceiver()
+    dst = make_caches(LAYOUT, 8, None)
+    senders = []
+    try:
+        r.register(dst, LAYOUT)
+        d = r.reserve("tp", [6, 2, 3], 12, time.time() + 20)
+        for rank in range(2):
+            lay = dataclasses.replace(LAYOUT, tp_size=2, tp_rank=rank)
+            shard = [(k[:, :, 2 * rank : 2 * rank + 2].contiguous(), v[:, :, 2 * rank : 2 * rank + 2].contiguous())
+                     for k, v in full]
+            s = NixlSender()
+            s.register(shard, lay)
+            senders.append((s, shard))
+            s.start("tp", d, [0, 1, 4], time.time() + 20)
+        for layer in range(LAYOUT.num_layers):
+            for s, _ in senders:
+                s.send_layer("tp", layer)
+        for s, _ in senders:
+            s.finish("tp")
+        end = time.monotonic() + 20
+        while time.monotonic() < end and not all(s.poll("tp").finished for s, _ in senders):
+            time.sleep(0.005)
+        assert r.poll("tp").state == TransferState.DONE, r.poll("tp")
+        assert all(s.poll("tp").state == TransferState.DONE for s, _ in senders)
+        assert digest(full, [0, 1, 4]) == digest(dst, [6, 2, 3])
+    finally:
+        for s, _ in senders:
+            s.close()
+        r.close()

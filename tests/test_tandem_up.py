@@ -1,0 +1,234 @@
+"""``tandem up`` end to end: a real local Ray cluster, real prefill and decode worker processes, the router's
+OpenAI gateway on loopback, driven by the official ``openai`` client and plain HTTP.
+
+One cluster is started for the module (``--min-uncached-tokens`` is left at its default, so short prompts run
+colocated on the decode worker and long ones disaggregated through the prefill worker). The last test stops it
+with SIGINT and checks that every process it started is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Cluster:
+    def __init__(self, model: Path, home: Path) -> None:
+        self.port = _free_port()
+        self.home = home
+        env = {**os.environ, "TANDEM_HOME": str(home), "RAY_AUTH_MODE": "disabled"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--model", str(model), "--port",
+                                      str(self.port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=env, start_new_session=True)
+        self.lines: list[str] = []
+        deadline = time.monotonic() + 180
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError("tandem up exited:\n" + "".join(self.lines[-50:]))
+            self.lines.append(line)
+            if "serving OpenAI API at" in line:
+                break
+        else:
+            self.stop()
+            raise TimeoutError("tandem up did not become ready:\n" + "".join(self.lines[-50:]))
+        self.state = json.loads((home / "up.json").read_text())
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(checkpoint("llama"), tmp_path_factory.mktemp("tandem-home"))
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_models_lists_the_served_checkpoint(client: openai.OpenAI, checkpoint: Callable[[str], Path]) -> None:
+    """/v1/models names the one model the cluster serves."""
+    assert _model(client) == checkpoint("llama").name
+
+
+def test_greedy_completion_equals_transformers(client: openai.OpenAI, checkpoint: Callable[[str], Path],
+                                               hf_greedy: Callable[..., list[int]]) -> None:
+    """Token ids in, greedy tokens out: short (colocated) and long (disaggregated) prompts both match HF."""
+    rng = random.Random(3)
+    for n in (5, 120):
+        prompt = [rng.randrange(2000) for _ in range(n)]
+        r = client.completions.create(model=_model(client), prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True}, logprobs=0)
+        ref = hf_greedy(checkpoint("llama"), prompt, 8)
+        from engine.tokenizer import Tokenizer
+
+        tok = Tokenizer(checkpoint("llama"))
+        assert r.choices[0].text == tok.decode(ref)
+        assert r.usage is not None and r.usage.completion_tokens == 8 and r.usage.prompt_tokens == n
+
+
+def test_completion_streaming_matches_non_streaming_and_reports_usage(client: openai.OpenAI) -> None:
+    """SSE chunks concatenate to the non-streamed text; include_usage adds a final usage chunk."""
+    model = _model(client)
+    full = client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_completion_streaming_and_not(client: openai.OpenAI) -> None:
+    """Chat: role delta first, content deltas, a finish reason; same text as the non-streamed answer."""
+    model = _model(client)
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi"}]
+    full = client.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0)  # type: ignore[arg-type]
+    stream = list(client.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0,  # type: ignore[arg-type]
+                                                 stream=True))
+    assert stream[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == full.choices[0].message.content
+    assert full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage is not None and full.usage.prompt_tokens > 5
+
+
+def test_stop_string_ends_the_completion_before_it(client: openai.OpenAI) -> None:
+    """A stop string that the greedy text contains truncates there, with finish_reason stop."""
+    model = _model(client)
+    base = client.completions.create(model=model, prompt="Hello", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert len(base) > 6
+    stop = base[3:6]
+    r = client.completions.create(model=model, prompt="Hello", max_tokens=16, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == base[: base.index(stop)]
+
+
+def test_seeded_sampling_is_reproducible_and_n_gives_distinct_choices(client: openai.OpenAI) -> None:
+    """Same seed → same text; n=3 returns three indexed choices."""
+    model = _model(client)
+    kw = {"model": model, "prompt": "The weather", "max_tokens": 10, "temperature": 1.0, "seed": 1234}
+    a = client.completions.create(**kw).choices[0].text  # type: ignore[call-overload]
+    b = client.completions.create(**kw).choices[0].text  # type: ignore[call-overload]
+    assert a == b
+    many = client.completions.create(**kw, n=3)  # type: ignore[call-overload]
+    assert sorted(c.index for c in many.choices) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"prompt": "x"}, 400, "model"),
+    ({"model": "nope", "prompt": "x"}, 404, "model"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": [1, -3]}, 400, "prompt"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "3"}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": 3}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"prompt": "x", "seed": "a"}, 400, "seed"),
+    ({"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "presence_penalty": 5}, 400, "presence_penalty"),
+    ({"prompt": "x " * 5000}, 400, "prompt"),
+    ({"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+])
+def test_bad_completion_input_gets_a_4xx_with_a_message(cluster: Cluster, client: openai.OpenAI,
+                                                        body: dict[str, object], status: int, param: str) -> None:
+    """Each malformed field is answered with the right status, an OpenAI error body and the parameter named."""
+    if "model" not in body and param != "model":
+        body = {"model": _model(client), **body}
+    r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["param"] == param
+
+
+def test_bad_chat_input_and_invalid_json_get_400(cluster: Cluster, client: openai.OpenAI) -> None:
+    """Chat without messages, a bad role, and a non-JSON body are all 400 with a message."""
+    model = _model(client)
+    for body in ({"model": model}, {"model": model, "messages": [{"role": "robot", "content": "x"}]}):
+        r = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"]
+    r = httpx.post(cluster.url + "/v1/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_health_and_metrics_endpoints(cluster: Cluster, client: openai.OpenAI) -> None:
+    """/health is ok with workers up; /metrics exports the tandem_ series the dashboards query."""
+    assert httpx.get(cluster.url + "/health", timeout=10).json()["status"] == "ok"
+    client.completions.create(model=_model(client), prompt="metrics please", max_tokens=2)
+    text = httpx.get(cluster.url + "/metrics", timeout=10).text
+    for name in ("tandem_ttft_seconds", "tandem_e2e_latency_seconds", "tandem_router_decisions_total",
+                 "tandem_kv_blocks_used", "tandem_kv_blocks_free", "tandem_requests_total"):
+        assert name in text, name
+
+
+def test_tandem_up_stops_cleanly_leaving_no_processes(cluster: Cluster) -> None:
+    """SIGINT stops the router, every worker process and Ray; the state file is removed."""
+    pids = [cluster.proc.pid, *cluster.state["worker_pids"]]
+    assert cluster.stop() == 0
+    deadline = time.monotonic() + 20
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        time.sleep(0.1)
+    assert not alive, f"processes left behind: {alive}"
+    group = subprocess.run(["pgrep", "-g", str(cluster.proc.pid)], capture_output=True, text=True).stdout.split()
+    assert not group, f"processes left in tandem up's process group: {group}"
+    assert not (cluster.home / "up.json").exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

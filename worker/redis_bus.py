@@ -1,0 +1,116 @@
+"""A worker's side of the Redis bus: a registry lease with heartbeats, and its KV events on the shared stream.
+
+Keys (``P`` = ``tandem:<model key>``):
+
+- ``P:worker:<worker_id>``: JSON ``{address, role, worker_id, compat_hash, draining}``, set with a TTL of
+  ``lease_s`` and refreshed every ``lease_s / 3``. A worker that dies simply stops refreshing: its entry
+  vanishes within one lease and routers stop sending it work.
+- ``P:kv``: one Redis Stream for every worker's KV event batches (fields ``w`` worker id, ``s`` sequence number,
+  ``h`` hashes as packed little-endian u64, ``k`` kinds). One stream means one global order, so every router
+  replica that reads it applies the same events in the same order and builds the same index.
+
+All Redis I/O happens on this publisher's own thread; the engine loop only enqueues.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import queue
+import struct
+import threading
+from dataclasses import dataclass
+
+import redis
+
+from engine.block_pool import KVEventBatch
+
+log = logging.getLogger(__name__)
+STREAM_MAXLEN = 1_000_000
+
+
+def key_prefix(model_key: str) -> str:
+    return f"tandem:{model_key}"
+
+
+def pack_hashes(hashes: tuple[int, ...] | list[int]) -> bytes:
+    return struct.pack(f"<{len(hashes)}Q", *hashes)
+
+
+def unpack_hashes(data: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(data) // 8}Q", data))
+
+
+@dataclass(slots=True)
+class WorkerAd:
+    worker_id: str
+    address: str
+    role: str
+    compat_hash: str
+    draining: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps({"worker_id": self.worker_id, "address": self.address, "role": self.role,
+                           "compat_hash": self.compat_hash, "draining": self.draining})
+
+
+class RedisPublisher:
+    def __init__(self, url: str, model_key: str, ad: WorkerAd, lease_s: float = 3.0) -> None:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        self.client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.prefix = key_prefix(model_key)
+        self.ad = ad
+        self.lease_s = lease_s
+        self._q: queue.SimpleQueue[KVEventBatch | None] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="redis-publisher", daemon=True)
+
+    @property
+    def lease_key(self) -> str:
+        return f"{self.prefix}:worker:{self.ad.worker_id}"
+
+    def start(self) -> None:
+        self._heartbeat()  # registered before the worker says READY
+        self._thread.start()
+
+    def publish(self, batch: KVEventBatch) -> None:
+        self._q.put(batch)
+
+    def set_draining(self) -> None:
+        self.ad.draining = True
+        self._heartbeat()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._q.put(None)
+        self._thread.join(2.0)
+        with contextlib.suppress(redis.RedisError):
+            self.client.delete(self.lease_key)
+        self.client.close()
+
+    def _heartbeat(self) -> None:
+        self.client.set(self.lease_key, self.ad.to_json(), px=int(self.lease_s * 1000))
+
+    def _run(self) -> None:
+        interval = self.lease_s / 3
+        while not self._stop.is_set():
+            try:
+                self._heartbeat()
+                batch = self._q.get(timeout=interval)
+                pipe = self.client.pipeline(transaction=False)
+                while batch is not None:
+                    pipe.xadd(f"{self.prefix}:kv", {"w": self.ad.worker_id, "s": batch.seq,
+                                                    "h": pack_hashes(batch.hashes), "k": batch.kinds},
+                              maxlen=STREAM_MAXLEN, approximate=True)
+                    try:
+                        batch = self._q.get_nowait()
+                    except queue.Empty:
+                        break
+                pipe.execute()
+            except queue.Empty:
+                continue
+            except redis.RedisError as e:
+                log.warning("redis publisher: %s", e)
+                self._stop.wait(0.5)

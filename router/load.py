@@ -1,0 +1,131 @@
+"""Per-worker load as the router sees it: the worker's last report plus the router's own dispatches since then.
+
+A request's life, from the router's books::
+
+    on_dispatch ──► queued + prefilling ──on_complete(prefill part, left_queue)──► decoding ──on_complete(decode part)
+
+(``Selector.release`` does both parts at once; a gateway that sees the first token can release the prefill part
+early with ``Selector.prefill_done``.)
+
+Accounting is *optimistic*: ``on_dispatch`` adds the request's new prefill tokens, decode blocks and one queued
+request at once, so the next decision, even a concurrent one, already sees them; that is what stops herding between
+load reports. A report replaces the three numbers with what the worker measured (which includes everything it has
+received, from every router replica), so the deltas since the previous report are dropped, not summed twice.
+Completions after a report still subtract: the worker reported the request as active, and it no longer is. Numbers
+may therefore go briefly negative between reports; readers clamp them at zero (``WorkerLoad.effective``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+WorkerId = str
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """One worker's load, in the router's books. Mutated only by ``LoadTracker``."""
+
+    worker_id: WorkerId
+    prefill_tokens: int = 0  # prompt tokens still to prefill (reported active tokens + own deltas)
+    decode_blocks: int = 0  # KV blocks held by running requests (reported used blocks + own deltas)
+    queue_depth: int = 0  # requests waiting (reported waiting + own deltas)
+    running: int = 0  # last reported running requests
+    total_blocks: int = 0  # last reported KV capacity, 0 if never reported
+    draining: bool = False
+    updated_at: float = 0.0  # clock() of the last change, report or dispatch
+
+    def effective(self) -> tuple[int, int, int]:
+        """``(prefill_tokens, decode_blocks, queue_depth)`` clamped at zero."""
+        return max(self.prefill_tokens, 0), max(self.decode_blocks, 0), max(self.queue_depth, 0)
+
+
+class LoadTracker:
+    __slots__ = ("_clock", "_reported_at", "_workers", "draining")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._workers: dict[WorkerId, WorkerLoad] = {}
+        self._reported_at: dict[WorkerId, float] = {}
+        self.draining: set[WorkerId] = set()  # read-only outside; kept in step with WorkerLoad.draining
+
+    @property
+    def records(self) -> Mapping[WorkerId, WorkerLoad]:
+        """Live records by worker id, read-only: the cost function's hot loop reads them directly."""
+        return self._workers
+
+    def _load(self, worker_id: WorkerId) -> WorkerLoad:
+        load = self._workers.get(worker_id)
+        if load is None:
+            load = self._workers[worker_id] = WorkerLoad(worker_id)
+        return load
+
+    def get(self, worker_id: WorkerId) -> WorkerLoad | None:
+        """The live record (treat as read-only), None for a worker never dispatched to nor reported."""
+        return self._workers.get(worker_id)
+
+    def __iter__(self) -> Iterator[WorkerLoad]:
+        return iter(self._workers.values())
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def on_dispatch(self, worker_id: WorkerId, prefill_tokens: int, decode_blocks: int) -> None:
+        """The router sent a request: count its uncached prompt tokens, its KV blocks and one queued request."""
+        if prefill_tokens < 0 or decode_blocks < 0:
+            raise ValueError(f"negative load: prefill_tokens={prefill_tokens} decode_blocks={decode_blocks}")
+        load = self._load(worker_id)
+        load.prefill_tokens += prefill_tokens
+        load.decode_blocks += decode_blocks
+        load.queue_depth += 1
+        load.updated_at = self._clock()
+
+    def on_complete(self, worker_id: WorkerId, prefill_tokens: int, decode_blocks: int,
+                    left_queue: bool = True) -> None:
+        """Undo (part of) a dispatch: its prefill finished and/or the request ended. ``left_queue`` once per request."""
+        if prefill_tokens < 0 or decode_blocks < 0:
+            raise ValueError(f"negative load: prefill_tokens={prefill_tokens} decode_blocks={decode_blocks}")
+        load = self._workers.get(worker_id)
+        if load is None:
+            return
+        load.prefill_tokens -= prefill_tokens
+        load.decode_blocks -= decode_blocks
+        if left_queue:
+            load.queue_depth -= 1
+        load.updated_at = self._clock()
+
+    def update_from_report(self, worker_id: WorkerId, waiting: int, running: int, active_tokens: int,
+                           used_blocks: int, total_blocks: int) -> None:
+        """A worker's own load report: it replaces the router's estimate (see the module docstring)."""
+        if min(waiting, running, active_tokens, used_blocks, total_blocks) < 0:
+            raise ValueError(f"negative field in load report from {worker_id!r}")
+        load = self._load(worker_id)
+        load.queue_depth = waiting
+        load.running = running
+        load.prefill_tokens = active_tokens
+        load.decode_blocks = used_blocks
+        load.total_blocks = total_blocks
+        load.updated_at = now = self._clock()
+        self._reported_at[worker_id] = now
+
+    def set_draining(self, worker_id: WorkerId, draining: bool = True) -> None:
+        self._load(worker_id).draining = draining
+        if draining:
+            self.draining.add(worker_id)
+        else:
+            self.draining.discard(worker_id)
+
+    def is_draining(self, worker_id: WorkerId) -> bool:
+        return worker_id in self.draining
+
+    def report_age(self, worker_id: WorkerId) -> float | None:
+        """Seconds since the worker's last report, None if it never reported (a stale report means a sick worker)."""
+        at = self._reported_at.get(worker_id)
+        return None if at is None else self._clock() - at
+
+    def remove(self, worker_id: WorkerId) -> None:
+        self._workers.pop(worker_id, None)
+        self.draining.discard(worker_id)
+        self._reported_at.pop(worker_id, None)

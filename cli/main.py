@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     tp.add_argument("--single", action="store_true", help="also measure single-sequence decode rate")
     tp.add_argument("--json", action="store_true")
+    rb = bsub.add_parser("router", help="prefix matches/s, routing decisions/s and latency, router RSS")
+    rb.add_argument("--workers", default="8,64,512")
+    rb.add_argument("--cached-blocks", type=int, default=1_000_000)
+    rb.add_argument("--seconds", type=float, default=2.0)
+    rb.add_argument("--json", action="store_true")
     kv = bsub.add_parser("kv", help="KV transfer bandwidth vs raw NIXL and memcpy; overlap; decode ITL")
     kv.add_argument("--sizes", default="1,8,64", help="request sizes in MiB")
     kv.add_argument("--backends", default="tcp,torch,nixl")
@@ -161,6 +166,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         report = run_throughput_bench(args)
         print(json.dumps(report, indent=None if args.json else 2))
+        return 0
+    if args.bench_command == "router":
+        from router.bench import run_router_bench
+
+        report = run_router_bench(workers=tuple(int(w) for w in args.workers.split(",")),
+                                  cached_blocks=args.cached_blocks, seconds=args.seconds)
+        print(json.dumps(report, indent=None if args.json else 2, default=str))
         return 0
     if args.bench_command == "kv":
         from bench.kv import run_kv

@@ -199,10 +199,19 @@ def _cmd_up(args: argparse.Namespace) -> int:
     settings.update({k: v for k, v in flags.items() if v is not None})
     try:
         cfg = UpConfig(**settings)
-        return run_up(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        rc = run_up(cfg)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # Every worker, actor and Ray itself was stopped explicitly; do not wait for interpreter shutdown to join the
+    # background threads Ray and gRPC leave behind (it can take a minute).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -113,6 +113,7 @@ def run_up(cfg: UpConfig) -> int:
 
 async def _serve(cfg: UpConfig, model: Path, replicas: list[Any], addresses: list[str], t0: float) -> int:
     from aiohttp import web
+
     from router.server import RouterConfig, build_router
 
     router = await build_router(RouterConfig(model=str(model), workers=tuple(addresses), redis=cfg.redis,
@@ -166,11 +167,22 @@ def run_down(timeout_s: float = 60.0) -> int:
         return 0
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _running(pid):
             print(f"stopped `tandem up` (pid {pid})")
             return 0
         time.sleep(0.1)
     print(f"`tandem up` (pid {pid}) did not stop within {timeout_s}s", file=sys.stderr)
     return 1
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` exists and has not exited (a zombie waiting for its parent counts as exited)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False

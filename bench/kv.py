@@ -70,6 +70,11 @@ def measure_overlap(model: str, backend: str, prompt_len: int, threads: int | No
         t0 = time.perf_counter()
         _drain(disaggregated_generate(pre, dec, "overlap", prompt, _params(1)))
         total = time.perf_counter() - t0
+        deadline = time.monotonic() + 30  # the prefill side sees the ACK a poll tick after decode finishes
+        while not any(t.request_id == "overlap" for t in service.timings):
+            if time.monotonic() > deadline:
+                raise TimeoutError("prefill never saw the overlap transfer finish")
+            time.sleep(0.005)
         timing = next(t for t in reversed(service.timings) if t.request_id == "overlap")
         exposed = timing.exposed_s
 

@@ -5,13 +5,15 @@ request's first ``overlap`` blocks, all in KV-block units::
 
     uncached       = max(R - overlap, 0)                                 blocks w must prefill for this request
     prefill_term   = prefill_weight · (w.prefill_tokens / block_size + uncached)   w's prefill backlog, incl. this
-    decode_term    = decode_weight  · (w.decode_blocks + R)              KV blocks w holds while decoding, incl. this
+    decode_term    = decode_weight  · (w.decode_blocks + uncached)       KV blocks w holds, plus the new ones this needs
     queue_term     = queue_weight   · w.queue_depth                      requests already waiting on w
     total          = prefill_term + decode_term + queue_term
 
 This is Dynamo's documented ``prefill_load_scale · max(prefill_blocks − overlap, 0) + decode_blocks`` with the
 worker's backlog made explicit and a queue term added (set ``queue_weight=0`` to drop it). Overlap saves prefill
-compute but not decode memory, which is why it appears only in the prefill term.
+compute and decode memory alike: cached blocks are shared (ref-counted) with the new request, so only the uncached
+blocks are new KV on that worker. Counting the whole prompt there would charge the worker that holds a prefix for
+holding it, and a load report taken while that prefix was in use would push the next hit elsewhere.
 
 Picking: ``temperature == 0`` takes the cheapest worker; exact ties are broken by the rng, never by list order, so
 router replicas with the same view do not all land on the first worker. ``temperature > 0`` samples
@@ -101,7 +103,6 @@ class CostModel:
         pw, dw, qw = cfg.prefill_weight, cfg.decode_weight, cfg.queue_weight
         per_token = 1.0 / cfg.block_size
         r = request_blocks
-        decode_new = dw * r
         overlap_of = overlap_blocks.get
         record_of = load.records.get
         out: list[CostRow] = []
@@ -113,12 +114,12 @@ class CostModel:
             record = record_of(worker)
             if record is None:
                 prefill = pw * (r - overlap)
-                decode = decode_new
+                decode = dw * (r - overlap)
                 queue = 0.0
             else:
                 tokens, blocks, queued = record.prefill_tokens, record.decode_blocks, record.queue_depth
                 prefill = pw * ((tokens if tokens > 0 else 0) * per_token + r - overlap)
-                decode = dw * (blocks if blocks > 0 else 0) + decode_new
+                decode = dw * ((blocks if blocks > 0 else 0) + r - overlap)
                 queue = qw * (queued if queued > 0 else 0)
             append((worker, overlap, r - overlap, prefill, decode, queue, prefill + decode + queue))
         return out

@@ -7,19 +7,23 @@ A request's life, from the router's books::
 (``Selector.release`` does both parts at once; a gateway that sees the first token can release the prefill part
 early with ``Selector.prefill_done``.)
 
-Accounting is *optimistic*: ``on_dispatch`` adds the request's new prefill tokens, decode blocks and one queued
-request at once, so the next decision, even a concurrent one, already sees them; that is what stops herding between
-load reports. A report replaces the three numbers with what the worker measured (which includes everything it has
-received, from every router replica), so the deltas since the previous report are dropped, not summed twice.
-Completions after a report still subtract: the worker reported the request as active, and it no longer is. Numbers
-may therefore go briefly negative between reports; readers clamp them at zero (``WorkerLoad.effective``).
+Accounting keeps two books per worker and combines them with ``max``:
+
+- **own**: this router's in-flight dispatches to the worker (``on_dispatch`` adds the request's new prefill tokens,
+  new KV blocks and one queued request at once; ``on_complete`` takes them off). The next decision, even a
+  concurrent one, sees them immediately: that is what stops herding between load reports.
+- **reported**: the worker's last ``Load`` report, which covers what every router replica sent it.
+
+The effective value is the larger of the two. A report can be up to one poll interval old; with ``max`` a stale
+report can neither erase this router's in-flight work nor be driven negative by completions of requests it never
+saw, and work from other replicas still shows through the report.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 WorkerId = str
 
@@ -29,13 +33,21 @@ class WorkerLoad:
     """One worker's load, in the router's books. Mutated only by ``LoadTracker``."""
 
     worker_id: WorkerId
-    prefill_tokens: int = 0  # prompt tokens still to prefill (reported active tokens + own deltas)
-    decode_blocks: int = 0  # KV blocks held by running requests (reported used blocks + own deltas)
-    queue_depth: int = 0  # requests waiting (reported waiting + own deltas)
+    prefill_tokens: int = 0  # effective prompt tokens still to prefill: max(reported, own in-flight)
+    decode_blocks: int = 0  # effective KV blocks held: max(reported used blocks, own in-flight)
+    queue_depth: int = 0  # effective requests waiting: max(reported waiting, own in-flight)
+    own: list[int] = field(default_factory=lambda: [0, 0, 0])  # this router's in-flight (prefill, blocks, queued)
+    reported: list[int] = field(default_factory=lambda: [0, 0, 0])  # the worker's last report, same order
     running: int = 0  # last reported running requests
     total_blocks: int = 0  # last reported KV capacity, 0 if never reported
     draining: bool = False
     updated_at: float = 0.0  # clock() of the last change, report or dispatch
+
+    def refresh(self) -> None:
+        own, rep = self.own, self.reported
+        self.prefill_tokens = max(own[0], rep[0], 0)
+        self.decode_blocks = max(own[1], rep[1], 0)
+        self.queue_depth = max(own[2], rep[2], 0)
 
     def effective(self) -> tuple[int, int, int]:
         """``(prefill_tokens, decode_blocks, queue_depth)`` clamped at zero."""
@@ -77,9 +89,11 @@ class LoadTracker:
         if prefill_tokens < 0 or decode_blocks < 0:
             raise ValueError(f"negative load: prefill_tokens={prefill_tokens} decode_blocks={decode_blocks}")
         load = self._load(worker_id)
-        load.prefill_tokens += prefill_tokens
-        load.decode_blocks += decode_blocks
-        load.queue_depth += 1
+        own = load.own
+        own[0] += prefill_tokens
+        own[1] += decode_blocks
+        own[2] += 1
+        load.refresh()
         load.updated_at = self._clock()
 
     def on_complete(self, worker_id: WorkerId, prefill_tokens: int, decode_blocks: int,
@@ -90,10 +104,12 @@ class LoadTracker:
         load = self._workers.get(worker_id)
         if load is None:
             return
-        load.prefill_tokens -= prefill_tokens
-        load.decode_blocks -= decode_blocks
+        own = load.own
+        own[0] = max(own[0] - prefill_tokens, 0)
+        own[1] = max(own[1] - decode_blocks, 0)
         if left_queue:
-            load.queue_depth -= 1
+            own[2] = max(own[2] - 1, 0)
+        load.refresh()
         load.updated_at = self._clock()
 
     def update_from_report(self, worker_id: WorkerId, waiting: int, running: int, active_tokens: int,
@@ -102,11 +118,10 @@ class LoadTracker:
         if min(waiting, running, active_tokens, used_blocks, total_blocks) < 0:
             raise ValueError(f"negative field in load report from {worker_id!r}")
         load = self._load(worker_id)
-        load.queue_depth = waiting
+        load.reported[:] = (active_tokens, used_blocks, waiting)
         load.running = running
-        load.prefill_tokens = active_tokens
-        load.decode_blocks = used_blocks
         load.total_blocks = total_blocks
+        load.refresh()
         load.updated_at = now = self._clock()
         self._reported_at[worker_id] = now
 

@@ -108,10 +108,11 @@ class Selector:
         else:
             reason = Reason.LOAD
         prefill_tokens = max(num_tokens - chosen_overlap * self.block_size, 0)
-        load.on_dispatch(worker, prefill_tokens, request_blocks)
+        new_blocks = request_blocks - chosen_overlap  # cached blocks are shared, not new KV
+        load.on_dispatch(worker, prefill_tokens, new_blocks)
         self._next_id += 1
         self._booked[self._next_id] = True
-        return Decision(worker, rows, request_blocks, chosen_overlap, reason, prefill_tokens, request_blocks,
+        return Decision(worker, rows, request_blocks, chosen_overlap, reason, prefill_tokens, new_blocks,
                         self._next_id, i)
 
     def prefill_done(self, decision: Decision) -> None:

@@ -80,8 +80,10 @@ def test_concurrent_selectors_fed_identical_reports_do_not_always_pick_the_same_
                 selector.load.update_from_report(w, waiting=0, running=1, active_tokens=active, used_blocks=200,
                                                  total_blocks=1000)
         prompt = range(round_ * 512, round_ * 512 + 512)
-        picks_a.append(a.select(prompt, WORKERS).worker_id)
-        picks_b.append(b.select(prompt, WORKERS).worker_id)
+        for selector, picks in ((a, picks_a), (b, picks_b)):
+            decision = selector.select(prompt, WORKERS)
+            picks.append(decision.worker_id)
+            selector.release(decision)  # completed before the next round's reports
     assert sum(x != y for x, y in zip(picks_a, picks_b, strict=True)) >= 40
     assert picks_a.count("w0") > picks_a.count("w3")  # still prefers the cheaper worker
 
@@ -108,7 +110,7 @@ def test_breakdown_total_is_the_sum_of_its_terms_and_header_round_trips() -> Non
         assert CostBreakdown.from_header(b.as_header()) == b
     first = breakdowns[0]
     assert first.prefill_term == pytest.approx(1.5 * (100 / BS + 4))
-    assert first.decode_term == pytest.approx(0.25 * (40 + 10)) and first.queue_term == pytest.approx(6.0)
+    assert first.decode_term == pytest.approx(0.25 * (40 + 4)) and first.queue_term == pytest.approx(6.0)
     assert breakdowns[1].overlap_blocks == 10  # overlap never exceeds the request
     with pytest.raises(ValueError):
         CostBreakdown.from_header("w=a;t=1.0")
@@ -143,8 +145,9 @@ def test_temperature_zero_picks_the_argmin() -> None:
     assert decision.as_header().startswith("r=load;w=w1;")
 
 
-def test_release_undoes_the_booking_once_and_report_replaces_optimistic_deltas() -> None:
-    """Booking shows up at once, release (or prefill_done then release) undoes it exactly once, reports override."""
+def test_release_undoes_the_booking_once_and_reports_combine_with_bookings_by_max() -> None:
+    """Booking shows up at once, release (or prefill_done then release) undoes it exactly once; a report can
+    neither erase in-flight bookings nor be driven below what the worker measured."""
     selector = make_selector()
     decision = selector.select(range(100), ["w0"])
     record = selector.load.get("w0")
@@ -155,9 +158,13 @@ def test_release_undoes_the_booking_once_and_report_replaces_optimistic_deltas()
     selector.release(decision)
     selector.release(decision)
     assert record.effective() == (0, 0, 0) and selector.booked() == 0
-    selector.select(range(50), ["w0"])
+    inflight = selector.select(range(50), ["w0"])
     selector.load.update_from_report("w0", waiting=2, running=3, active_tokens=10, used_blocks=20, total_blocks=64)
-    assert record.effective() == (10, 20, 2)
+    assert record.effective() == (50, 20, 2)  # own 50 prefill tokens in flight outweigh the report's 10
+    selector.release(inflight)
+    assert record.effective() == (10, 20, 2)  # now the report speaks
+    selector.load.update_from_report("w0", waiting=0, running=0, active_tokens=0, used_blocks=0, total_blocks=64)
+    assert record.effective() == (0, 0, 0)
 
 
 def test_configs_reject_invalid_values() -> None:

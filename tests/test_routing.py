@@ -119,7 +119,13 @@ def test_repeated_long_prefix_goes_to_the_worker_that_holds_it(router: RouterThr
     prefix = [rng.randrange(2000) for _ in range(192)]
     _, header = complete(router.url, model, [*prefix, 1, 2, 3])
     holder = routed_worker(header)
-    time.sleep(0.5)  # KV events reach the index
+    from engine.block_hash import extra_keys_for, hash_blocks
+
+    hashes = hash_blocks(prefix, 16, extra_keys_for(model=model))
+    deadline = time.monotonic() + 15  # KV events reach the index asynchronously
+    while router.call(lambda r: r.index.match(hashes)).get(holder, 0) < len(hashes):
+        assert time.monotonic() < deadline, "the holder's KV events never reached the router's index"
+        time.sleep(0.05)
     for i in range(6):
         body, header = complete(router.url, model, [*prefix, *(rng.randrange(2000) for _ in range(5 + i))])
         assert routed_worker(header) == holder, header

@@ -146,7 +146,8 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def _load(self, eng: LLMEngine) -> pb.LoadResponse:
         s = eng.scheduler
-        active = sum(r.num_tokens for r in s.running)
+        # Prefill backlog: tokens still to compute (a decoding request contributes its one next token).
+        active = sum(r.num_tokens - r.num_computed_tokens for r in s.running) + sum(r.num_tokens for r in s.waiting)
         return pb.LoadResponse(waiting=len(s.waiting), running=len(s.running), waiting_for_kv=len(s.remote),
                                active_tokens=active, free_blocks=eng.pool.num_free_blocks,
                                used_blocks=eng.pool.num_used_blocks, total_blocks=eng.pool.num_blocks,

@@ -12,13 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
-import torch
-
-from kvtransfer.base import DestinationInfo, KVCaches, KVSender, OnFailed, TransferState, TransferStatus
+from kvtransfer.base import DestinationInfo, OnFailed, TransferState
 from kvtransfer.book import Entry, TransferBook
 from kvtransfer.config import TransferConfig
-from kvtransfer.layout import KVLayout
 from kvtransfer.outgoing import Leg, Outbound
+from kvtransfer.queued_sender import QueuedSender
 from kvtransfer.sockio import byte_view, close_socket, join_all, recv_exact, send_all, staged, tune
 from kvtransfer.wire import HEADER_SIZE, Frame, Kind, control, hello_payload, unpack
 
@@ -33,7 +31,7 @@ class _Link:
     alive: bool = True
 
 
-class TcpSender(KVSender):
+class TcpSender(QueuedSender):
     backend_name: ClassVar[str] = "tcp"
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
@@ -48,9 +46,6 @@ class TcpSender(KVSender):
         self._worker = threading.Thread(target=self._work, name="kv-tcp-send", daemon=True)
         self._worker.start()
         self.book.start(self.config.poll_interval_s)
-
-    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
-        self.out.register(kv_caches, layout)
 
     def start(
         self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_block_ids: Sequence[int],
@@ -71,32 +66,6 @@ class TcpSender(KVSender):
         hello = hello_payload(self.out.layout)
         for leg in entry.ctx.legs:
             self._queue.put(("bytes", leg.peer, control(Kind.HELLO, leg.dest.transfer_id, hello)))
-
-    def send_layer(self, request_id: str, layer: int) -> None:
-        self.book.get(request_id)  # KeyError for a request that was never started
-        ready = None
-        if self.out.kv_caches and self.out.kv_caches[layer][0].is_cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-        self._queue.put(("layer", (request_id, layer), ready))
-
-    def finish(self, request_id: str) -> None:
-        self.book.get(request_id)
-        self._queue.put(("finish", request_id, None))
-
-    def poll(self, request_id: str) -> TransferStatus:
-        return self.book.status(request_id)
-
-    def release(self, request_id: str) -> None:
-        entry = self.book.find(request_id)
-        if entry is None:
-            return
-        self.book.fail(entry, "sender: released before completion", notify_peer=True, tell_owner=False)
-        with self.book.lock:
-            for leg in entry.ctx.legs:
-                if leg.peer is not None:
-                    leg.peer.legs.pop(leg.dest.transfer_id, None)
-            self.book.pop(request_id)
 
     def close(self) -> None:
         self._stop.set()

@@ -14,12 +14,12 @@ from typing import Any, ClassVar
 import torch
 from torch.distributed import PrefixStore
 
-from kvtransfer.base import DestinationInfo, KVCaches, KVSender, OnFailed, TransferStatus
+from kvtransfer.base import DestinationInfo, OnFailed
 from kvtransfer.book import Entry, TransferBook
 from kvtransfer.config import TransferConfig
-from kvtransfer.layout import KVLayout
 from kvtransfer.outgoing import Leg, Outbound
 from kvtransfer.pacing import Backoff
+from kvtransfer.queued_sender import QueuedSender
 from kvtransfer.torch_group import (
     PAIRS_KEY,
     TAG,
@@ -45,7 +45,7 @@ class _OutPair:
     alive: bool = True
 
 
-class TorchSender(KVSender):
+class TorchSender(QueuedSender):
     backend_name: ClassVar[str] = "torch"
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
@@ -61,9 +61,6 @@ class TorchSender(KVSender):
         self._worker = threading.Thread(target=self._work, name="kv-torch-send", daemon=True)
         self._worker.start()
         self.book.start(self.config.poll_interval_s)
-
-    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
-        self.out.register(kv_caches, layout)
 
     def start(
         self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_block_ids: Sequence[int],
@@ -84,32 +81,6 @@ class TorchSender(KVSender):
         hello = hello_payload(self.out.layout)
         for leg in entry.ctx.legs:
             self._queue.put(("control", leg.peer, control(Kind.HELLO, leg.dest.transfer_id, hello)))
-
-    def send_layer(self, request_id: str, layer: int) -> None:
-        self.book.get(request_id)
-        ready = None
-        if self.out.kv_caches and self.out.kv_caches[layer][0].is_cuda:  # pragma: no cover - needs a GPU
-            ready = torch.cuda.Event()
-            ready.record()
-        self._queue.put(("layer", (request_id, layer), ready))
-
-    def finish(self, request_id: str) -> None:
-        self.book.get(request_id)
-        self._queue.put(("finish", request_id, None))
-
-    def poll(self, request_id: str) -> TransferStatus:
-        return self.book.status(request_id)
-
-    def release(self, request_id: str) -> None:
-        entry = self.book.find(request_id)
-        if entry is None:
-            return
-        self.book.fail(entry, "sender: released before completion", notify_peer=True, tell_owner=False)
-        with self.book.lock:
-            for leg in entry.ctx.legs:
-                if leg.peer is not None:
-                    leg.peer.legs.pop(leg.dest.transfer_id, None)
-            self.book.pop(request_id)
 
     def close(self) -> None:
         self._stop.set()

@@ -8,18 +8,18 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from kvtransfer.base import DestinationInfo, KVCaches, KVReceiver, OnFailed, TransferStatus
+from kvtransfer.base import KVCaches, OnFailed
 from kvtransfer.book import Entry, TransferBook
 from kvtransfer.config import TransferConfig
 from kvtransfer.landing import Landing
 from kvtransfer.layout import KVLayout
 from kvtransfer.sockio import PeerClosed, byte_view, close_socket, discard, join_all, recv_exact, tune
+from kvtransfer.stream_receiver import StreamReceiver
 from kvtransfer.wire import HEADER_SIZE, Frame, Kind, control, parse_hello, unpack
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class _Inbound:
                 raise ConnectionError(f"control frame to {self.peer} would block; connection cut")
 
 
-class TcpReceiver(KVReceiver):
+class TcpReceiver(StreamReceiver):
     backend_name: ClassVar[str] = "tcp"
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
@@ -77,22 +77,6 @@ class TcpReceiver(KVReceiver):
 
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.landing.register(kv_caches, layout)
-
-    def reserve(
-        self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int, deadline_s: float
-    ) -> DestinationInfo:
-        return self.landing.reserve(request_id, dst_block_ids, num_tokens, deadline_s, endpoint=self.endpoint)
-
-    def poll(self, request_id: str) -> TransferStatus:
-        return self.book.status(request_id)
-
-    def release(self, request_id: str) -> None:
-        entry = self.book.find(request_id)
-        if entry is None:
-            return
-        self.book.fail(entry, "receiver: released before completion", notify_peer=True, tell_owner=False)
-        self.book.wait_idle(entry, self.config.close_timeout_s)
-        self.landing.forget(request_id)
 
     def close(self) -> None:
         self._stop.set()

@@ -6,19 +6,19 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch.distributed import PrefixStore, TCPStore
 
-from kvtransfer.base import DestinationInfo, KVCaches, KVReceiver, OnFailed, TransferStatus
+from kvtransfer.base import KVCaches, OnFailed
 from kvtransfer.book import Entry, TransferBook
 from kvtransfer.config import TransferConfig
 from kvtransfer.landing import Landing
 from kvtransfer.layout import KVLayout
 from kvtransfer.pacing import Backoff
+from kvtransfer.stream_receiver import StreamReceiver
 from kvtransfer.torch_group import (
     PAIRS_KEY,
     TAG,
@@ -39,7 +39,7 @@ class _InPair:
     alive: bool = True
 
 
-class TorchReceiver(KVReceiver):
+class TorchReceiver(StreamReceiver):
     backend_name: ClassVar[str] = "torch"
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
@@ -60,22 +60,6 @@ class TorchReceiver(KVReceiver):
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.landing.register(kv_caches, layout)
         self._cuda = kv_caches[0][0].is_cuda
-
-    def reserve(
-        self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int, deadline_s: float
-    ) -> DestinationInfo:
-        return self.landing.reserve(request_id, dst_block_ids, num_tokens, deadline_s, endpoint=self.endpoint)
-
-    def poll(self, request_id: str) -> TransferStatus:
-        return self.book.status(request_id)
-
-    def release(self, request_id: str) -> None:
-        entry = self.book.find(request_id)
-        if entry is None:
-            return
-        self.book.fail(entry, "receiver: released before completion", notify_peer=True, tell_owner=False)
-        self.book.wait_idle(entry, self.config.close_timeout_s)
-        self.landing.forget(request_id)
 
     def close(self) -> None:
         self._stop.set()

@@ -8,7 +8,9 @@ block tables usually are.
 
 Baselines, same bytes:
 
-- ``raw_nixl``: two plain NIXL agents (no Tandem code), one contiguous descriptor, WRITE + notification;
+- ``raw_nixl``: two plain NIXL agents (no Tandem code), one contiguous descriptor, WRITE + notification, on the
+  UCX transports the nixl backend resolves to here (``tcp,self`` on a CPU-only host); ``raw_nixl_ucx_default``
+  is the same on UCX's default transports (shared memory between processes on one host), for reference;
 - ``raw_socket``: one TCP ``sendall`` / ``recv_into`` over loopback plus a one-byte ack;
 - ``memcpy``: in-process ``torch.Tensor.copy_`` (the ceiling for anything that copies on the CPU).
 
@@ -29,8 +31,10 @@ from typing import Any
 
 import torch
 
+from kvtransfer.config import TransferConfig
 from kvtransfer.harness import Peer
 from kvtransfer.layout import KVLayout
+from kvtransfer.nixl_agent import resolve_ucx_tls
 
 _CTX = mp.get_context("spawn")
 MIB = 1 << 20
@@ -110,15 +114,20 @@ def bench_raw_socket(nbytes: int, repeats: int) -> float:
             proc.join(5)
 
 
-def _nixl_agent(name: str) -> Any:
+def _nixl_agent(name: str, tls: str) -> Any:
+    """A plain agent on loopback; ``tls`` is applied to ``UCX_TLS`` (``""``: UCX's default transports)."""
     os.environ["UCX_NET_DEVICES"] = "lo"
+    if tls:
+        os.environ["UCX_TLS"] = tls
+    else:
+        os.environ.pop("UCX_TLS", None)
     from nixl._api import nixl_agent, nixl_agent_config
 
     return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
 
 
-def _nixl_target(conn: Any, nbytes: int, repeats: int) -> None:
-    agent = _nixl_agent(f"raw-target-{os.getpid()}")
+def _nixl_target(conn: Any, nbytes: int, repeats: int, tls: str) -> None:
+    agent = _nixl_agent(f"raw-target-{os.getpid()}", tls)
     buf = torch.zeros(nbytes, dtype=torch.uint8)
     agent.register_memory(buf)
     conn.send((agent.get_agent_metadata(), buf.data_ptr()))
@@ -131,13 +140,17 @@ def _nixl_target(conn: Any, nbytes: int, repeats: int) -> None:
     conn.send(got)
 
 
-def bench_raw_nixl(nbytes: int, repeats: int) -> float:
-    """Plain NIXL agents in two processes: one contiguous WRITE with a notification, timed to DONE."""
+def bench_raw_nixl(nbytes: int, repeats: int, tls: str = "") -> float:
+    """Plain NIXL agents in two processes: one contiguous WRITE with a notification, timed to DONE.
+
+    ``tls`` is the ``UCX_TLS`` both agents use (``""``: UCX's default). The caller's environment is restored.
+    """
+    saved = os.environ.get("UCX_TLS")
     parent, child = _CTX.Pipe()
-    proc = _CTX.Process(target=_nixl_target, args=(child, nbytes, repeats), daemon=True)
+    proc = _CTX.Process(target=_nixl_target, args=(child, nbytes, repeats, tls), daemon=True)
     proc.start()
     try:
-        agent = _nixl_agent(f"raw-initiator-{os.getpid()}-{time.monotonic_ns()}")
+        agent = _nixl_agent(f"raw-initiator-{os.getpid()}-{time.monotonic_ns()}", tls)
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
         agent.register_memory(src)
         if not parent.poll(60):
@@ -164,6 +177,10 @@ def bench_raw_nixl(nbytes: int, repeats: int) -> float:
             parent.poll(10)
         return _gbps(nbytes, statistics.median(times))
     finally:
+        if saved is None:
+            os.environ.pop("UCX_TLS", None)
+        else:
+            os.environ["UCX_TLS"] = saved
         proc.join(10)
         if proc.is_alive() and proc.pid:
             os.kill(proc.pid, 9)
@@ -214,13 +231,17 @@ def run_kv_bench(
     ``nixl`` and ``raw_nixl`` are skipped (``None``) when NIXL is not installed.
     """
     has_nixl = importlib.util.find_spec("nixl") is not None
+    nixl_tls = resolve_ucx_tls(TransferConfig().ucx_tls)
     gbps: dict[int, dict[str, float | None]] = {s: {} for s in sizes_mib}
     per_block = _request_bytes_per_block(BENCH_LAYOUT)
     for size in sizes_mib:
         nbytes = max(1, size * MIB // per_block) * per_block
         gbps[size]["memcpy"] = bench_memcpy(nbytes, repeats)
         gbps[size]["raw_socket"] = bench_raw_socket(nbytes, repeats)
-        gbps[size]["raw_nixl"] = bench_raw_nixl(nbytes, repeats) if has_nixl else None
+        # raw NIXL on the transports the nixl backend uses here, and on UCX's default (shared memory on one host)
+        gbps[size]["raw_nixl"] = bench_raw_nixl(nbytes, repeats, nixl_tls) if has_nixl else None
+        if has_nixl and nixl_tls:
+            gbps[size]["raw_nixl_ucx_default"] = bench_raw_nixl(nbytes, repeats, "")
     for backend in backends:
         if backend == "nixl" and not has_nixl:
             for size in sizes_mib:
@@ -237,7 +258,7 @@ def run_kv_bench(
         if row.get("tcp") is not None and row.get("raw_socket"):
             ratios[size]["tcp/raw_socket"] = row["tcp"] / row["raw_socket"]  # type: ignore[operator]
     return {"sizes_mib": list(sizes_mib), "gbps": gbps, "ratios": ratios, "layout": BENCH_LAYOUT.to_dict(),
-            "repeats": repeats}
+            "repeats": repeats, "nixl_ucx_tls": nixl_tls or "UCX default"}
 
 
 def format_kv_bench(result: dict[str, Any]) -> str:

@@ -16,7 +16,9 @@ class TransferConfig:
     connect_timeout_s: float = 10.0  # handshake bound: connecting, forming a process group
     close_timeout_s: float = 1.0  # close() joins its threads within this
     ucx_net_devices: str = "lo"  # NIXL/UCX: applied to UCX_NET_DEVICES before the agent is created
-    ucx_tls: str = ""  # NIXL/UCX: UCX_TLS when non-empty (e.g. "tcp,self" to forbid shared memory)
+    # NIXL/UCX: UCX_TLS. "auto" lets UCX choose where CUDA is present and picks "tcp,self" on CPU-only hosts
+    # (see kvtransfer.nixl_agent.resolve_ucx_tls); "" always leaves UCX's default; anything else is used as is.
+    ucx_tls: str = "auto"
     nixl_backends: tuple[str, ...] = ("UCX",)
 
     def __post_init__(self) -> None:

@@ -13,8 +13,7 @@ HELLO notification carrying the sender's own metadata, so that the receiver can 
 Per layer the sender posts one ``initialize_xfer("WRITE", ...)`` over that layer's block-run descriptors (one per
 contiguous run for K and for V; per token row when TP differs and only a head slice moves), with a DATA
 notification that NIXL delivers only after the layer's bytes are in place. ``send_layer`` only queues the layer and
-wakes the progress thread, which posts it at once: with DRAM and UCX's shared-memory transports the post call itself
-performs the copy, which must not stall the forward pass. The receiver counts landed bytes per
+wakes the progress thread, which posts it at once. The receiver counts landed bytes per
 layer from those notifications and is DONE when every layer landed; it then sends ACK, which makes the sender DONE.
 
 Leases: both ends expire unfinished transfers and notify each other. A one-sided WRITE cannot be stopped by the
@@ -22,9 +21,12 @@ target, so on expiry the sender stops posting and the receiver reports FAILED; t
 of its own and the receiver's lease, so it does not post after the receiver gave up on time.
 
 UCX stays on loopback here: ``TransferConfig.ucx_net_devices`` (default ``lo``) is written to ``UCX_NET_DEVICES``
-before the agent is created (UCX reads only its environment); same-host shared-memory transports are allowed unless
-``ucx_tls`` restricts them. CUDA tensors register as VRAM; the sender waits on an event recorded at ``send_layer``
-before posting, from its progress thread, so the forward pass never blocks.
+before the agent is created (UCX reads only its environment). On CPU-only hosts ``ucx_tls="auto"`` selects
+``tcp,self``: UCX's shared-memory transports would copy inside the post call under the GIL (see
+:func:`kvtransfer.nixl_agent.resolve_ucx_tls`), while over tcp the bytes move on NIXL's own progress thread.
+
+CUDA tensors register as VRAM; the sender waits on an event recorded at ``send_layer`` before posting,
+from its progress thread, so the forward pass never blocks.
 """
 
 from __future__ import annotations

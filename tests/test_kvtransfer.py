@@ -180,6 +180,17 @@ def test_transfer_config_validates() -> None:
         TransferConfig().port = 1  # type: ignore[misc]
 
 
+def test_auto_ucx_transports_are_tcp_on_cpu_hosts_and_ucx_default_with_cuda() -> None:
+    """On CPU-only hosts NIXL must post over tcp: UCX's shared-memory transports copy inside the GIL-holding post."""
+    from kvtransfer.nixl_agent import resolve_ucx_tls
+
+    assert resolve_ucx_tls("auto", cuda=False) == "tcp,self"
+    assert resolve_ucx_tls("auto", cuda=True) == ""
+    assert resolve_ucx_tls("", cuda=False) == ""
+    assert resolve_ucx_tls("rc,cuda_copy", cuda=False) == "rc,cuda_copy"
+    assert TransferConfig().ucx_tls == "auto"
+
+
 # ------------------------------------------------------------------------------------ in-process: fake backend
 @pytest.fixture
 def fake_pair() -> Iterator[tuple[FakeSender, FakeReceiver, list, list]]:

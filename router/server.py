@@ -72,8 +72,14 @@ async def build_router(cfg: RouterConfig) -> Router:
     load = LoadTracker()
     # With Redis, KV events come from the shared stream (one global order for every router replica); without,
     # the pool follows each worker's own event stream (the in-process bus).
-    pool = WorkerPool(list(cfg.workers), index=None if cfg.redis else index, load=load)
-    await pool.start()
+    extra = extra_keys_for(model=model.name)
+    pool = WorkerPool(list(cfg.workers), index=None if cfg.redis else index, load=load,
+                      hashing=(cfg.block_size, extra))
+    try:
+        await pool.start()
+    except BaseException:
+        await pool.close()
+        raise
     bus = None
     if cfg.redis:
         async def resync(worker_id: str) -> int | None:
@@ -86,7 +92,6 @@ async def build_router(cfg: RouterConfig) -> Router:
 
         bus = RedisBus(cfg.redis, model.name, index, pool, resync)
         await bus.start()
-    extra = extra_keys_for(model=model.name)
     cost = CostConfig(block_size=cfg.block_size, temperature=cfg.temperature)
     prefill_sel = Selector(index, load, cost, cfg.block_size, extra, seed=cfg.seed)
     decode_sel = Selector(index, load, cost, cfg.block_size, extra, seed=cfg.seed + 1)

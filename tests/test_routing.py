@@ -148,6 +148,15 @@ def test_load_spreads_within_20_percent_without_prefix_reuse(router: RouterThrea
         assert abs(n - 30) <= 6, counts
 
 
+def test_router_refuses_workers_that_hash_kv_blocks_differently(two_workers: list[WorkerProcess],
+                                                                  checkpoint: Callable[[str], Path]) -> None:
+    """Workers report their block size and hash keys in Health; a router hashing prompts another way would never
+    match their KV events, so it refuses to start and names the field, instead of routing blind."""
+    with pytest.raises(ValueError, match=r"block_size 16 != router's 32"):
+        RouterThread(RouterConfig(model=str(checkpoint("llama")), workers=tuple(w.address for w in two_workers),
+                                  block_size=32))
+
+
 def test_worker_killed_mid_stream_migrates_and_the_client_sees_an_exact_stream(
         checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]]) -> None:
     """SIGKILL the decode worker serving a stream: the router resubmits prompt + tokens so far to the other

@@ -139,7 +139,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         status = "SERVING" if self.loop.error is None else "FAILED"
         return pb.HealthResponse(status=status, role=self.role, model=self.engine.config.model,
                                  compat_hash=self.compat_hash, draining=self.draining, worker_id=self.worker_id,
-                                 kv_backend=self.kv_backend)
+                                 kv_backend=self.kv_backend, block_size=self.engine.block_size,
+                                 hash_extra_keys=list(self.engine.extra_keys))
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadResponse:
         return self.loop.call_sync(self._load)

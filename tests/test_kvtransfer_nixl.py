@@ -25,22 +25,31 @@ from kvtransfer.plan import plan_leg
 LAYOUT = KVLayout("tiny-llama", "float16", num_layers=2, block_size=4, num_kv_heads=4, head_dim=8)
 
 
+_IDLE_PROBE = """
+import resource, sys, time
+import torch
+from kvtransfer.config import TransferConfig
+from kvtransfer.nixl_agent import make_agent
+agent = make_agent(TransferConfig(nixl_progress_delay_us=int(sys.argv[1])), "idle")
+reg = agent.register_memory(torch.zeros(1 << 16))
+time.sleep(0.2)
+r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+time.sleep(1.0)
+r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+print((r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / (t1 - t0))
+"""
+
+
 def _idle_cpu_of_agent(delay_us: int) -> float:
-    """CPU cores this process burns over 1 s while a NIXL agent (progress thread on) sits idle."""
-    import resource
+    """CPU cores a fresh process burns over 1 s while its only NIXL agent (progress thread on) sits idle.
 
-    from kvtransfer.config import TransferConfig
-    from kvtransfer.nixl_agent import make_agent
+    A process of its own, so that no other test's threads are counted."""
+    import subprocess
+    import sys
 
-    agent = make_agent(TransferConfig(nixl_progress_delay_us=delay_us), "idle")
-    buf = torch.zeros(1 << 16)
-    reg = agent.register_memory(buf)
-    time.sleep(0.2)
-    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
-    time.sleep(1.0)
-    r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
-    agent.deregister_memory(reg)
-    return (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / (t1 - t0)
+    out = subprocess.run([sys.executable, "-c", _IDLE_PROBE, str(delay_us)], capture_output=True, text=True,
+                         timeout=120, check=True, env={**os.environ, "UCX_NET_DEVICES": "lo"})
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def test_idle_agent_progress_thread_does_not_spin_a_core() -> None:

@@ -9,20 +9,31 @@ so the worker thread waits for that layer's kernels, not for the whole stream.
 from __future__ import annotations
 
 import queue
+import threading
 from typing import Any
 
 import torch
 
-from kvtransfer.base import KVCaches, KVSender, TransferStatus
-from kvtransfer.book import TransferBook
+from kvtransfer.base import KVCaches, KVSender, OnFailed, TransferStatus
+from kvtransfer.book import Entry, TransferBook
+from kvtransfer.config import TransferConfig
 from kvtransfer.layout import KVLayout
 from kvtransfer.outgoing import Outbound
 
 
 class QueuedSender(KVSender):
-    book: TransferBook
-    out: Outbound
-    _queue: queue.SimpleQueue[tuple[str, Any, Any]]
+    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
+        """The shared state; a subclass then sets up its transport and starts its worker thread and the book."""
+        super().__init__(config, on_failed)
+        self.book = TransferBook("sender", on_failed, self._notify_peer)
+        self.out = Outbound(self.book, self.backend_name)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+
+    def _notify_peer(self, entry: Entry, message: str) -> None:
+        raise NotImplementedError
 
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.out.register(kv_caches, layout)

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
 from kvtransfer.base import DestinationInfo, OnFailed, TransferState
-from kvtransfer.book import Entry, TransferBook
+from kvtransfer.book import Entry
 from kvtransfer.config import TransferConfig
-from kvtransfer.outgoing import Leg, Outbound
+from kvtransfer.outgoing import Leg
 from kvtransfer.queued_sender import QueuedSender
 from kvtransfer.sockio import byte_view, close_socket, join_all, recv_exact, send_all, staged, tune
 from kvtransfer.wire import HEADER_SIZE, Frame, Kind, control, hello_payload, unpack
@@ -36,13 +36,7 @@ class TcpSender(QueuedSender):
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
         super().__init__(config, on_failed)
-        self.book = TransferBook("sender", on_failed, self._notify_peer)
-        self.out = Outbound(self.book, self.backend_name)
-        self._stop = threading.Event()
         self._links: dict[str, _Link] = {}
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[str, object, object]] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
         self._worker = threading.Thread(target=self._work, name="kv-tcp-send", daemon=True)
         self._worker.start()
         self.book.start(self.config.poll_interval_s)

@@ -15,9 +15,9 @@ import torch
 from torch.distributed import PrefixStore
 
 from kvtransfer.base import DestinationInfo, OnFailed
-from kvtransfer.book import Entry, TransferBook
+from kvtransfer.book import Entry
 from kvtransfer.config import TransferConfig
-from kvtransfer.outgoing import Leg, Outbound
+from kvtransfer.outgoing import Leg
 from kvtransfer.pacing import Backoff
 from kvtransfer.queued_sender import QueuedSender
 from kvtransfer.torch_group import (
@@ -50,13 +50,7 @@ class TorchSender(QueuedSender):
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
         super().__init__(config, on_failed)
-        self.book = TransferBook("sender", on_failed, self._notify_peer)
-        self.out = Outbound(self.book, self.backend_name)
-        self._stop = threading.Event()
         self._pairs: dict[str, _OutPair] = {}
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
         self._inflight: list[tuple[Entry, Leg, list[Any], list[torch.Tensor]]] = []
         self._worker = threading.Thread(target=self._work, name="kv-torch-send", daemon=True)
         self._worker.start()

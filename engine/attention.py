@@ -20,6 +20,12 @@ For each group :class:`AttentionMetadata` precomputes, once per step, where to r
 Padded query rows attend to key 0 so that no row is fully masked (their output is dropped). In bf16, batched
 decode attention runs in float32: the CPU SDPA kernel is about 4x slower in bf16 for single query rows, and fp32 is
 more accurate. A lone sequence keeps the bf16 kernel, which is cheap at batch 1 and matches transformers bit for bit.
+
+Native path. On CPU, when the C kernel in ``engine/kernels`` builds, a step instead carries a :class:`NativePlan`
+(the flat batch's query offsets, context lengths and block tables) and one kernel call per layer reads every
+sequence's keys in place through its block table: no gathers, no masks, no padding, decodes and prefills in one
+call. The groups above are then not built. The torch path stays for CUDA, for hosts without a compiler, and for
+bf16 steps that the bf16 rule above keeps on SDPA (prefills and lone sequences).
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from engine.kernels import paged_attention_kernel
 
 
 @dataclass(slots=True)
@@ -46,12 +54,24 @@ class AttentionGroup:
 
 
 @dataclass(slots=True)
+class NativePlan:
+    """The native kernel's view of a step: numpy arrays it reads through raw pointers (kept alive here)."""
+
+    cu_q: np.ndarray  # [B + 1] int64: sequence b's queries are flat rows cu_q[b]:cu_q[b+1]
+    ctx: np.ndarray  # [B] int64 context length after this step
+    tables: np.ndarray  # [B, width] int64 block ids, C-contiguous
+    window: int  # sliding window, 0 for none
+    args: tuple[int, int, int, int, int]  # (cu_q ptr, ctx ptr, tables ptr, table stride, B)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot each new token's K/V is written to
     groups: list[AttentionGroup]
     num_tokens: int
     cos: torch.Tensor | None = None  # [num_tokens, 1, head_dim] rotary tables gathered once per step
     sin: torch.Tensor | None = None
+    native: NativePlan | None = None  # set: every layer's attention goes through the native kernel
 
 
 def build_metadata(
@@ -61,11 +81,12 @@ def build_metadata(
     block_size: int,
     sliding_window: int | None,
     device: torch.device,
+    native: bool = False,
 ) -> AttentionMetadata:
     """One step's metadata.
 
     ``q_lens[i]`` new tokens for sequence ``i``, whose context ends at ``ctx_lens[i]``; ``tables[i]`` its block ids,
-    padded on the right.
+    padded on the right. ``native``: plan for the native kernel (CPU only) instead of building torch groups.
     """
     n = len(q_lens)
     starts = np.zeros(n + 1, dtype=np.int64)
@@ -74,6 +95,13 @@ def build_metadata(
     seq_of = np.repeat(np.arange(n), q_lens)
     pos = np.arange(num_tokens) - starts[seq_of] + (ctx_lens - q_lens)[seq_of]
     slot_mapping = tables[seq_of, pos // block_size] * block_size + pos % block_size
+    if native:
+        tab = np.ascontiguousarray(tables, dtype=np.int64)
+        ctx = np.ascontiguousarray(ctx_lens, dtype=np.int64)
+        plan = NativePlan(cu_q=starts, ctx=ctx, tables=tab, window=sliding_window or 0,
+                          args=(starts.ctypes.data, ctx.ctypes.data, tab.ctypes.data, tab.shape[1], n))
+        return AttentionMetadata(slot_mapping=torch.from_numpy(slot_mapping), groups=[], num_tokens=num_tokens,
+                                 native=plan)
     decode = q_lens == 1
     groups = []
     if decode.all() or not decode.any():
@@ -164,6 +192,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention for flat queries ``[T, heads, head_dim]`` over the paged cache; returns ``[T, heads*hd]``."""
     t, heads, hd = q.shape
+    if meta.native is not None:
+        return _attend_native(q, k_cache, v_cache, meta.native, scale)
     if len(meta.groups) == 1 and meta.groups[0].rows is None:
         return _attend(q, k_cache, v_cache, meta.groups[0], scale).reshape(t, heads * hd)
     out = q.new_empty(t, heads, hd)
@@ -200,3 +230,30 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: At
     o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, is_causal=g.causal, scale=scale,
                                        enable_gqa=heads != kvh)
     return o.transpose(1, 2).to(dtype)  # [B, max_q, heads, hd]
+
+
+def native_attention_supported(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                               device: torch.device) -> bool:
+    """Whether :func:`build_metadata` may plan for the native kernel for this layer shape (and the kernel built)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if kv_heads <= 0 or heads % kv_heads or heads // kv_heads > 16 or not 0 < head_dim <= 256:
+        return False
+    return paged_attention_kernel() is not None
+
+
+def _attend_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: NativePlan,
+                   scale: float) -> torch.Tensor:
+    t, heads, hd = q.shape
+    if q.stride(2) != 1 or q.stride(1) != hd:
+        q = q.contiguous()
+    _, bs, kvh, _ = k_cache.shape
+    out = torch.empty(t, heads * hd, dtype=q.dtype)
+    kernel = paged_attention_kernel()
+    assert kernel is not None and k_cache.is_contiguous() and v_cache.is_contiguous()
+    cu_q, ctx, tables, stride, b = plan.args
+    rc = kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), cu_q, ctx, tables, stride, b,
+                heads, kvh, hd, bs, plan.window, scale, q.dtype == torch.bfloat16, out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"native paged attention refused heads={heads} kv_heads={kvh} head_dim={hd}")
+    return out

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, build_metadata
-from engine.models.decoder import CausalLM
+from engine.attention import AttentionMetadata, build_metadata, native_attention_supported
+from engine.models.decoder import Attention, CausalLM
 from engine.request import Request
 from engine.sampler import Sampler, SampleResult
 from engine.scheduler import SchedulerOutput
@@ -45,6 +46,9 @@ class ModelRunner:
         self._pos_t = torch.from_numpy(self._pos)
         self._tables = np.zeros((max_num_seqs, -(-max_model_len // block_size) + 1), dtype=np.int64)
         self.sliding_window = model.cfg.sliding_window
+        attn = cast(Attention, model.layers[0].self_attn)
+        self._native = native_attention_supported(attn.heads, attn.kv_heads, attn.head_dim, model.dtype, device)
+        self._native_prefill = model.dtype == torch.float32  # bf16 prefills and lone decodes stay on SDPA
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         n = len(out.requests)
@@ -72,7 +76,9 @@ class ModelRunner:
                 sample_rows.append(t - 1)
                 sample_reqs.append(req)
         width = -(-int(ctx.max()) // self.block_size)
-        meta = build_metadata(q_lens, ctx, tables[:, :width], self.block_size, self.sliding_window, self.device)
+        native = self._native and (self._native_prefill or (n > 1 and bool((q_lens == 1).all())))
+        meta = build_metadata(q_lens, ctx, tables[:, :width], self.block_size, self.sliding_window, self.device,
+                              native=native)
         self._pos[:t] = np.arange(t) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens) + np.repeat(ctx - q_lens, q_lens)
         return StepInputs(
             input_ids=self._ids_t[:t].to(self.device, non_blocking=True),

@@ -13,7 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import LayerOps, layer_ops
 from engine.model_config import MoEConfig, RopeConfig
+
+
+def native_layer_ops(x: torch.Tensor) -> LayerOps | None:
+    """The fused C ops of ``engine/kernels/layer_ops.c`` when they apply to ``x`` (fp32 on CPU), else None."""
+    if x.dtype is not torch.float32 or x.device.type != "cpu":
+        return None
+    return layer_ops()
 
 
 def _onednn_available() -> bool:
@@ -51,6 +59,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # transformers: normalise in float32, cast back, then scale by the weight in the activation dtype.
+        ops = native_layer_ops(x)
+        if ops is not None and x.dim() == 2 and x.stride(1) == 1:
+            rows, dim = x.shape
+            out = torch.empty(rows, dim)
+            ops.rms_norm(x.data_ptr(), x.stride(0), self.weight.data_ptr(), out.data_ptr(), rows, dim, self.eps)
+            return out
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
@@ -90,7 +104,17 @@ class RotaryEmbedding(nn.Module):
         return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x``: [T, heads, hd] (q and k may be rotated together, stacked on the head axis)."""
+        """Rotate ``x``: [T, heads, hd] (q and k may be rotated together, stacked on the head axis).
+
+        With the native ops (fp32 CPU) ``x`` is rotated in place and returned; it must be a tensor the caller owns
+        (here: a slice of the fresh qkv projection). The result is bit-identical to the torch expression below.
+        """
+        ops = native_layer_ops(x)
+        if ops is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous() \
+                and sin.is_contiguous() and cos.dtype is torch.float32:
+            t, heads, hd = x.shape
+            ops.rope(x.data_ptr(), x.stride(0), t, heads, hd, cos.data_ptr(), sin.data_ptr())
+            return x
         rot = torch.cat((-x[..., self.half :], x[..., : self.half]), dim=-1)
         return x * cos + rot * sin  # not addcmul: keep transformers' rounding in bf16
 
@@ -105,9 +129,18 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(hidden, intermediate, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = linear(x, self.gate_up_proj)
-        gate, up = gu.split(self.intermediate, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj)
+        return linear(silu_mul(linear(x, self.gate_up_proj), self.intermediate), self.down_proj)
+
+
+def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gu = [gate | up]`` of shape [T, 2 * inter]."""
+    ops = native_layer_ops(gu)
+    if ops is not None and gu.dim() == 2 and gu.stride(1) == 1:
+        out = torch.empty(gu.shape[0], inter)
+        ops.silu_mul(gu.data_ptr(), gu.stride(0), out.data_ptr(), gu.shape[0], inter)
+        return out
+    gate, up = gu.split(inter, dim=-1)
+    return F.silu(gate) * up
 
 
 class SparseMoE(nn.Module):
@@ -152,8 +185,7 @@ class SparseMoE(nn.Module):
             if 0 <= local < self.num_local:
                 idx = token_of[start : start + n]
                 h = linear(x.index_select(0, idx), self.w13[local])
-                gate, up = h.split(self.inter, dim=-1)
-                y = linear(F.silu(gate) * up, self.w2[local])
+                y = linear(silu_mul(h, self.inter), self.w2[local])
                 y = y * w_of[start : start + n, None]
                 out.index_add_(0, idx, y.to(out.dtype))
             start += n

@@ -1,0 +1,153 @@
+"""Native CPU kernels, compiled on first use with the host's C compiler and loaded with ctypes.
+
+Why C and ctypes rather than a torch C++ extension: the kernel needs no torch headers (it takes raw pointers and
+shapes), so it compiles in about a second instead of a minute, with nothing to install at build time. It is built
+for this CPU (``-march=native``) into a per-user cache keyed by the source, the compiler, the flags and the CPU's
+feature flags, and written atomically so that worker processes starting together cannot load half a file.
+
+Two sources: ``paged_attention.c`` (attention over the paged KV cache, fp32 and bf16) and ``layer_ops.c`` (fused
+fp32 RMSNorm, SiLU-and-multiply and rotary embedding).
+
+Everything here is optional. When there is no compiler, the build fails, ``TANDEM_NATIVE_KERNELS=0`` is set, or
+the platform is not Linux, :func:`paged_attention_kernel` and :func:`layer_ops` return ``None`` and the engine uses
+its torch path, which computes the same thing (the parity tests run on both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_HERE = Path(__file__).parent
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+_EXTRA_FLAGS = {"layer_ops": ("-ffp-contract=off",)}  # round like torch's separate ops (see layer_ops.c)
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("TANDEM_NATIVE_KERNELS", "1") not in ("0", "false", "no") and platform.system() == "Linux"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TANDEM_KERNEL_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(cc: str, name: str) -> Path:
+    source = _HERE / f"{name}.c"
+    flags = (*_FLAGS, *_EXTRA_FLAGS.get(name, ()))
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join(s.encode() for s in (
+        source.read_text(), cc, version, " ".join(flags), _cpu_flags(), platform.machine()))).hexdigest()[:20]
+    out = _cache_dir() / f"{name}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *flags, "-o", tmp, str(source)], capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load(name: str) -> ctypes.CDLL | None:
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        lib = None
+        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+        if not enabled():
+            log.info("native kernels disabled; using the torch path")
+        elif cc is None:
+            log.info("no C compiler found; using the torch path")
+        else:
+            try:
+                import torch  # noqa: F401  (loads torch's libgomp first, so the kernel shares its OpenMP runtime)
+
+                lib = ctypes.CDLL(str(_build(cc, name)))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                log.warning("could not build the native %s kernel (%s); using the torch path", name, e)
+                lib = None
+        _loaded[name] = lib
+        return lib
+
+
+_i64 = ctypes.c_int64
+_ptr = ctypes.c_void_p
+
+
+@functools.cache
+def paged_attention_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """``tandem_paged_attention`` from ``paged_attention.c`` (see its header for the contract), or None."""
+    lib = _load("paged_attention")
+    if lib is None:
+        return None
+    fn = lib.tandem_paged_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64,
+                   ctypes.c_float, ctypes.c_int, _ptr]
+    return fn
+
+
+_f32 = ctypes.c_float
+
+
+@dataclass(frozen=True, slots=True)
+class LayerOps:
+    """The functions of ``layer_ops.c`` (fp32; see its header for each contract)."""
+
+    rms_norm: Any
+    silu_mul: Any
+    rope: Any
+
+
+@functools.cache
+def layer_ops() -> LayerOps | None:
+    lib = _load("layer_ops")
+    if lib is None:
+        return None
+    sigs = {
+        "rms_norm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],
+        "silu_mul": [_ptr, _i64, _ptr, _i64, _i64],
+        "rope": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr],
+    }
+    fns = {}
+    for name, argtypes in sigs.items():
+        fn = getattr(lib, f"tandem_{name}")
+        fn.argtypes = argtypes
+        fn.restype = None
+        fns[name] = fn
+    return LayerOps(**fns)

@@ -1,0 +1,85 @@
+/* Fused fp32 element-wise layer ops for CPU: each replaces a chain of torch ops (and their temporaries) with one
+ * pass over the rows. Decode steps are a few rows, where torch's per-op dispatch costs more than the arithmetic;
+ * prefills are thousands of rows, where the temporaries cost memory bandwidth.
+ *
+ * Built with -ffp-contract=off: every product and sum is rounded on its own, as torch's separate ops round them,
+ * so rotary embedding is bit-identical to the torch expression it replaces.
+ *
+ *   tandem_rms_norm      out = x * rsqrt(mean(x^2) + eps) * w
+ *   tandem_silu_mul      out[:, i] = silu(gu[:, i]) * gu[:, inter + i]
+ *   tandem_rope          neox rotary embedding, in place, on the first `heads` heads of each token row
+ *
+ * Rows are `stride` floats apart; the innermost dimension is contiguous. Threads: OpenMP (torch's runtime) above
+ * a size where forking pays.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define PARALLEL_MIN 65536 /* elements */
+
+static inline float row_inv_rms(const float *x, int64_t dim, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; i++) ss += x[i] * x[i];
+    return 1.0f / sqrtf(ss / (float)dim + eps);
+}
+
+void tandem_rms_norm(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows, int64_t dim,
+                     float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *o = out + r * dim;
+        const float inv = row_inv_rms(xr, dim, eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+static inline float exp_clamped(float x) { /* Cephes expf, vectorisable; |error| ~1 ulp */
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } e = {.i = ((int32_t)n + 127) << 23};
+    return p * e.f;
+}
+
+void tandem_silu_mul(const float *gu, int64_t gu_stride, float *out, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows * inter >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * gu_stride, *u = g + inter;
+        float *o = out + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) o[i] = (g[i] / (1.0f + exp_clamped(-g[i]))) * u[i];
+    }
+}
+
+void tandem_rope(float *x, int64_t tok_stride, int64_t tokens, int64_t heads, int64_t head_dim, const float *cos,
+                 const float *sin) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= PARALLEL_MIN)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * head_dim, *s = sin + t * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + t * tok_stride + h * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = v[i], x2 = v[half + i];
+                /* torch: x * cos + cat(-x2, x1) * sin, each product and the sum rounded separately */
+                v[i] = x1 * c[i] + (-x2) * s[i];
+                v[half + i] = x2 * c[half + i] + x1 * s[half + i];
+            }
+        }
+    }
+}

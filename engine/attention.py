@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import paged_attention_kernel
+from engine.kernels import kv_writer, paged_attention_kernel
 
 
 @dataclass(slots=True)
@@ -100,8 +100,8 @@ def build_metadata(
         ctx = np.ascontiguousarray(ctx_lens, dtype=np.int64)
         plan = NativePlan(cu_q=starts, ctx=ctx, tables=tab, window=sliding_window or 0,
                           args=(starts.ctypes.data, ctx.ctypes.data, tab.ctypes.data, tab.shape[1], n))
-        return AttentionMetadata(slot_mapping=torch.from_numpy(slot_mapping), groups=[], num_tokens=num_tokens,
-                                 native=plan)
+        slots = torch.from_numpy(np.ascontiguousarray(slot_mapping, dtype=np.int64))
+        return AttentionMetadata(slot_mapping=slots, groups=[], num_tokens=num_tokens, native=plan)
     decode = q_lens == 1
     groups = []
     if decode.all() or not decode.any():
@@ -175,10 +175,18 @@ def _group(
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> None:
-    """Scatter new tokens' K/V ([T, kv_heads, head_dim]) into their cache slots."""
+    """Scatter new tokens' K/V ([T, kv_heads, head_dim]) into their cache slots (``meta.slot_mapping``)."""
     nb, bs, h, d = k_cache.shape
+    slot_mapping = meta.slot_mapping
+    if meta.native is not None and _rows_contiguous(k) and _rows_contiguous(v):
+        write = kv_writer()
+        assert write is not None and k_cache.is_contiguous() and v_cache.is_contiguous()
+        es = k.element_size()
+        write(k.data_ptr(), k.stride(0) * es, v.data_ptr(), v.stride(0) * es, k_cache.data_ptr(), v_cache.data_ptr(),
+              slot_mapping.data_ptr(), k.shape[0], h * d * es)
+        return
     k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k)
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v)
 
@@ -232,6 +240,11 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: At
     return o.transpose(1, 2).to(dtype)  # [B, max_q, heads, hd]
 
 
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """[T, heads, hd] with each token's heads back to back (token rows may be strided)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 def native_attention_supported(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                                device: torch.device) -> bool:
     """Whether :func:`build_metadata` may plan for the native kernel for this layer shape (and the kernel built)."""
@@ -245,7 +258,7 @@ def native_attention_supported(heads: int, kv_heads: int, head_dim: int, dtype: 
 def _attend_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: NativePlan,
                    scale: float) -> torch.Tensor:
     t, heads, hd = q.shape
-    if q.stride(2) != 1 or q.stride(1) != hd:
+    if not _rows_contiguous(q):
         q = q.contiguous()
     _, bs, kvh, _ = k_cache.shape
     out = torch.empty(t, heads * hd, dtype=q.dtype)

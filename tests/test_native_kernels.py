@@ -24,7 +24,7 @@ import torch
 
 import engine.model_runner as model_runner
 import engine.models.layers as layers
-from engine.attention import build_metadata, paged_attention
+from engine.attention import build_metadata, paged_attention, write_kv
 from engine.kernels import enabled, layer_ops, paged_attention_kernel
 from engine.llm import LLM
 from engine.model_config import RopeConfig
@@ -110,6 +110,22 @@ def test_kernel_matches_torch_path(case: str, window: int | None) -> None:
     out = paged_attention(q, k, v, nat_meta, scale)
     assert out.shape == ref.shape == (int(ql.sum()), heads * head_dim)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_index_copy(dtype: torch.dtype) -> None:
+    if paged_attention_kernel() is None:
+        pytest.skip("native kernel unavailable")
+    ql, cl, tables, _, k0, v0 = _case([1, 9, 30], [20, 9, 70], 8, 4, 32, 16, seed=5)
+    qkv = torch.randn(int(ql.sum()), 16, 32).to(dtype)
+    k, v = qkv[:, 8:12], qkv[:, 12:16]  # strided token rows, as the engine passes them
+    caches = []
+    for native in (False, True):
+        kc, vc = k0.to(dtype).clone(), v0.to(dtype).clone()
+        write_kv(kc, vc, k, v, build_metadata(ql, cl, tables, 16, None, CPU, native=native))
+        caches.append((kc, vc))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert not torch.equal(caches[0][0], k0.to(dtype))  # something was written
 
 
 @pytest.mark.parametrize("case", ["decode batch", "mixed decode and prefill", "generic head size"])

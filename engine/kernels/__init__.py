@@ -122,6 +122,18 @@ def paged_attention_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-de
     return fn
 
 
+@functools.cache
+def kv_writer() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """``tandem_write_kv`` from ``paged_attention.c``: scatter a step's K/V rows into their cache slots."""
+    lib = _load("paged_attention")
+    if lib is None:
+        return None
+    fn = lib.tandem_write_kv
+    fn.restype = None
+    fn.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64]
+    return fn
+
+
 _f32 = ctypes.c_float
 
 

@@ -14,6 +14,10 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define PARALLEL_MIN 65536 /* elements */
 
@@ -48,20 +52,46 @@ static inline float exp_clamped(float x) { /* Cephes expf, vectorisable; |error|
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    union {
-        int32_t i;
-        float f;
-    } e = {.i = ((int32_t)n + 127) << 23};
-    return p * e.f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float e;
+    memcpy(&e, &bits, sizeof e);
+    return p * e;
 }
+
+#if defined(__AVX512F__)
+static inline __m512 exp16(__m512 x) { /* exp_clamped, 16 lanes, the same operations */
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(
+        _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
 
 void tandem_silu_mul(const float *gu, int64_t gu_stride, float *out, int64_t rows, int64_t inter) {
 #pragma omp parallel for schedule(static) if (rows * inter >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gu + r * gu_stride, *u = g + inter;
         float *o = out + r * inter;
-#pragma omp simd
-        for (int64_t i = 0; i < inter; i++) o[i] = (g[i] / (1.0f + exp_clamped(-g[i]))) * u[i];
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= inter; i += 16) {
+            const __m512 x = _mm512_loadu_ps(g + i);
+            const __m512 sig = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(x, sig), _mm512_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < inter; i++) o[i] = (g[i] / (1.0f + exp_clamped(-g[i]))) * u[i];
     }
 }
 

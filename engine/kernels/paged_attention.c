@@ -360,3 +360,16 @@ int tandem_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
     free(tile_b);
     return 0;
 }
+
+/* Scatter a step's new K and V rows into their cache slots: row t of k (and of v), ``row_bytes`` long and
+ * ``k_stride``/``v_stride`` bytes apart (views into the fused qkv projection are fine), goes to slot
+ * slot_mapping[t] of k_cache (v_cache), whose slots are ``row_bytes`` apart. */
+void tandem_write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_cache,
+                     void *v_cache, const int64_t *slot_mapping, int64_t tokens, int64_t row_bytes) {
+#pragma omp parallel for schedule(static) if (tokens * row_bytes >= (1 << 20))
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t slot = slot_mapping[t];
+        memcpy((char *)k_cache + slot * row_bytes, (const char *)k + t * k_stride, (size_t)row_bytes);
+        memcpy((char *)v_cache + slot * row_bytes, (const char *)v + t * v_stride, (size_t)row_bytes);
+    }
+}

@@ -91,7 +91,7 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         qk = self.rotary.apply(qk, meta.cos, meta.sin)
         q, k = qk.split((self.heads, self.kv_heads), dim=1)
-        write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
+        write_kv(kv[0], kv[1], k, v, meta)
         o = paged_attention(q, kv[0], kv[1], meta, self.scale)
         out = linear(o, self.o_proj)
         out = all_reduce(out)

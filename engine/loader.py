@@ -56,4 +56,6 @@ def load_model(
     model.eval()
     if device != "cpu":
         model.to(device)
+    else:
+        model.prepack()
     return model, cfg

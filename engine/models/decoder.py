@@ -24,7 +24,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.cpu_runtime import empty_on_huge_pages
 from engine.model_config import ModelConfig
-from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE, linear
+from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE, linear, prepack_linear_weight
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -176,6 +176,17 @@ class CausalLM(nn.Module):
             if after_layer is not None:
                 after_layer(i)
         return x
+
+    def prepack(self) -> None:
+        """Pack the dense matmul weights for oneDNN (CPU); see :func:`prepack_linear_weight`."""
+        for layer in self.layers:
+            attn = layer.self_attn
+            weights = [attn.qkv_proj, attn.o_proj]
+            if isinstance(layer.mlp, GatedMLP):
+                weights += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            for w in weights:
+                prepack_linear_weight(w)
+        prepack_linear_weight(self.lm_head)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(self.norm(hidden), self.lm_head).float()

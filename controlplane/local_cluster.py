@@ -8,8 +8,9 @@ Start-up, printed as it goes, each line stamped with the seconds since this proc
 3. one placement group and one :class:`WorkerReplica` actor per prefill/decode replica, started in parallel;
 4. the router in this process, once every worker answers health checks; then the URL.
 
-Steps 1 and 2 overlap: while ``ray.init`` waits for its processes, a thread generates the tiny model if needed
-and imports the router (aiohttp, the tokenizer, the gRPC stubs). This process never imports torch.
+Steps 1 and 2 overlap: while ``ray.init`` waits for its processes, a thread generates the tiny model if needed,
+imports the router (aiohttp, the tokenizer, the gRPC stubs) and compiles the engine's native kernels (a cold cache
+only). This process never imports torch.
 
 A supervisor task asks each replica to ``ensure()`` its worker every second; a replica whose worker died restarts
 it and the router swaps the address. Ctrl-C, SIGTERM or ``tandem down`` (which signals the PID recorded in the
@@ -102,8 +103,9 @@ def ensure_model(model: str | None) -> Path:
 
 
 class _Prepare(threading.Thread):
-    """Runs beside ``ray.init``: makes sure the model exists, then imports the router (aiohttp, the tokenizer, the
-    gRPC stubs) so that ``_serve`` finds it loaded. An import error is left for ``_serve``'s own import to raise."""
+    """Runs beside ``ray.init``: makes sure the model exists, imports the router (aiohttp, the tokenizer, the gRPC
+    stubs) so that ``_serve`` finds it loaded, then builds the engine's native kernels into their cache so that
+    the workers do not each compile them. An import error is left for ``_serve``'s own import to raise."""
 
     def __init__(self, model: str | None) -> None:
         super().__init__(name="tandem-up-prepare", daemon=True)
@@ -123,6 +125,9 @@ class _Prepare(threading.Thread):
             self.model_ready.set()
         with contextlib.suppress(Exception):
             import router.server  # noqa: F401
+        from engine.kernels import build_all
+
+        build_all()
 
     def model_path(self, timeout_s: float = 600.0) -> Path:
         if not self.model_ready.wait(timeout_s):

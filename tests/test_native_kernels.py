@@ -171,6 +171,18 @@ def test_fallback_when_the_compiler_fails(tmp_path: Path) -> None:
     assert "could not build the native paged_attention kernel" in proc.stderr
 
 
+def test_build_all_fills_the_cache_without_torch(tmp_path: Path) -> None:
+    """``tandem up`` compiles the kernels beside ``ray.init`` in a process that never imports torch."""
+    if not enabled():
+        pytest.skip("TANDEM_NATIVE_KERNELS=0")
+    script = "import sys\nfrom engine.kernels import build_all\nbuild_all()\nprint('torch' in sys.modules)\n"
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TANDEM_KERNEL_CACHE": str(tmp_path)},
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+    assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*.so")) == ["layer_ops", "paged_attention"]
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3_moe"])
 def test_torch_path_parity_with_transformers(arch: str, checkpoint: Callable[[str], Path],
                                              monkeypatch: pytest.MonkeyPatch) -> None:

@@ -83,12 +83,33 @@ def _build(cc: str, name: str) -> Path:
     return out
 
 
+_SOURCES = ("paged_attention", "layer_ops")
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def build_all() -> None:
+    """Compile every kernel into the cache without loading it (no torch import): ``tandem up`` runs this while
+    Ray starts, so that its workers, starting side by side, find the kernels built instead of each compiling them
+    (~2 s of gcc per process on a cold cache)."""
+    cc = _compiler()
+    if not enabled() or cc is None:
+        return
+    for name in _SOURCES:
+        try:
+            _build(cc, name)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("could not build the native %s kernel (%s)", name, e)
+
+
 def _load(name: str) -> ctypes.CDLL | None:
     with _lock:
         if name in _loaded:
             return _loaded[name]
         lib = None
-        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+        cc = _compiler()
         if not enabled():
             log.info("native kernels disabled; using the torch path")
         elif cc is None:

@@ -15,18 +15,27 @@
   does not arrive within its lease is failed and freed.
 - **Running**: an ordinary engine request; the next token is computed from the received KV.
 
+While the only requests are in Prealloc/Transfer the engine has nothing to compute, yet it counts them as
+unfinished, so the engine loop would step an empty schedule back to back: a whole core and the GIL, taken from the
+NIXL/UCX threads that land the bytes and from the receiver's notification thread (measured on 2 cores: the last
+layer's notification reached the receiver ~11 ms after the sender saw its WRITE complete, and the ACK took up to
+18 ms more, against well under 1 ms each with the loop quiet). The transfer hook therefore waits instead, up to
+``REMOTE_ONLY_WAIT_S``, woken at once by a finished transfer and by this service's own ``Reserve``/``Decode``
+commands.
+
 ``--role both`` (colocated) serves ``Generate`` from the same engine.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -39,6 +48,8 @@ from worker.convert import logprob_from_proto
 from worker.service import WorkerService
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+REMOTE_ONLY_WAIT_S = 0.002  # the longest a base-service command (Abort, Load) waits while only transfers are pending
 
 
 @dataclass(slots=True)
@@ -62,7 +73,10 @@ class DecodeService(WorkerService):
         self.layout = layout
         self.pending: dict[str, Pending] = {}
         self.failed: OrderedDict[str, str] = OrderedDict()  # why recent requests failed, for late Decode calls
+        self._nudge = threading.Event()  # ends the transfer hook's wait: a transfer finished or a command is queued
         self.loop.add_hook(self._poll_transfers)
+        if receiver is not None:
+            receiver.set_on_done(self._on_transfer_done)
 
     @property
     def compat_hash(self) -> str:
@@ -99,7 +113,7 @@ class DecodeService(WorkerService):
                                       num_blocks=len(block_ids))
 
         try:
-            resp = self.loop.call_sync(reserve)
+            resp = self._call(reserve)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if resp is None:
@@ -120,7 +134,7 @@ class DecodeService(WorkerService):
                 self._start(eng, rid)
             return q
 
-        q = self.loop.call_sync(deliver)
+        q = self._call(deliver)
         if isinstance(q, str):
             code = grpc.StatusCode.NOT_FOUND if rid not in self.failed else grpc.StatusCode.UNAVAILABLE
             context.abort(code, f"request {rid}: {q}")
@@ -131,9 +145,26 @@ class DecodeService(WorkerService):
         assert p.first_token is not None
         self.loop.publish(eng.start_remote_decode(rid, p.first_token, p.first_logprob))
 
+    def _call(self, fn: Callable[[LLMEngine], T]) -> T:
+        fut = self.loop.call(fn)
+        self._nudge.set()  # after queueing: the loop collects the command on its next pass
+        return fut.result(30.0)
+
+    def _on_transfer_done(self, _request_id: str) -> None:
+        # Receiver thread: only signal. The loop itself is woken too in case it idles on its own condition.
+        self._nudge.set()
+        self.loop.call(_noop)
+
+    def _wait_while_only_transfers(self) -> None:
+        sch = self.engine.scheduler
+        if sch.remote and not sch.waiting and not sch.running:
+            self._nudge.wait(REMOTE_ONLY_WAIT_S)
+        self._nudge.clear()
+
     def _poll_transfers(self) -> None:
         if not self.pending or self.receiver is None:
             return
+        self._wait_while_only_transfers()
         eng = self.engine
         now = time.time()
         for rid, p in list(self.pending.items()):
@@ -172,3 +203,7 @@ class DecodeService(WorkerService):
 
     def role_load(self, eng: LLMEngine) -> dict[str, int]:
         return {"transfers_in_flight": sum(1 for p in self.pending.values() if not p.kv_done)}
+
+
+def _noop(_engine: LLMEngine) -> None:
+    return None

@@ -20,7 +20,7 @@ import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -28,10 +28,15 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.destination import DestinationInfo
 from kvtransfer.layout import KVLayout
 
+if TYPE_CHECKING:
+    from kvtransfer.book import TransferBook
+
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 OnFailed = Callable[[str, str], None]
+OnDone = Callable[[str], None]
 
-__all__ = ["DestinationInfo", "KVCaches", "KVReceiver", "KVSender", "OnFailed", "TransferState", "TransferStatus"]
+__all__ = ["DestinationInfo", "KVCaches", "KVReceiver", "KVSender", "OnDone", "OnFailed", "TransferState",
+           "TransferStatus"]
 
 
 class TransferState(IntEnum):
@@ -57,10 +62,20 @@ class KVSender(abc.ABC):
     """Prefill side: pushes a request's layers into a decode rank's reserved blocks."""
 
     backend_name: ClassVar[str]
+    book: TransferBook  # every implementation keeps its requests in one
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
         self.config = config or TransferConfig()
         self.on_failed = on_failed
+
+    def set_on_done(self, on_done: OnDone | None) -> None:
+        """Call ``on_done(request_id)`` the moment a transfer turns DONE, so its owner need not wait for a poll tick.
+
+        It runs on whichever thread saw the transfer finish, possibly under the request ledger's lock: it must only
+        signal (set an event, queue a call on the engine loop), never block or call back into this object. ``poll``
+        stays the source of truth.
+        """
+        self.book.on_done = on_done
 
     @abc.abstractmethod
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
@@ -104,10 +119,20 @@ class KVReceiver(abc.ABC):
     """Decode side: reserves destinations and reports when every layer has landed."""
 
     backend_name: ClassVar[str]
+    book: TransferBook  # every implementation keeps its requests in one
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
         self.config = config or TransferConfig()
         self.on_failed = on_failed
+
+    def set_on_done(self, on_done: OnDone | None) -> None:
+        """Call ``on_done(request_id)`` the moment a transfer turns DONE, so its owner need not wait for a poll tick.
+
+        It runs on whichever thread saw the transfer finish, possibly under the request ledger's lock: it must only
+        signal (set an event, queue a call on the engine loop), never block or call back into this object. ``poll``
+        stays the source of truth.
+        """
+        self.book.on_done = on_done
 
     @abc.abstractmethod
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None: ...

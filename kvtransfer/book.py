@@ -6,7 +6,10 @@ Every backend keeps its requests in one :class:`TransferBook`. The book owns the
 - a small reaper thread turns every unfinished entry past its deadline into FAILED ("lease expired ...");
 - every transition to FAILED is queued, and the reaper delivers it outside the lock: first to the backend's
   ``notify_peer`` hook (when the failure was decided locally, so the peer fails fast instead of waiting out its own
-  lease), then to the user's ``on_failed(request_id, message)``.
+  lease), then to the user's ``on_failed(request_id, message)``;
+- every transition to DONE calls ``on_done(request_id)`` at once, on the thread that saw it (possibly under the
+  book's lock, so it must only signal: set an event, queue a call). An owner that would otherwise find out at its
+  next poll tick (an engine loop idling 5 ms) is woken instead.
 
 The book never frees blocks: it only reports. ``poll`` also checks deadlines, so a caller that polls sees expiry
 even between reaper ticks.
@@ -49,6 +52,7 @@ class Entry:
 
 
 NotifyPeer = Callable[[Entry, str], None]
+OnDone = Callable[[str], None]
 
 
 class TransferBook:
@@ -58,6 +62,7 @@ class TransferBook:
         self._entries: dict[str, Entry] = {}
         self._on_failed = on_failed
         self._notify_peer = notify_peer
+        self.on_done: OnDone | None = None  # set through KVSender/KVReceiver.set_on_done
         self._outbox: collections.deque[tuple[Entry, str, bool, bool]] = collections.deque()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -128,7 +133,13 @@ class TransferBook:
             if entry.state >= TransferState.DONE:
                 return False
             entry.state = TransferState.DONE
-            return True
+        on_done = self.on_done
+        if on_done is not None:
+            try:
+                on_done(entry.request_id)
+            except Exception:
+                log.exception("%s: on_done callback raised for %s", self.side, entry.request_id)
+        return True
 
     def expire_due(self) -> None:
         now = time.monotonic()

@@ -10,11 +10,14 @@ agent name and every layer's (K, V) base address into :class:`DestinationInfo` (
 ``get_serialized_descs`` pickles, so it is not used). ``start`` adds the receiver as a remote agent and sends a
 HELLO notification carrying the sender's own metadata, so that the receiver can answer ACK/FAIL notifications.
 
-Per layer the sender posts one ``initialize_xfer("WRITE", ...)`` over that layer's block-run descriptors (one per
-contiguous run for K and for V; per token row when TP differs and only a head slice moves), with a DATA
-notification that NIXL delivers only after the layer's bytes are in place. ``send_layer`` only queues the layer and
-wakes the progress thread, which posts it at once. The receiver counts landed bytes per
-layer from those notifications and is DONE when every layer landed; it then sends ACK, which makes the sender DONE.
+Per layer the sender posts one WRITE over that layer's block-run descriptors (one per contiguous run for K and for
+V; per token row when TP differs and only a head slice moves), with a DATA notification that NIXL delivers only
+after the layer's bytes are in place. Every layer's WRITE is prepared (``prep_xfer_dlist`` once per leg,
+``make_prepped_xfer`` per layer) when the first layer is posted, so a later layer costs one ``transfer`` call.
+``send_layer`` only queues the layer and wakes the progress thread, which posts it at once; between layers, with
+nothing in flight, that thread backs off instead of polling (and taking the GIL) every few tens of microseconds.
+The receiver counts landed bytes per layer from those notifications and is DONE when every layer landed; it then
+sends ACK, which makes the sender DONE.
 
 Leases: both ends expire unfinished transfers and notify each other. A one-sided WRITE cannot be stopped by the
 target, so on expiry the sender stops posting and the receiver reports FAILED; the sender's deadline is the earlier

@@ -14,7 +14,8 @@
   layers. At the last layer the prompt's blocks get an extra reference (the hold) so that finishing the engine
   request does not free blocks the sender still reads. The first token goes back to the caller immediately:
   TTFT never waits on the transfer. The hold is dropped when the sender reports DONE or FAILED (peer death, lease
-  expiry): every path frees the blocks.
+  expiry): every path frees the blocks. The sender wakes the engine loop the moment a transfer is DONE (that moment
+  ends the request's ``TransferTiming``), so an idle loop frees the hold then, not at its next idle tick.
 """
 
 from __future__ import annotations
@@ -89,8 +90,10 @@ class PrefillService(WorkerService):
         self._step_seen: object = None
         self.stall: tuple[int, float] | None = None  # fault injection: (layer, seconds)
         self.timings: deque[TransferTiming] = deque(maxlen=1024)
+        self._done_at: dict[str, float] = {}  # perf_counter when the sender reported DONE (written on its thread)
         self.loop.after_layer = self._after_layer
         self.loop.add_hook(self._poll_transfers)
+        sender.set_on_done(self._on_transfer_done)
 
     @property
     def compat_hash(self) -> str:
@@ -189,6 +192,13 @@ class PrefillService(WorkerService):
                 self.sender.release(rid)
                 self._step_sends.remove(req)
 
+    def _on_transfer_done(self, request_id: str) -> None:
+        # Sender thread: note the moment (the timing's end), then queue an empty command; the loop runs its hooks
+        # (``_poll_transfers``) right after it.
+        if request_id in self.inflight or request_id in self.bootstrap:
+            self._done_at[request_id] = time.perf_counter()
+        self.loop.call(_noop)
+
     def _poll_transfers(self) -> None:
         now = time.time()
         for rid in list(self.inflight):
@@ -198,7 +208,9 @@ class PrefillService(WorkerService):
                 ok = st.state == TransferState.DONE
                 if not ok:
                     log.info("KV transfer of %s failed: %s", rid, st.error or "lease expired")
-                self.timings.append(TransferTiming(rid, self.inflight[rid].compute_done, time.perf_counter(), ok))
+                done_at = self._done_at.pop(rid, None)
+                end = done_at if ok and done_at is not None else time.perf_counter()
+                self.timings.append(TransferTiming(rid, self.inflight[rid].compute_done, end, ok))
                 self._drop(rid)
         # A request that never reached its final prefill step (aborted, or finished early) releases its lease.
         for rid in list(self.bootstrap):
@@ -207,6 +219,7 @@ class PrefillService(WorkerService):
                 self.sender.release(rid)
 
     def _drop(self, rid: str) -> None:
+        self._done_at.pop(rid, None)
         infl = self.inflight.pop(rid, None)
         if infl is not None:
             self.engine.pool.free_blocks(reversed(infl.held))
@@ -221,3 +234,7 @@ class PrefillService(WorkerService):
     def role_load(self, eng: LLMEngine) -> dict[str, int]:
         return {"transfers_in_flight": len(self.inflight),
                 "held_blocks": sum(len(i.held) for i in self.inflight.values())}
+
+
+def _noop(_engine: LLMEngine) -> None:
+    return None

@@ -7,6 +7,7 @@ both sides afterwards (checked through each worker's ``Load``).
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -225,6 +226,34 @@ def test_reserve_refuses_prompt_too_long_with_invalid_argument(checkpoint: Calla
             c.stub.Reserve(pb.ReserveRequest(request_id="bad", prompt_token_ids=[1],
                                              params=pb.SamplingParams(max_tokens=4, top_p=2.0)), timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in (info.value.details() or "")
+    finally:
+        c.close()
+        w.stop()
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process CPU time from /proc")
+def test_decode_worker_waiting_for_kv_sleeps_instead_of_spinning(checkpoint: Callable[[str], Path]) -> None:
+    """A reservation waiting for its KV gives the engine nothing to compute, yet counts as unfinished: the loop must
+    sleep, not step an empty schedule back to back (that took a whole core, and the GIL, from the threads landing
+    the bytes), and must still answer commands."""
+    w = start_worker("decode", str(checkpoint("llama")), "tcp", FLAGS)
+    c = WorkerClient.connect(w.address)
+    try:
+        c.stub.Reserve(pb.ReserveRequest(request_id="waits", prompt_token_ids=list(range(1, 40)),
+                                         params=params_to_proto(GREEDY), lease_ms=20_000), timeout=10)
+        time.sleep(0.3)
+        before = _cpu_seconds(w.proc.pid)
+        time.sleep(1.5)
+        cores = (_cpu_seconds(w.proc.pid) - before) / 1.5
+        assert cores < 0.4, f"the decode worker used {cores:.2f} cores while only waiting for KV"
+        t0 = time.monotonic()
+        assert c.stub.Load(pb.LoadRequest(), timeout=5).waiting_for_kv == 1
+        assert time.monotonic() - t0 < 1.0
     finally:
         c.close()
         w.stop()

@@ -26,6 +26,7 @@ from kvtransfer import (
     block_runs,
     get_backend,
 )
+from kvtransfer.book import TransferBook
 from kvtransfer.fake import FakeBehaviour, FakeReceiver, FakeSender
 from kvtransfer.harness import Peer, digest, make_caches
 from kvtransfer.layout import paired_runs
@@ -235,6 +236,40 @@ def test_fake_injected_failure_reaches_both_sides_with_a_message(fake_pair: tupl
         assert r.poll("x").layers_done == 2
     finally:
         s.close()
+
+
+def test_on_done_tells_each_side_once_when_a_transfer_is_done_and_never_when_it_fails(fake_pair: tuple) -> None:
+    """``set_on_done`` callbacks fire once per DONE transfer with its request id (what lets a worker's idle engine
+    loop react at once instead of at its next tick), and not for a released, failed one."""
+    s, r, _, _ = fake_pair
+    done: list[tuple[str, str]] = []
+    s.set_on_done(lambda rid: done.append(("sender", rid)))
+    r.set_on_done(lambda rid: done.append(("receiver", rid)))
+    d = r.reserve("ok", [1, 2], 8, time.time() + 10)
+    s.start("ok", d, [5, 6], time.time() + 10)
+    for layer in range(LAYOUT.num_layers):
+        s.send_layer("ok", layer)
+    s.finish("ok")
+    assert wait_until(lambda: len(done) == 2, 2)
+    assert sorted(done) == [("receiver", "ok"), ("sender", "ok")]
+    d = r.reserve("gone", [3, 4], 8, time.time() + 10)
+    s.start("gone", d, [7, 8], time.time() + 10)
+    s.send_layer("gone", 0)
+    s.release("gone")
+    assert wait_until(lambda: r.poll("gone").state == TransferState.FAILED, 2)
+    assert len(done) == 2
+
+
+def test_a_raising_on_done_callback_is_logged_and_the_transfer_still_done() -> None:
+    book = TransferBook("sender", None)
+
+    def boom(_rid: str) -> None:
+        raise RuntimeError("callback bug")
+
+    book.on_done = boom
+    entry = book.add("x", time.time() + 10)
+    assert book.done(entry) and entry.state == TransferState.DONE
+    assert not book.done(entry)  # fires once: a second transition is refused
 
 
 def test_stalled_transfer_expires_its_lease_on_both_sides_and_calls_on_failed(fake_pair: tuple) -> None:

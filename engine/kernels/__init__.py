@@ -64,8 +64,9 @@ def _build(cc: str, name: str) -> Path:
     source = _HERE / f"{name}.c"
     flags = (*_FLAGS, *_EXTRA_FLAGS.get(name, ()))
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    headers = "".join(h.read_text() for h in sorted(_HERE.glob("*.h")))
     key = hashlib.sha256(b"\0".join(s.encode() for s in (
-        source.read_text(), cc, version, " ".join(flags), _cpu_flags(), platform.machine()))).hexdigest()[:20]
+        source.read_text(), headers, cc, version, " ".join(flags), _cpu_flags(), platform.machine()))).hexdigest()[:20]
     out = _cache_dir() / f"{name}-{key}.so"
     if out.exists():
         return out

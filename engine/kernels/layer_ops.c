@@ -15,6 +15,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "expf.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -40,26 +42,9 @@ void tandem_rms_norm(const float *x, int64_t x_stride, const float *w, float *ou
     }
 }
 
-static inline float exp_clamped(float x) { /* Cephes expf, vectorisable; |error| ~1 ulp */
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float e;
-    memcpy(&e, &bits, sizeof e);
-    return p * e;
-}
 
 #if defined(__AVX512F__)
-static inline __m512 exp16(__m512 x) { /* exp_clamped, 16 lanes, the same operations */
+static inline __m512 exp16(__m512 x) { /* tandem_expf (expf.h), 16 lanes, the same operations */
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
     const __m512 n = _mm512_roundscale_ps(
         _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
@@ -91,7 +76,7 @@ void tandem_silu_mul(const float *gu, int64_t gu_stride, float *out, int64_t row
             _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(x, sig), _mm512_loadu_ps(u + i)));
         }
 #endif
-        for (; i < inter; i++) o[i] = (g[i] / (1.0f + exp_clamped(-g[i]))) * u[i];
+        for (; i < inter; i++) o[i] = (g[i] / (1.0f + tandem_expf(-g[i]))) * u[i];
     }
 }
 

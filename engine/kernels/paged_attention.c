@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "expf.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -48,24 +50,6 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* expf for x <= 0, vectorisable (Cephes' polynomial, ~1 ulp on the range used). */
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float s;
-    memcpy(&s, &e, 4);
-    return p * s;
-}
 
 /* Dot products of one (pre-scaled) query row with ``cnt`` <= 16 key rows ``ks`` floats apart. */
 static inline __attribute__((always_inline)) void score_run(const float *q, const float *k, int64_t ks, int cnt,
@@ -107,7 +91,7 @@ static inline __attribute__((always_inline)) void score_run(const float *q, cons
 }
 
 #if defined(__AVX512F__)
-static inline __m512 exp_neg16(__m512 x) { /* exp_neg, 16 lanes */
+static inline __m512 exp_neg16(__m512 x) { /* tandem_expf (expf.h), 16 lanes */
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -148,7 +132,7 @@ static inline void softmax_run(float *p, int64_t j0, int64_t j1, float prev_max,
     for (int64_t j = j0; j < j1; j++) m = p[j] > m ? p[j] : m;
     const float nm = m > prev_max ? m : prev_max;
     for (int64_t j = j0; j < j1; j++) {
-        p[j] = exp_neg(p[j] - nm);
+        p[j] = tandem_expf(p[j] - nm);
         s += p[j];
     }
     *cm = m;
@@ -288,7 +272,7 @@ static inline __attribute__((always_inline)) void attend_tile(const args_t *a, i
             const float nm0 = m[r];
             softmax_run(p, j0, j1, nm0, &cm, &sum);
             const float nm = cm > nm0 ? cm : nm0;
-            const float corr = nm0 == -INFINITY ? 0.0f : exp_neg(nm0 - nm);
+            const float corr = nm0 == -INFINITY ? 0.0f : tandem_expf(nm0 - nm);
             l[r] = l[r] * corr + sum;
             m[r] = nm;
             if (corr != 1.0f)

@@ -131,29 +131,29 @@ _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 
 
+def _bind(source: str, symbol: str, argtypes: list[Any], restype: Any) -> Any:
+    """``tandem_<symbol>`` from ``<source>.c`` with its ctypes signature, or None when the kernel is unavailable."""
+    lib = _load(source)
+    if lib is None:
+        return None
+    fn = getattr(lib, f"tandem_{symbol}")
+    fn.argtypes = argtypes
+    fn.restype = restype
+    return fn
+
+
 @functools.cache
 def paged_attention_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """``tandem_paged_attention`` from ``paged_attention.c`` (see its header for the contract), or None."""
-    lib = _load("paged_attention")
-    if lib is None:
-        return None
-    fn = lib.tandem_paged_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64,
-                   ctypes.c_float, ctypes.c_int, _ptr]
-    return fn
+    return _bind("paged_attention", "paged_attention",
+                 [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64,
+                  ctypes.c_float, ctypes.c_int, _ptr], ctypes.c_int)
 
 
 @functools.cache
 def kv_writer() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """``tandem_write_kv`` from ``paged_attention.c``: scatter a step's K/V rows into their cache slots."""
-    lib = _load("paged_attention")
-    if lib is None:
-        return None
-    fn = lib.tandem_write_kv
-    fn.restype = None
-    fn.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64]
-    return fn
+    return _bind("paged_attention", "write_kv", [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64], None)
 
 
 _f32 = ctypes.c_float
@@ -170,18 +170,11 @@ class LayerOps:
 
 @functools.cache
 def layer_ops() -> LayerOps | None:
-    lib = _load("layer_ops")
-    if lib is None:
-        return None
     sigs = {
         "rms_norm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],
         "silu_mul": [_ptr, _i64, _ptr, _i64, _i64],
         "rope": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr],
     }
-    fns = {}
-    for name, argtypes in sigs.items():
-        fn = getattr(lib, f"tandem_{name}")
-        fn.argtypes = argtypes
-        fn.restype = None
-        fns[name] = fn
-    return LayerOps(**fns)
+    if _load("layer_ops") is None:
+        return None
+    return LayerOps(**{name: _bind("layer_ops", name, argtypes, None) for name, argtypes in sigs.items()})

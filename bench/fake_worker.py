@@ -2,9 +2,10 @@
 
 It is a stand-in backend for ``tandem bench gateway`` and its test, never for serving: ``Generate`` answers every
 request at once with ``--tokens`` canned token ids (``--first-token``, ``--first-token + 1``, ...; fewer if the
-request's ``max_tokens`` is smaller), ``--tokens-per-chunk`` per streamed chunk, the last chunk finishing with
-``length``. Nothing is computed, cached or checked, so whatever time a client sees beyond a direct ``Generate`` on
-this process is the router's.
+request's ``max_tokens`` is smaller), ``--tokens-per-chunk`` per streamed chunk (or the request's
+``min_chunk_tokens`` when that is larger, as a real worker holds tokens for such a request), the last chunk
+finishing with ``length``. Nothing is computed, cached or checked, so whatever time a client sees beyond a direct
+``Generate`` on this process is the router's.
 
 What the router's pool needs is answered too: ``Health`` (SERVING, role ``both``), ``Load`` (all zeros),
 ``Snapshot`` (an empty cache at sequence 0) and ``KVEvents`` (a stream that stays open and sends nothing). ``Abort``
@@ -54,18 +55,19 @@ class FakeWorker(pb_grpc.WorkerServicer):
         self.config = config
         self.worker_id = config.worker_id or f"fake-{uuid.uuid4().hex[:8]}"
         self.draining = False
-        self._chunks: dict[int, tuple[pb.TokenChunk, ...]] = {}
+        self._chunks: dict[tuple[int, int], tuple[pb.TokenChunk, ...]] = {}
         self._closed = asyncio.Event()
 
-    def chunks(self, n: int) -> tuple[pb.TokenChunk, ...]:
-        """The chunks of an ``n``-token answer."""
-        out = self._chunks.get(n)
+    def chunks(self, n: int, min_chunk_tokens: int = 0) -> tuple[pb.TokenChunk, ...]:
+        """The chunks of an ``n``-token answer, at least ``min_chunk_tokens`` per chunk but the last."""
+        step = max(self.config.tokens_per_chunk, min_chunk_tokens)
+        out = self._chunks.get((n, step))
         if out is None:
-            step, first = self.config.tokens_per_chunk, self.config.first_token
+            first = self.config.first_token
             ids = list(range(first, first + n))
             out = tuple(pb.TokenChunk(token_ids=ids[i:i + step], finish_reason="length" if i + step >= n else "")
                         for i in range(0, n, step))
-            self._chunks[n] = out
+            self._chunks[n, step] = out
         return out
 
     def close(self) -> None:
@@ -76,7 +78,8 @@ class FakeWorker(pb_grpc.WorkerServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining")
         want = request.params.max_tokens
-        for chunk in self.chunks(min(want, self.config.tokens) if want else self.config.tokens):
+        n = min(want, self.config.tokens) if want else self.config.tokens
+        for chunk in self.chunks(n, request.min_chunk_tokens):
             yield chunk
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

@@ -7,11 +7,14 @@ Processes, all on loopback and each started and stopped here by PID::
          └──────── gRPC Generate ── load client ── HTTP/1.1 ───────┘      (the client is its own process)
 
 The backends are fakes (every ``Generate`` answered at once with ``tokens`` canned tokens, ``tokens_per_chunk`` per
-streamed chunk: 1, as a real worker streams them), so what a client sees beyond a direct call is the router's own
-cost. Phases, each ``seconds`` long after a short warm-up:
+streamed chunk: 1, as a real worker streams them, or the request's ``min_chunk_tokens`` when larger, as a real
+worker paces a non-streaming request), so what a client sees beyond a direct call is the router's own cost. Phases,
+each ``seconds`` long after a short warm-up:
 
     direct   the client calls the backends' gRPC ``Generate`` (a streaming call read to its end) at ``concurrency``
-             in flight: requests/s; then at each of ``ttft_concurrency``, the time to the first streamed chunk.
+             in flight, asking for the answer in one chunk (``min_chunk_tokens``, what the router asks for a
+             non-streaming client): requests/s; then at each of ``ttft_concurrency``, streaming (one token per
+             chunk), the time to the first streamed chunk.
     router   per entry of ``processes``: a fresh router in front of the same backends; non-streaming
              ``/v1/completions`` for ``tokens`` tokens at ``concurrency`` (one keep-alive connection per request in
              flight): requests/s; then streaming requests at each of ``ttft_concurrency``: the time from sending the
@@ -267,8 +270,11 @@ async def _run_phase(target: str, model: str, tokens: int, phase: Phase) -> dict
 
         channels = [grpc.aio.insecure_channel(a) for a in rest.split(",")]
         stubs = [pb_grpc.WorkerStub(c) for c in channels]
+        # A batch phase is the direct form of a non-streaming request: it asks for tokens in one chunk, as the
+        # router does for its non-streaming clients (GatewayConfig.collect_chunk_tokens).
         request = pb.GenerateRequest(request_id="bench", prompt_token_ids=_PROMPT_IDS,
-                                     params=pb.SamplingParams(max_tokens=tokens))
+                                     params=pb.SamplingParams(max_tokens=tokens),
+                                     min_chunk_tokens=0 if phase.stream else tokens)
         loops = [_grpc_loop(stubs[i % len(stubs)], request, phase, tokens, tally) for i in range(phase.concurrency)]
     else:
         raise ValueError(f"target must be http://... or grpc://..., got {target!r}")

@@ -53,7 +53,8 @@ def generate_disaggregated(args: argparse.Namespace, prompts: list[str], params:
 
         def run(i: int) -> Result:
             res = Result(ids[i])
-            for chunk in disaggregated_generate(prefill, decode, f"cli-{i}", ids[i], wire):
+            # The answer is printed whole, so the decode worker may send it in few messages (output pacing).
+            for chunk in disaggregated_generate(prefill, decode, f"cli-{i}", ids[i], wire, min_chunk_tokens=32):
                 res.token_ids.extend(chunk.token_ids)
                 res.text += chunk.text
                 res.num_cached_tokens = max(res.num_cached_tokens, chunk.num_cached_tokens)

@@ -138,7 +138,7 @@ class DecodeService(WorkerService):
         if isinstance(q, str):
             code = grpc.StatusCode.NOT_FOUND if rid not in self.failed else grpc.StatusCode.UNAVAILABLE
             context.abort(code, f"request {rid}: {q}")
-        yield from self.stream_outputs(rid, q, context)
+        yield from self.stream_outputs(rid, q, context, min_chunk_tokens=request.min_chunk_tokens)
 
     def _start(self, eng: LLMEngine, rid: str) -> None:
         p = self.pending.pop(rid)

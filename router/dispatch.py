@@ -156,8 +156,13 @@ class Dispatcher:
             self.prefill_selector.release(plan.prefill_decision)
 
     async def run(self, request_id: str, prompt: list[int], params: pb.SamplingParams,
-                  plan_out: list[Plan] | None = None) -> AsyncGenerator[pb.TokenChunk, None]:
-        """Yield the request's chunks, retrying and migrating across workers as needed."""
+                  plan_out: list[Plan] | None = None, min_chunk_tokens: int = 0) -> AsyncGenerator[pb.TokenChunk, None]:
+        """Yield the request's chunks, retrying and migrating across workers as needed.
+
+        ``min_chunk_tokens`` > 1 lets the workers hold tokens until that many are ready (worker.proto's output
+        pacing), for a caller that answers its client only at the end: fewer messages, and a migration loses at
+        most that many tokens of decode work (never tokens already yielded here).
+        """
         generated: list[int] = []
         exclude: set[str] = set()
         attempt = 0
@@ -174,7 +179,7 @@ class Dispatcher:
             try:
                 # aclosing (here and below): an inner generator is closed as soon as its consumer stops, not later
                 # by the event loop's async-generator finalizer (a task and a self-pipe wake-up each).
-                async with contextlib.aclosing(self._execute(plan, rid, full, cont)) as chunks:
+                async with contextlib.aclosing(self._execute(plan, rid, full, cont, min_chunk_tokens)) as chunks:
                     async for chunk in chunks:
                         generated.extend(chunk.token_ids)
                         yield chunk
@@ -202,22 +207,24 @@ class Dispatcher:
             finally:
                 self._release(plan)
 
-    async def _execute(self, plan: Plan, rid: str, prompt: list[int],
-                       params: pb.SamplingParams) -> AsyncGenerator[pb.TokenChunk, None]:
+    async def _execute(self, plan: Plan, rid: str, prompt: list[int], params: pb.SamplingParams,
+                       min_chunk_tokens: int) -> AsyncGenerator[pb.TokenChunk, None]:
         touched: list[Worker] = [plan.decode] + ([plan.prefill] if plan.prefill else [])
         finished = False
         try:
             if plan.mode == "colocated":
                 stub = plan.decode.stub
                 assert stub is not None
-                call = stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params),
+                call = stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params,
+                                                        min_chunk_tokens=min_chunk_tokens),
                                      timeout=self.config.rpc_timeout_s)
                 async with contextlib.aclosing(_stream(call, plan.decode, "Generate")) as chunks:
                     async for chunk in chunks:
                         finished = bool(chunk.finish_reason)
                         yield chunk
                 return
-            async with contextlib.aclosing(self._disaggregated(plan, rid, prompt, params)) as chunks:
+            async with contextlib.aclosing(self._disaggregated(plan, rid, prompt, params,
+                                                               min_chunk_tokens)) as chunks:
                 async for chunk in chunks:
                     finished = bool(chunk.finish_reason)
                     yield chunk
@@ -228,8 +235,8 @@ class Dispatcher:
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
 
-    async def _disaggregated(self, plan: Plan, rid: str, prompt: list[int],
-                             params: pb.SamplingParams) -> AsyncGenerator[pb.TokenChunk, None]:
+    async def _disaggregated(self, plan: Plan, rid: str, prompt: list[int], params: pb.SamplingParams,
+                             min_chunk_tokens: int) -> AsyncGenerator[pb.TokenChunk, None]:
         assert plan.prefill is not None and plan.decode.stub is not None and plan.prefill.stub is not None
         t = self.config.rpc_timeout_s
         lease = self.config.lease_ms
@@ -238,7 +245,8 @@ class Dispatcher:
         first = await _unary(plan.prefill, "Prefill", plan.prefill.stub.Prefill(
             pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params,
                               destination=reserve.destination, lease_ms=lease), timeout=t))
-        dreq = pb.DecodeRequest(request_id=rid, first_token_id=first.first_token_id)
+        dreq = pb.DecodeRequest(request_id=rid, first_token_id=first.first_token_id,
+                                min_chunk_tokens=min_chunk_tokens)
         if first.HasField("first_logprob"):
             dreq.first_logprob.CopyFrom(first.first_logprob)
         async with contextlib.aclosing(_stream(plan.decode.stub.Decode(dreq, timeout=t), plan.decode,

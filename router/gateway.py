@@ -38,10 +38,15 @@ class GatewayConfig:
     max_model_len: int
     vocab_size: int
     max_waiting_per_worker: int = 256
+    # A non-streaming request is answered once, at the end, so the workers may send its tokens in chunks of this
+    # many (worker.proto's output pacing): one gRPC message for a short answer instead of one per token.
+    collect_chunk_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.collect_chunk_tokens < 0:
+            raise ValueError(f"collect_chunk_tokens must be >= 0, got {self.collect_chunk_tokens}")
 
 
 @dataclass(slots=True)
@@ -178,7 +183,8 @@ class Gateway:
         rid = f"{req.request_id}-{c.index}"
         # aclosing: the dispatcher's generators end here, at once, not later from the loop's async-gen finalizer
         # (which would cost a task and a self-pipe wake-up per generator per request).
-        run = self.dispatcher.run(rid, req.prompt_token_ids, self._params_for(req, c.index), plans)
+        run = self.dispatcher.run(rid, req.prompt_token_ids, self._params_for(req, c.index), plans,
+                                  0 if req.stream else self.config.collect_chunk_tokens)
         try:
             async with contextlib.aclosing(run):
                 async for chunk in run:

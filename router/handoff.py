@@ -54,8 +54,9 @@ def _abort(client: WorkerClient, request_id: str) -> None:
 
 def disaggregated_generate(prefill: WorkerClient, decode: WorkerClient, request_id: str, prompt: list[int],
                            params: pb.SamplingParams, lease_ms: int = 30_000,
-                           rpc_timeout_s: float = 120.0) -> Iterator[pb.TokenChunk]:
-    """Yield the request's token chunks (the first carries the prefill-sampled token)."""
+                           rpc_timeout_s: float = 120.0, min_chunk_tokens: int = 0) -> Iterator[pb.TokenChunk]:
+    """Yield the request's token chunks (the first carries the prefill-sampled token). ``min_chunk_tokens``: the
+    decode worker's output pacing (worker.proto), for a caller that only wants the whole answer."""
     wire = params
     step = "Reserve"
     try:
@@ -67,7 +68,8 @@ def disaggregated_generate(prefill: WorkerClient, decode: WorkerClient, request_
                                                        destination=reserve.destination, lease_ms=lease_ms),
                                      timeout=rpc_timeout_s)
         step = "Decode"
-        dreq = pb.DecodeRequest(request_id=request_id, first_token_id=first.first_token_id)
+        dreq = pb.DecodeRequest(request_id=request_id, first_token_id=first.first_token_id,
+                                min_chunk_tokens=min_chunk_tokens)
         if first.HasField("first_logprob"):
             dreq.first_logprob.CopyFrom(first.first_logprob)
         for chunk in decode.stub.Decode(dreq, timeout=rpc_timeout_s):

@@ -129,6 +129,35 @@ def test_block_accounting_exact_after_500_mixed_requests_with_aborts(pair: Pair)
     assert_all_free(pair)
 
 
+def test_output_pacing_holds_tokens_until_min_chunk_tokens_without_changing_them(pair: Pair) -> None:
+    """worker.proto's output pacing, on Decode (disaggregated) and Generate (colocated on the decode worker): with
+    ``min_chunk_tokens`` = 4 every chunk but the last carries at least 4 tokens, with ``min_chunk_tokens`` above
+    the answer's length the answer is one chunk, and the tokens, text and finish reason are the unpaced ones."""
+    prompt = prompts(1, seed=7)[0]
+    wire = params_to_proto(GREEDY)
+
+    def decode(rid: str, pace: int) -> list[pb.TokenChunk]:
+        return list(disaggregated_generate(pair.prefill, pair.decode, rid, prompt, wire, min_chunk_tokens=pace))
+
+    def generate(rid: str, pace: int) -> list[pb.TokenChunk]:
+        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=wire, min_chunk_tokens=pace)
+        return list(pair.decode.stub.Generate(req, timeout=60))
+
+    def flat(chunks: list[pb.TokenChunk]) -> tuple[list[int], str, str]:
+        return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1].finish_reason
+
+    for run in (decode, generate):
+        plain = run(f"pace-{run.__name__}-0", 0)
+        tokens, _, finish = flat(plain)
+        assert len(tokens) == MAX_NEW and finish == "length"
+        paced = run(f"pace-{run.__name__}-4", 4)
+        assert flat(paced) == flat(plain)
+        assert all(len(c.token_ids) >= 4 for c in paced[:-1]) and len(paced) <= -(-MAX_NEW // 4)
+        whole = run(f"pace-{run.__name__}-all", MAX_NEW + 5)
+        assert len(whole) == 1 and flat(whole) == flat(plain)
+    assert_all_free(pair)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["tcp", "nixl"])
 def test_prefill_killed_mid_transfer_fails_decode_within_lease(backend: str,

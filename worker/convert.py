@@ -54,13 +54,21 @@ def logprob_from_proto(lp: pb.TokenLogprob) -> TokenLogprobs:
     return TokenLogprobs(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
 
 
-def chunk_from_output(out: RequestOutput, logprob_from: int) -> pb.TokenChunk:
-    """The delta of ``out`` as a wire chunk; ``logprob_from`` is how many logprobs were already sent."""
-    chunk = pb.TokenChunk(token_ids=out.new_token_ids, text=out.new_text,
-                          logprobs=[logprob_to_proto(lp) for lp in out.logprobs[logprob_from:]],
-                          num_cached_tokens=out.num_cached_tokens, num_prompt_tokens=len(out.prompt_token_ids))
-    if out.finished:
-        chunk.finish_reason = out.finish_reason or ""
-        if out.stop_reason is not None:
-            chunk.stop_reason = str(out.stop_reason)
+def chunk_from_outputs(outs: list[RequestOutput], sent_tokens: int) -> pb.TokenChunk:
+    """Consecutive outputs of one request (oldest first) as one wire chunk: their deltas joined, the last's state.
+
+    ``sent_tokens`` is how many output tokens the stream already sent. ``RequestOutput.logprobs`` is the request's
+    live list (the engine thread keeps appending), so the chunk takes exactly its own tokens' entries by position
+    rather than "everything after what was sent", which would race with the next step.
+    """
+    last = outs[-1]
+    token_ids = outs[0].new_token_ids if len(outs) == 1 else [t for out in outs for t in out.new_token_ids]
+    lps = last.logprobs[sent_tokens:sent_tokens + len(token_ids)]
+    chunk = pb.TokenChunk(token_ids=token_ids, text="".join(out.new_text for out in outs),
+                          logprobs=[logprob_to_proto(lp) for lp in lps],
+                          num_cached_tokens=last.num_cached_tokens, num_prompt_tokens=len(last.prompt_token_ids))
+    if last.finished:
+        chunk.finish_reason = last.finish_reason or ""
+        if last.stop_reason is not None:
+            chunk.stop_reason = str(last.stop_reason)
     return chunk

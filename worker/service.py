@@ -23,7 +23,7 @@ from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import RequestStatus
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
-from worker.convert import chunk_from_output, params_from_proto
+from worker.convert import chunk_from_outputs, params_from_proto
 
 EVENT_RING = 4096
 
@@ -84,28 +84,55 @@ class WorkerService(pb_grpc.WorkerServicer):
             q = self.loop.call_sync(add)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        yield from self.stream_outputs(rid, q, context)
+        yield from self.stream_outputs(rid, q, context, min_chunk_tokens=request.min_chunk_tokens)
 
     def stream_outputs(self, rid: str, q: queue.SimpleQueue[RequestOutput | None],
-                       context: grpc.ServicerContext, sent_logprobs: int = 0) -> Iterator[pb.TokenChunk]:
-        """Relay a request's outputs; abort it on the engine if the client goes away."""
+                       context: grpc.ServicerContext, min_chunk_tokens: int = 0) -> Iterator[pb.TokenChunk]:
+        """Relay a request's outputs; abort it on the engine if the client goes away.
+
+        One chunk per wake-up, not per step: outputs already queued behind the one that woke this thread (steps
+        that ran while the client or this thread was slow) are merged into it, at no added latency. With
+        ``min_chunk_tokens`` > 1 (a caller that does not stream to its own client) tokens are held until that
+        many are ready or the request finished, so an 8-token answer is one message instead of eight.
+        """
         context.add_callback(lambda: self.loop.call(lambda eng: self._abort_quietly(eng, rid)))
+        batch: list[RequestOutput] = []
+        held = 0
+        sent = 0
         while True:
-            try:
-                out = q.get(timeout=self.request_timeout_s)
-            except queue.Empty:
-                self.loop.call(lambda eng: self._abort_quietly(eng, rid))
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} produced nothing for "
-                              f"{self.request_timeout_s:.0f} s")
+            out = self._next_output(q, rid, context)
+            while out is not END:
+                if out.finish_reason == "error":
+                    context.abort(grpc.StatusCode.UNAVAILABLE, out.new_text or f"request {rid} failed")
+                batch.append(out)
+                held += len(out.new_token_ids)
+                if out.finished:
+                    break
+                try:
+                    out = q.get_nowait()
+                except queue.Empty:
+                    if held >= min_chunk_tokens:
+                        break
+                    out = self._next_output(q, rid, context)
+            if batch:
+                yield chunk_from_outputs(batch, sent)
+                sent += held
+                batch.clear()
+                held = 0
             if out is END:
                 if self.loop.error is not None:
                     context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {self.loop.error}")
                 return
-            if out.finish_reason == "error":
-                context.abort(grpc.StatusCode.UNAVAILABLE, out.new_text or f"request {rid} failed")
-            chunk = chunk_from_output(out, sent_logprobs)
-            sent_logprobs = len(out.logprobs)
-            yield chunk
+
+    def _next_output(self, q: queue.SimpleQueue[RequestOutput | None], rid: str,
+                     context: grpc.ServicerContext) -> RequestOutput | None:
+        try:
+            return q.get(timeout=self.request_timeout_s)
+        except queue.Empty:
+            self.loop.call(lambda eng: self._abort_quietly(eng, rid))
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} produced nothing for "
+                          f"{self.request_timeout_s:.0f} s")
+            raise  # pragma: no cover - abort raises
 
     def _abort_quietly(self, eng: LLMEngine, rid: str) -> None:
         if rid in eng.scheduler.requests:

@@ -31,9 +31,16 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from typing import TypeVar
 from urllib.parse import quote, unquote
 
+import numpy as np
+
 from router.load import LoadTracker, WorkerId
+
+VECTOR_MIN = 24  # from this many candidates on, score them as arrays (numpy's fixed cost beats a Python loop)
+_Num = TypeVar("_Num", float, np.ndarray)
 
 _HEADER_KEYS = ("w", "ov", "un", "p", "d", "q", "t")
 
@@ -85,11 +92,45 @@ class CostBreakdown:
 CostRow = tuple[WorkerId, int, int, float, float, float, float]
 
 
+@dataclass(slots=True, frozen=True)
+class ScoredArrays:
+    """Every candidate's terms as arrays, in candidate order (the vector path); ``rows`` turns them into CostRows."""
+
+    candidates: Sequence[WorkerId]
+    overlap: np.ndarray
+    prefill: np.ndarray
+    decode: np.ndarray
+    queue: np.ndarray
+    total: np.ndarray
+    request_blocks: int
+
+    def row(self, i: int) -> CostRow:
+        ov = int(self.overlap[i])
+        return (self.candidates[i], ov, self.request_blocks - ov, float(self.prefill[i]), float(self.decode[i]),
+                float(self.queue[i]), float(self.total[i]))
+
+    def rows(self) -> tuple[CostRow, ...]:
+        return tuple(self.row(i) for i in range(len(self.candidates)))
+
+
 class CostModel:
-    __slots__ = ("config",)
+    __slots__ = ("_pos", "_pos_key", "config")
 
     def __init__(self, config: CostConfig) -> None:
         self.config = config
+        self._pos_key: list[WorkerId] = []
+        self._pos: dict[WorkerId, int] = {}
+
+    def terms(self, request_blocks: int, overlap: _Num, tokens: _Num, blocks: _Num,
+              queued: _Num) -> tuple[_Num, _Num, _Num, _Num]:
+        """The formula of the module docstring, on scalars or on arrays alike (``overlap`` already capped at the
+        request; loads are the tracker's effective values, already >= 0): ``(prefill, decode, queue, total)``."""
+        cfg = self.config
+        uncached = request_blocks - overlap
+        prefill = cfg.prefill_weight * (tokens * (1.0 / cfg.block_size) + uncached)
+        decode = cfg.decode_weight * (blocks + uncached)
+        queue = cfg.queue_weight * queued
+        return prefill, decode, queue, prefill + decode + queue
 
     def score(self, candidates: Sequence[WorkerId], overlap_blocks: Mapping[WorkerId, int], request_blocks: int,
               load: LoadTracker) -> list[CostBreakdown]:
@@ -98,11 +139,9 @@ class CostModel:
 
     def rows(self, candidates: Sequence[WorkerId], overlap_blocks: Mapping[WorkerId, int], request_blocks: int,
              load: LoadTracker) -> list[CostRow]:
-        """``score`` as plain tuples: the formula lives here only, so what is explained is what was scored."""
-        cfg = self.config
-        pw, dw, qw = cfg.prefill_weight, cfg.decode_weight, cfg.queue_weight
-        per_token = 1.0 / cfg.block_size
+        """``score`` as plain tuples, one Python step per candidate (the path for few candidates)."""
         r = request_blocks
+        terms = self.terms
         overlap_of = overlap_blocks.get
         record_of = load.records.get
         out: list[CostRow] = []
@@ -113,16 +152,31 @@ class CostModel:
                 overlap = r
             record = record_of(worker)
             if record is None:
-                prefill = pw * (r - overlap)
-                decode = dw * (r - overlap)
-                queue = 0.0
+                prefill, decode, queue, total = terms(r, overlap, 0, 0, 0)
             else:
-                tokens, blocks, queued = record.prefill_tokens, record.decode_blocks, record.queue_depth
-                prefill = pw * ((tokens if tokens > 0 else 0) * per_token + r - overlap)
-                decode = dw * ((blocks if blocks > 0 else 0) + r - overlap)
-                queue = qw * (queued if queued > 0 else 0)
-            append((worker, overlap, r - overlap, prefill, decode, queue, prefill + decode + queue))
+                prefill, decode, queue, total = terms(r, overlap, record.prefill_tokens, record.decode_blocks,
+                                                      record.queue_depth)
+            append((worker, overlap, r - overlap, prefill, decode, queue, total))
         return out
+
+    def score_arrays(self, candidates: list[WorkerId], overlap_blocks: Mapping[WorkerId, int], request_blocks: int,
+                     load: LoadTracker) -> ScoredArrays:
+        """``rows`` for many candidates: the loads come as one gather, the overlaps are scattered in per hit worker
+        (a match reports only the workers that hold a prefix), and the formula runs once on arrays."""
+        if self._pos_key != candidates:
+            self._pos = {w: i for i, w in enumerate(candidates)}
+            self._pos_key = list(candidates)
+        n = len(candidates)
+        overlap = np.zeros(n + 1)  # the last entry takes hits on workers that are not candidates, then is dropped
+        if overlap_blocks:
+            hits = len(overlap_blocks)
+            where = np.fromiter(map(self._pos.get, overlap_blocks, repeat(n)), dtype=np.intp, count=hits)
+            overlap[where] = np.fromiter(overlap_blocks.values(), dtype=np.float64, count=hits)
+            np.minimum(overlap, request_blocks, out=overlap)
+        overlap = overlap[:n]
+        eff = load.gather(candidates)
+        prefill, decode, queue, total = self.terms(request_blocks, overlap, eff[:, 0], eff[:, 1], eff[:, 2])
+        return ScoredArrays(candidates, overlap, prefill, decode, queue, total, request_blocks)
 
     def pick(self, breakdowns: Sequence[CostBreakdown], rng: random.Random) -> tuple[CostBreakdown,
                                                                                    Sequence[CostBreakdown]]:
@@ -144,3 +198,16 @@ class CostModel:
         exp = math.exp
         weights = [exp((best - t) * inv) for t in totals]
         return rng.choices(range(len(totals)), weights=weights)[0]
+
+    def choose_array(self, totals: np.ndarray, request_blocks: int, rng: random.Random) -> int:
+        """``choose`` on an array, drawing from ``rng`` exactly as ``choose`` does (one ``choice`` among exact ties
+        at temperature 0, one ``random()`` against the cumulative weights otherwise)."""
+        best = totals.min()
+        temperature = self.config.temperature
+        if temperature == 0.0:
+            tied = np.flatnonzero(totals <= best)
+            return int(tied[0]) if len(tied) == 1 else rng.choice(tied.tolist())
+        inv = 1.0 / (max(request_blocks, 1) * temperature)
+        cum = np.cumsum(np.exp((best - totals) * inv))
+        i = int(np.searchsorted(cum, rng.random() * cum[-1], side="right"))
+        return min(i, len(totals) - 1)

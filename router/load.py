@@ -17,6 +17,10 @@ Accounting keeps two books per worker and combines them with ``max``:
 The effective value is the larger of the two. A report can be up to one poll interval old; with ``max`` a stale
 report can neither erase this router's in-flight work nor be driven negative by completions of requests it never
 saw, and work from other replicas still shows through the report.
+
+The effective values are also kept in one float64 array (row ``slot`` per worker, row 0 always zero for workers
+with no record), so that scoring hundreds of candidates is a few array operations (``gather``) instead of a Python
+loop over records.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
 
 WorkerId = str
 
@@ -42,6 +48,7 @@ class WorkerLoad:
     total_blocks: int = 0  # last reported KV capacity, 0 if never reported
     draining: bool = False
     updated_at: float = 0.0  # clock() of the last change, report or dispatch
+    slot: int = 0  # row in LoadTracker's effective-load array
 
     def refresh(self) -> None:
         own, rep = self.own, self.reported
@@ -55,13 +62,19 @@ class WorkerLoad:
 
 
 class LoadTracker:
-    __slots__ = ("_clock", "_reported_at", "_workers", "draining")
+    __slots__ = ("_clock", "_eff", "_free_slots", "_gather_key", "_gather_slots", "_reported_at", "_version",
+                 "_workers", "draining")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._workers: dict[WorkerId, WorkerLoad] = {}
         self._reported_at: dict[WorkerId, float] = {}
         self.draining: set[WorkerId] = set()  # read-only outside; kept in step with WorkerLoad.draining
+        self._eff = np.zeros((16, 3))  # (prefill_tokens, decode_blocks, queue_depth) per slot; row 0 stays zero
+        self._free_slots = list(range(15, 0, -1))  # popped lowest first
+        self._version = 0  # bumped when a worker gains or loses a slot
+        self._gather_key: tuple[int, list[WorkerId]] = (-1, [])
+        self._gather_slots = np.zeros(0, dtype=np.intp)
 
     @property
     def records(self) -> Mapping[WorkerId, WorkerLoad]:
@@ -71,8 +84,29 @@ class LoadTracker:
     def _load(self, worker_id: WorkerId) -> WorkerLoad:
         load = self._workers.get(worker_id)
         if load is None:
-            load = self._workers[worker_id] = WorkerLoad(worker_id)
+            if not self._free_slots:
+                old = len(self._eff)
+                self._eff = np.concatenate([self._eff, np.zeros((old, 3))])
+                self._free_slots = list(range(2 * old - 1, old - 1, -1))
+            load = self._workers[worker_id] = WorkerLoad(worker_id, slot=self._free_slots.pop())
+            self._version += 1
         return load
+
+    def _publish(self, load: WorkerLoad) -> None:
+        load.refresh()
+        self._eff[load.slot] = (load.prefill_tokens, load.decode_blocks, load.queue_depth)
+
+    def gather(self, candidates: list[WorkerId]) -> np.ndarray:
+        """Effective ``(prefill_tokens, decode_blocks, queue_depth)`` of each candidate, shape ``(n, 3)``, zeros for
+        a worker with no record. The candidates' rows are looked up once per distinct candidate list (the same
+        list keeps coming while the pool does not change), then it is one fancy-index gather."""
+        version, cached = self._gather_key
+        if version != self._version or cached != candidates:
+            workers = self._workers
+            self._gather_slots = np.fromiter(((w.slot if (w := workers.get(c)) is not None else 0)
+                                              for c in candidates), dtype=np.intp, count=len(candidates))
+            self._gather_key = (self._version, list(candidates))
+        return self._eff[self._gather_slots]
 
     def get(self, worker_id: WorkerId) -> WorkerLoad | None:
         """The live record (treat as read-only), None for a worker never dispatched to nor reported."""
@@ -93,7 +127,7 @@ class LoadTracker:
         own[0] += prefill_tokens
         own[1] += decode_blocks
         own[2] += 1
-        load.refresh()
+        self._publish(load)
         load.updated_at = self._clock()
 
     def on_complete(self, worker_id: WorkerId, prefill_tokens: int, decode_blocks: int,
@@ -109,7 +143,7 @@ class LoadTracker:
         own[1] = max(own[1] - decode_blocks, 0)
         if left_queue:
             own[2] = max(own[2] - 1, 0)
-        load.refresh()
+        self._publish(load)
         load.updated_at = self._clock()
 
     def update_from_report(self, worker_id: WorkerId, waiting: int, running: int, active_tokens: int,
@@ -121,7 +155,7 @@ class LoadTracker:
         load.reported[:] = (active_tokens, used_blocks, waiting)
         load.running = running
         load.total_blocks = total_blocks
-        load.refresh()
+        self._publish(load)
         load.updated_at = now = self._clock()
         self._reported_at[worker_id] = now
 
@@ -141,6 +175,11 @@ class LoadTracker:
         return None if at is None else self._clock() - at
 
     def remove(self, worker_id: WorkerId) -> None:
-        self._workers.pop(worker_id, None)
+        load = self._workers.pop(worker_id, None)
+        if load is not None:
+            self._eff[load.slot] = 0.0
+            self._free_slots.append(load.slot)
+            self._free_slots.sort(reverse=True)
+            self._version += 1
         self.draining.discard(worker_id)
         self._reported_at.pop(worker_id, None)

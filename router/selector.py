@@ -3,7 +3,7 @@
 One decision::
 
     token ids ──hash_blocks──► block hashes ──KVIndex.match──► overlap per worker
-              ──CostModel.score (non-draining candidates)──► breakdowns ──CostModel.pick──► chosen
+              ──CostModel.rows / score_arrays (non-draining candidates)──► terms ──choose──► chosen
               ──LoadTracker.on_dispatch(chosen)──► Decision          ...later: prefill_done / release(Decision)
 
 The dispatch is booked before ``select`` returns, so the next decision (this router's next request, even one being
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from engine.block_hash import hash_blocks
-from router.cost import CostBreakdown, CostConfig, CostModel, CostRow
+from router.cost import VECTOR_MIN, CostBreakdown, CostConfig, CostModel, CostRow, ScoredArrays
 from router.kv_index import KVIndex
 from router.load import LoadTracker, WorkerId
 
@@ -42,7 +42,7 @@ class Reason(StrEnum):
 @dataclass(slots=True, frozen=True)
 class Decision:
     worker_id: WorkerId
-    rows: tuple[CostRow, ...]  # every candidate's terms; ``breakdowns`` is the readable form
+    scored: tuple[CostRow, ...] | ScoredArrays  # every candidate's terms (as rows, or as arrays for many)
     request_blocks: int  # prompt length in blocks, rounded up
     overlap_blocks: int  # the chosen worker's cached leading blocks
     reason: Reason
@@ -52,13 +52,21 @@ class Decision:
     chosen_index: int
 
     @property
+    def rows(self) -> tuple[CostRow, ...]:
+        """Every candidate's terms, in candidate order (built from the arrays on demand)."""
+        scored = self.scored
+        return scored if isinstance(scored, tuple) else scored.rows()
+
+    @property
     def breakdowns(self) -> tuple[CostBreakdown, ...]:
         """Every candidate's cost breakdown, in candidate order (built on demand: logging, debugging, tests)."""
         return tuple(CostBreakdown(*row) for row in self.rows)
 
     @property
     def chosen(self) -> CostBreakdown:
-        return CostBreakdown(*self.rows[self.chosen_index])
+        scored = self.scored
+        row = scored[self.chosen_index] if isinstance(scored, tuple) else scored.row(self.chosen_index)
+        return CostBreakdown(*row)
 
     def as_header(self) -> str:
         """``x-tandem-route`` value: the reason, then the chosen worker's breakdown."""
@@ -98,12 +106,21 @@ class Selector:
                                     if workers else "no worker can take the request: none registered")
         request_blocks = -(-num_tokens // self.block_size)
         overlap = self.index.match(block_hashes) if block_hashes else {}
-        rows = tuple(self.cost.rows(candidates, overlap, request_blocks, load))
-        i = self.cost.choose([row[6] for row in rows], request_blocks, self.rng)
-        worker, chosen_overlap = rows[i][0], rows[i][1]
-        if len(rows) == 1:
+        scored: tuple[CostRow, ...] | ScoredArrays
+        if len(candidates) >= VECTOR_MIN:
+            names = candidates if isinstance(candidates, list) else list(candidates)
+            scored = self.cost.score_arrays(names, overlap, request_blocks, load)
+            i = self.cost.choose_array(scored.total, request_blocks, self.rng)
+            worker, chosen_overlap = candidates[i], int(scored.overlap[i])
+            best_overlap = int(scored.overlap.max())
+        else:
+            scored = tuple(self.cost.rows(candidates, overlap, request_blocks, load))
+            i = self.cost.choose([row[6] for row in scored], request_blocks, self.rng)
+            worker, chosen_overlap = scored[i][0], scored[i][1]
+            best_overlap = max(row[1] for row in scored)
+        if len(candidates) == 1:
             reason = Reason.SINGLE_CANDIDATE
-        elif chosen_overlap and chosen_overlap >= max(row[1] for row in rows):
+        elif chosen_overlap and chosen_overlap >= best_overlap:
             reason = Reason.PREFIX_HIT
         else:
             reason = Reason.LOAD
@@ -112,7 +129,7 @@ class Selector:
         load.on_dispatch(worker, prefill_tokens, new_blocks)
         self._next_id += 1
         self._booked[self._next_id] = True
-        return Decision(worker, rows, request_blocks, chosen_overlap, reason, prefill_tokens, new_blocks,
+        return Decision(worker, scored, request_blocks, chosen_overlap, reason, prefill_tokens, new_blocks,
                         self._next_id, i)
 
     def prefill_done(self, decision: Decision) -> None:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine.block_hash import extra_keys_for, hash_blocks
-from router.cost import CostBreakdown, CostConfig, CostModel
+from router.cost import VECTOR_MIN, CostBreakdown, CostConfig, CostModel
 from router.kv_index import KVIndex
 from router.load import LoadTracker
 from router.selector import NoWorkerAvailable, Reason, Selector
@@ -177,3 +177,63 @@ def test_configs_reject_invalid_values() -> None:
         CostConfig(block_size=0)
     with pytest.raises(ValueError):
         Selector(KVIndex(10), LoadTracker(), CostConfig(block_size=32), BS)
+
+
+def test_array_scoring_equals_the_row_loop_and_draws_the_same_picks() -> None:
+    """The vector path (many candidates) computes the same terms as the per-candidate loop, bit for bit, and,
+    fed an rng in the same state, chooses the same worker at temperature 0 and above; workers with no record,
+    hits on non-candidates and overlaps beyond the request are handled alike."""
+    rng = random.Random(11)
+    for trial in range(40):
+        n = rng.randint(VECTOR_MIN, 300)
+        workers = [f"w{i}" for i in range(n)]
+        load = LoadTracker()
+        for w in rng.sample(workers, n * 3 // 4):  # a quarter never reported nor dispatched
+            load.update_from_report(w, waiting=rng.randint(0, 9), running=1, active_tokens=rng.randint(0, 4000),
+                                    used_blocks=rng.randint(0, 900), total_blocks=1000)
+        for w in rng.sample(workers, n // 5):
+            load.on_dispatch(w, rng.randint(0, 500), rng.randint(0, 40))
+        r = rng.randint(1, 80)
+        overlap = {w: rng.randint(1, 100) for w in rng.sample(workers, rng.randint(0, n // 3))}
+        overlap["not-a-candidate"] = 7
+        for temperature in (0.0, 0.05, 1.0):
+            model = CostModel(CostConfig(temperature=temperature, block_size=BS, queue_weight=0.5 + trial % 3))
+            rows = model.rows(workers, overlap, r, load)
+            scored = model.score_arrays(workers, overlap, r, load)
+            assert scored.rows() == tuple(rows)
+            a, b = random.Random(trial), random.Random(trial)
+            for _ in range(20):
+                assert model.choose_array(scored.total, r, a) == model.choose([row[6] for row in rows], r, b)
+
+
+def test_selector_vector_path_books_like_the_row_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Selectors over 64 workers, the second forced onto rows, agree decision by decision (worker, overlap,
+    reason and breakdowns), and the tracker's array follows dispatches, releases and a removed worker's slot."""
+    import router.selector as selector_mod
+
+    workers = [f"w{i}" for i in range(64)]
+    selectors = [make_selector(temperature=0.1, seed=4) for _ in range(2)]
+    prefix = list(range(20 * BS))
+    decisions: list[list[object]] = [[], []]
+    for k, sel in enumerate(selectors):
+        for w in workers[::8]:
+            cache_on(sel, w, prefix)
+        if k:
+            monkeypatch.setattr(selector_mod, "VECTOR_MIN", 10**9)
+        for i in range(60):
+            d = sel.select([*prefix[: (i % 20 + 1) * BS], *range(9000 + i * 50, 9000 + i * 50 + 40)], workers)
+            decisions[k].append((d.worker_id, d.overlap_blocks, d.reason, d.breakdowns, d.chosen))
+            if i % 3 == 0:
+                sel.release(d)
+        assert isinstance(d.scored, tuple) == bool(k)
+    assert decisions[0] == decisions[1]
+    load = selectors[0].load
+    eff = load.gather(workers)
+    for i, w in enumerate(workers):
+        rec = load.get(w)
+        assert tuple(eff[i]) == (rec.effective() if rec is not None else (0, 0, 0))
+    gone = next(w for w in workers if load.get(w) is not None)
+    load.remove(gone)
+    assert tuple(load.gather([gone])[0]) == (0.0, 0.0, 0.0)
+    load.on_dispatch("newcomer", 16, 1)  # takes the freed slot, starting from its own load only
+    assert tuple(load.gather(["newcomer", gone])[0]) == (16.0, 1.0, 1.0)

@@ -8,13 +8,16 @@
    with no compute running (``serial``). ``overlap = 1 - exposed / serial``: the fraction of the transfer that
    was hidden behind prefill compute.
 3. **Decode ITL**: four long decode streams on a decode worker, alone, then while a prefill worker keeps pushing
-   long prompts' KV into the same decode worker. p50/p99 inter-token latency for both.
+   long prompts' KV into the same decode worker. p50/p99 inter-token latency for both. With two or more CPUs the
+   two workers are pinned to disjoint CPU sets (half each, with as many engine threads), as separate hosts would
+   be: what is measured is what landing transfers cost the decode side, not prefill compute taking its cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import threading
 import time
@@ -117,9 +120,21 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def measure_itl(model: str, backend: str, load_prompt_len: int, streams: int = 4, tokens: int = 64) -> dict[str, Any]:
-    prefill = start_worker("prefill", model, backend, ["--num-kv-blocks", "1024"])
-    decode = start_worker("decode", model, backend, ["--num-kv-blocks", "1024"])
+def _tier_cpus() -> tuple[set[int] | None, set[int] | None, list[str]]:
+    """Disjoint CPU sets for the prefill and the decode worker (half each) and the thread flag to match, or no
+    pinning on a 1-CPU host."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None, None, []
+    half = len(cpus) // 2
+    return set(cpus[:half]), set(cpus[half:]), ["--threads", str(half)]
+
+
+def measure_itl(model: str, backend: str, load_prompt_len: int, streams: int = 4, tokens: int = 64,
+                pin: bool = True) -> dict[str, Any]:
+    pre_cpus, dec_cpus, threads = _tier_cpus() if pin else (None, None, [])
+    prefill = start_worker("prefill", model, backend, ["--num-kv-blocks", "1024", *threads], cpus=pre_cpus)
+    decode = start_worker("decode", model, backend, ["--num-kv-blocks", "1024", *threads], cpus=dec_cpus)
     pre, dec = WorkerClient.connect(prefill.address), WorkerClient.connect(decode.address)
 
     def run_streams(tag: str) -> list[float]:
@@ -151,6 +166,8 @@ def measure_itl(model: str, backend: str, load_prompt_len: int, streams: int = 4
         ms = 1000.0
         return {"backend": backend, "streams": streams, "tokens": tokens, "load_prompt_len": load_prompt_len,
                 "transfers_during_loaded_run": sent[0],
+                "cpus": {"prefill": sorted(pre_cpus) if pre_cpus else "all", "decode": sorted(dec_cpus) if dec_cpus
+                         else "all"},
                 "itl_ms_quiet": {"p50": _pct(quiet, 0.5) * ms, "p99": _pct(quiet, 0.99) * ms,
                                  "mean": statistics.fmean(quiet) * ms},
                 "itl_ms_with_transfers": {"p50": _pct(loaded, 0.5) * ms, "p99": _pct(loaded, 0.99) * ms,

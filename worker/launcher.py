@@ -39,11 +39,16 @@ class WorkerProcess:
 
 
 def start_worker(role: str, model: str, kv_backend: str = "tcp", extra: list[str] | None = None,
-                 timeout_s: float = 120.0, env: dict[str, str] | None = None) -> WorkerProcess:
+                 timeout_s: float = 120.0, env: dict[str, str] | None = None,
+                 cpus: set[int] | None = None) -> WorkerProcess:
+    """Start a worker and wait for its READY line. ``cpus`` pins the process, and so every thread it will start
+    (engine, OpenMP, gRPC, UCX), to those CPUs, as separate hosts or a kubelet CPU set would keep tiers apart."""
     cmd = [sys.executable, "-m", "cli.main", "worker", "--role", role, "--model", model, "--port", "0",
            "--kv-backend", kv_backend, *(extra or [])]
     full_env = {**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                            preexec_fn=pin)
     log: list[str] = []
 
     def drain_stderr() -> None:

@@ -270,9 +270,12 @@ def test_decode_worker_waiting_for_kv_sleeps_instead_of_spinning(checkpoint: Cal
     """A reservation waiting for its KV gives the engine nothing to compute, yet counts as unfinished: the loop must
     sleep, not step an empty schedule back to back (that took a whole core, and the GIL, from the threads landing
     the bytes), and must still answer commands."""
-    w = start_worker("decode", str(checkpoint("llama")), "tcp", FLAGS)
+    cpu = max(os.sched_getaffinity(0))  # pinned as `tandem bench kv` pins its decode worker: every thread obeys
+    w = start_worker("decode", str(checkpoint("llama")), "tcp", FLAGS, cpus={cpu})
     c = WorkerClient.connect(w.address)
     try:
+        threads = list(Path(f"/proc/{w.proc.pid}/task").iterdir())
+        assert len(threads) > 3 and all(os.sched_getaffinity(int(t.name)) == {cpu} for t in threads)
         c.stub.Reserve(pb.ReserveRequest(request_id="waits", prompt_token_ids=list(range(1, 40)),
                                          params=params_to_proto(GREEDY), lease_ms=20_000), timeout=10)
         time.sleep(0.3)

@@ -5,12 +5,16 @@ shapes), so it compiles in about a second instead of a minute, with nothing to i
 for this CPU (``-march=native``) into a per-user cache keyed by the source, the compiler, the flags and the CPU's
 feature flags, and written atomically so that worker processes starting together cannot load half a file.
 
-Two sources: ``paged_attention.c`` (attention over the paged KV cache, fp32 and bf16) and ``layer_ops.c`` (fused
-fp32 RMSNorm, SiLU-and-multiply and rotary embedding).
+Three sources: ``paged_attention.c`` (attention over the paged KV cache, fp32 and bf16), ``layer_ops.c`` (fused
+fp32 RMSNorm, SiLU-and-multiply and rotary embedding) and ``block_hash.c`` (the block-hash chain of
+:mod:`engine.block_hash`). The first two use OpenMP and share torch's runtime; ``block_hash`` is single-threaded,
+built without ``-fopenmp`` and loaded without importing torch, because the router, which never imports torch,
+calls it for every request.
 
 Everything here is optional. When there is no compiler, the build fails, ``TANDEM_NATIVE_KERNELS=0`` is set, or
 the platform is not Linux, :func:`paged_attention_kernel` and :func:`layer_ops` return ``None`` and the engine uses
-its torch path, which computes the same thing (the parity tests run on both).
+its torch path, which computes the same thing (the parity tests run on both); :func:`block_hasher` returns
+``None`` and :mod:`engine.block_hash` uses hashlib.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _EXTRA_FLAGS = {"layer_ops": ("-ffp-contract=off",)}  # round like torch's separate ops (see layer_ops.c)
+_STANDALONE = frozenset({"block_hash"})  # no OpenMP: built without -fopenmp, loaded without importing torch
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
@@ -62,7 +67,8 @@ def _cpu_flags() -> str:
 
 def _build(cc: str, name: str) -> Path:
     source = _HERE / f"{name}.c"
-    flags = (*_FLAGS, *_EXTRA_FLAGS.get(name, ()))
+    base = tuple(f for f in _FLAGS if f != "-fopenmp") if name in _STANDALONE else _FLAGS
+    flags = (*base, *_EXTRA_FLAGS.get(name, ()))
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     headers = "".join(h.read_text() for h in sorted(_HERE.glob("*.h")))
     key = hashlib.sha256(b"\0".join(s.encode() for s in (
@@ -84,7 +90,7 @@ def _build(cc: str, name: str) -> Path:
     return out
 
 
-_SOURCES = ("paged_attention", "layer_ops")
+_SOURCES = ("paged_attention", "layer_ops", "block_hash")
 
 
 def _compiler() -> str | None:
@@ -111,17 +117,18 @@ def _load(name: str) -> ctypes.CDLL | None:
             return _loaded[name]
         lib = None
         cc = _compiler()
+        fallback = "the Python path" if name in _STANDALONE else "the torch path"
         if not enabled():
-            log.info("native kernels disabled; using the torch path")
+            log.info("native kernels disabled; using %s", fallback)
         elif cc is None:
-            log.info("no C compiler found; using the torch path")
+            log.info("no C compiler found; using %s", fallback)
         else:
             try:
-                import torch  # noqa: F401  (loads torch's libgomp first, so the kernel shares its OpenMP runtime)
-
+                if name not in _STANDALONE:
+                    import torch  # noqa: F401  (loads torch's libgomp first, so the kernel shares its OpenMP runtime)
                 lib = ctypes.CDLL(str(_build(cc, name)))
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                log.warning("could not build the native %s kernel (%s); using the torch path", name, e)
+                log.warning("could not build the native %s kernel (%s); using %s", name, e, fallback)
                 lib = None
         _loaded[name] = lib
         return lib
@@ -178,3 +185,9 @@ def layer_ops() -> LayerOps | None:
     if _load("layer_ops") is None:
         return None
     return LayerOps(**{name: _bind("layer_ops", name, argtypes, None) for name, argtypes in sigs.items()})
+
+
+@functools.cache
+def block_hasher() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """``tandem_hash_blocks`` from ``block_hash.c`` (see its header for the contract), or None. Never imports torch."""
+    return _bind("block_hash", "hash_blocks", [_ptr, _i64, _i64, _ptr, _i64, ctypes.c_uint64, _ptr], _i64)

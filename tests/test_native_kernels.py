@@ -180,7 +180,7 @@ def test_build_all_fills_the_cache_without_torch(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
-    assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*.so")) == ["layer_ops", "paged_attention"]
+    assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*.so")) == ["block_hash", "layer_ops", "paged_attention"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3_moe"])

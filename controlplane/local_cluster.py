@@ -126,8 +126,10 @@ class _Prepare(threading.Thread):
         with contextlib.suppress(Exception):
             import router.server  # noqa: F401
         from engine.kernels import build_all
+        from router.kv_index import native_available
 
         build_all()
+        native_available()  # builds and loads the router's native prefix map (router/prefix_map.c) off the hot path
 
     def model_path(self, timeout_s: float = 600.0) -> Path:
         if not self.model_ready.wait(timeout_s):

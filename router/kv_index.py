@@ -20,6 +20,12 @@ Layout (chosen for CPython speed; ``match`` is the hot path):
   still matching; the workers that drop out at position ``p`` matched ``p`` leading blocks. The walk stops at the
   first hash that no (still matching) worker holds. Masks are interned (one object per value) so that comparing
   neighbouring masks is a pointer comparison rather than another memory load.
+* Lookups go through ``router/prefix_map.c`` when it builds (a CPython extension compiled on first use, like the
+  engine's kernels): an open-addressing table keyed by the 64-bit hash inline, mirrored on every write to the
+  ``OrderedDict``, which then only keeps the eviction order. There ``match`` is one C call: a lookup is one DRAM
+  miss instead of the dict's three (index, entry, key object), the next 16 positions' slots are prefetched while it
+  walks, and the dropped workers are read off the mask's bits. The Python walk above is the fallback and the
+  reference (``tests/test_router_prefix_map.py`` runs both on one event stream); hashes must be 64-bit ints.
 * A per-worker set of its hashes makes ``resync`` a set difference and ``remove_worker`` proportional to that
   worker's blocks rather than to the whole index.
 
@@ -42,11 +48,15 @@ size ``max_blocks`` at or above the cluster's total KV blocks (then nothing is e
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import groupby, islice, repeat
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 WorkerId = str
 
@@ -73,18 +83,37 @@ class IndexSnapshot:
     workers: tuple[tuple[WorkerId, int, frozenset[int]], ...]
 
 
+@functools.cache
+def _native() -> ModuleType | None:
+    """``router/prefix_map.c`` built for this interpreter, or None (no compiler or headers): the Python path."""
+    from engine.kernels import load_python_extension
+
+    return load_python_extension("router._prefix_map", Path(__file__).with_name("prefix_map.c"))
+
+
+def native_available() -> bool:
+    return _native() is not None
+
+
 class KVIndex:
     __slots__ = ("_bits", "_entries", "_evictions", "_free", "_gaps", "_get", "_held", "_ids", "_ids_cache",
-                 "_intern", "_masks", "_matches", "_max", "_ref", "_resyncs", "_seq", "_slot", "_touch", "_touch_from")
+                 "_intern", "_lookup", "_masks", "_matches", "_max", "_ref", "_resyncs", "_seq", "_slot", "_touch",
+                 "_touch_from")
 
-    def __init__(self, max_blocks: int, *, touch_on_match: bool = True) -> None:
+    def __init__(self, max_blocks: int, *, touch_on_match: bool = True, native: bool | None = None) -> None:
+        """``native``: use ``router/prefix_map.c`` for lookups (None: when it builds; True: require it)."""
         if max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
         self._max = max_blocks
         self._touch = touch_on_match
         self._touch_from = max_blocks * 3 // 4
-        self._masks: OrderedDict[int, int] = OrderedDict()
-        self._get = self._masks.get
+        self._masks: OrderedDict[int, int] = OrderedDict()  # insertion order = eviction order; the masks
+        module = _native() if native is not False else None
+        if native and module is None:
+            raise RuntimeError("the native prefix map is unavailable (no C compiler or Python headers)")
+        # The lookup table: the native PrefixMap mirrors every write to _masks, or _masks serves lookups itself.
+        self._lookup: Any = module.PrefixMap() if module is not None else None
+        self._get = self._lookup.get if self._lookup is not None else self._masks.get
         self._ref: set[int] = set()
         self._slot: dict[WorkerId, int] = {}
         self._ids: list[WorkerId | None] = []
@@ -108,6 +137,7 @@ class KVIndex:
             raise ValueError(f"{len(hashes)} hashes but {len(kinds)} kinds")
         if bytes(kinds).translate(None, _KINDS):
             raise ValueError("kinds must be 1 (stored) or 0 (removed)")
+        _check_hashes(hashes)
         last = self._seq.get(worker_id)
         if last is not None and seq != last + 1:
             self._gaps += 1
@@ -127,6 +157,7 @@ class KVIndex:
 
     def resync(self, worker_id: WorkerId, seq: int, hashes: Sequence[int]) -> None:
         """Replace everything known about ``worker_id`` with its snapshot ``hashes`` taken at ``seq``."""
+        _check_hashes(hashes)
         slot = self._slot_for(worker_id)
         bit = self._bits[slot]
         held = self._held[slot]
@@ -160,6 +191,17 @@ class KVIndex:
 
     def match(self, block_hashes: Sequence[int]) -> dict[WorkerId, int]:
         """Leading request blocks cached per worker; workers with no leading hit are absent."""
+        lookup = self._lookup
+        if lookup is None:
+            return self._match_python(block_hashes)
+        out, pos = lookup.match(block_hashes, self._ids)
+        if pos:
+            self._matches += 1
+            if self._touch and not self._matches & _TOUCH_EVERY_MASK and self._entries >= self._touch_from:
+                self._ref.update(islice(block_hashes, pos))
+        return out
+
+    def _match_python(self, block_hashes: Sequence[int]) -> dict[WorkerId, int]:
         out: dict[WorkerId, int] = {}
         run = 0
         pos = 0
@@ -228,8 +270,10 @@ class KVIndex:
             self._ref.add(h)
             return
         else:
-            self._masks[h] = self._canonical(mask | bit)
+            self._masks[h] = bit = self._canonical(mask | bit)
             self._ref.add(h)
+        if self._lookup is not None:
+            self._lookup[h] = bit
         held.add(h)
         self._entries += 1
 
@@ -238,22 +282,29 @@ class KVIndex:
         if mask is None or not mask & bit:
             return
         mask ^= bit
+        lookup = self._lookup
         if mask:
-            self._masks[h] = self._canonical(mask)
+            self._masks[h] = mask = self._canonical(mask)
+            if lookup is not None:
+                lookup[h] = mask
         else:
             del self._masks[h]
+            if lookup is not None:
+                del lookup[h]
             self._ref.discard(h)
         held.discard(h)
         self._entries -= 1
 
     def _evict(self) -> None:
-        masks, ref, held = self._masks, self._ref, self._held
+        masks, ref, held, lookup = self._masks, self._ref, self._held, self._lookup
         while self._entries > self._max:
             h, mask = masks.popitem(last=False)
             if h in ref:
                 ref.discard(h)
                 masks[h] = mask
                 continue
+            if lookup is not None:
+                del lookup[h]
             n = mask.bit_count()
             self._entries -= n
             self._evictions += n
@@ -282,3 +333,9 @@ class KVIndex:
             ids = tuple(w for i in range(mask.bit_length()) if mask >> i & 1 and (w := names[i]) is not None)
             self._ids_cache[mask] = ids
         return ids
+
+
+def _check_hashes(hashes: Sequence[int]) -> None:
+    """Block hashes are 64-bit digests: refuse a batch holding anything else before any of it is applied."""
+    if hashes and (min(hashes) < 0 or max(hashes) >> 64):
+        raise ValueError("block hashes must be ints in [0, 2**64)")

@@ -11,6 +11,9 @@ fp32 RMSNorm, SiLU-and-multiply and rotary embedding) and ``block_hash.c`` (the 
 built without ``-fopenmp`` and loaded without importing torch, because the router, which never imports torch,
 calls it for every request.
 
+:func:`compile_shared` and :func:`load_python_extension` build other components' C sources the same way (the
+router's ``router/prefix_map.c``, a CPython extension, so it is also keyed by the interpreter's ABI).
+
 Everything here is optional. When there is no compiler, the build fails, ``TANDEM_NATIVE_KERNELS=0`` is set, or
 the platform is not Linux, :func:`paged_attention_kernel` and :func:`layer_ops` return ``None`` and the engine uses
 its torch path, which computes the same thing (the parity tests run on both); :func:`block_hasher` returns
@@ -22,15 +25,19 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -41,6 +48,7 @@ _EXTRA_FLAGS = {"layer_ops": ("-ffp-contract=off",)}  # round like torch's separ
 _STANDALONE = frozenset({"block_hash"})  # no OpenMP: built without -fopenmp, loaded without importing torch
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
+_modules: dict[str, ModuleType | None] = {}
 
 
 def enabled() -> bool:
@@ -66,14 +74,19 @@ def _cpu_flags() -> str:
 
 
 def _build(cc: str, name: str) -> Path:
-    source = _HERE / f"{name}.c"
     base = tuple(f for f in _FLAGS if f != "-fopenmp") if name in _STANDALONE else _FLAGS
-    flags = (*base, *_EXTRA_FLAGS.get(name, ()))
+    return compile_shared(cc, _HERE / f"{name}.c", (*base, *_EXTRA_FLAGS.get(name, ())))
+
+
+def compile_shared(cc: str, source: Path, flags: tuple[str, ...], key_extra: str = "") -> Path:
+    """Compile ``source`` (with the ``*.h`` beside it) into the per-user cache and return the ``.so``'s path; a
+    cached build is reused when the source, the headers, the compiler, the flags, the CPU and ``key_extra`` match."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    headers = "".join(h.read_text() for h in sorted(_HERE.glob("*.h")))
+    headers = "".join(h.read_text() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(b"\0".join(s.encode() for s in (
-        source.read_text(), headers, cc, version, " ".join(flags), _cpu_flags(), platform.machine()))).hexdigest()[:20]
-    out = _cache_dir() / f"{name}-{key}.so"
+        source.read_text(), headers, cc, version, " ".join(flags), _cpu_flags(), platform.machine(), key_extra)
+    )).hexdigest()[:20]
+    out = _cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -88,6 +101,36 @@ def _build(cc: str, name: str) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def load_python_extension(module_name: str, source: Path) -> ModuleType | None:
+    """Build ``source``, a CPython extension module, for this interpreter and import it as ``module_name`` (its
+    ``PyInit_`` symbol is named after the last dotted part); None, logged, when native code is disabled, there is no
+    compiler, the interpreter's headers are missing or the build fails: the caller then uses its Python path."""
+    with _lock:
+        if module_name in _modules:
+            return _modules[module_name]
+        module = None
+        cc = _compiler()
+        include = sysconfig.get_paths().get("include", "")
+        if not enabled() or cc is None:
+            log.info("native code disabled or no C compiler; %s uses its Python path", module_name)
+        elif not include or not os.path.exists(os.path.join(include, "Python.h")):
+            log.info("no Python.h for this interpreter; %s uses its Python path", module_name)
+        else:
+            flags = (*(f for f in _FLAGS if f != "-fopenmp"), f"-I{include}")
+            try:
+                path = compile_shared(cc, source, flags, sysconfig.get_config_var("EXT_SUFFIX") or sys.version)
+                spec = importlib.util.spec_from_file_location(module_name, path)
+                if spec is None or spec.loader is None:
+                    raise ImportError(f"cannot load {path}")
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+            except (OSError, ImportError, RuntimeError, subprocess.SubprocessError) as e:
+                log.warning("could not build %s (%s); using its Python path", module_name, e)
+                module = None
+        _modules[module_name] = module
+        return module
 
 
 _SOURCES = ("paged_attention", "layer_ops", "block_hash")

@@ -1,0 +1,143 @@
+"""router/prefix_map.c: the native lookup table behaves as a dict, and KVIndex gives the same answers on it as on its
+Python path, event for event and match for match (many workers, eviction, worker removal and slot reuse)."""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import pytest
+
+from engine.block_hash import hash_blocks
+from router.kv_index import KVIndex, _native, native_available
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="no C compiler or Python headers: Python path only")
+
+
+def _prefix_map() -> object:
+    module = _native()
+    assert module is not None
+    return module.PrefixMap()
+
+
+def test_prefix_map_matches_a_dict_through_growth_collisions_and_deletes() -> None:
+    """Random sets, overwrites and deletes over keys that crowd a few home slots (small ints, multiples of 2**60,
+    the extremes) agree with a dict after every step; backward-shift deletion must keep every later key findable."""
+    rng = random.Random(7)
+    keys = [*range(40), *(k << 60 for k in range(16)), 2**64 - 1, 2**63, *(rng.getrandbits(64) for _ in range(200))]
+    masks = [1 << i for i in range(70)]  # multi-digit ints too
+    table = _prefix_map()
+    ref: dict[int, int] = {}
+    for step in range(6000):
+        key = rng.choice(keys)
+        if rng.random() < 0.55:
+            value = rng.choice(masks)
+            table[key] = value  # type: ignore[index]
+            ref[key] = value
+        elif key in ref:
+            del table[key]  # type: ignore[attr-defined]
+            del ref[key]
+        else:
+            with pytest.raises(KeyError):
+                del table[key]  # type: ignore[attr-defined]
+        if step % 50 == 0:
+            assert len(table) == len(ref)  # type: ignore[arg-type]
+            assert all(table.get(k) == ref.get(k) for k in keys)  # type: ignore[attr-defined]
+    assert {k: table[k] for k in ref} == ref  # type: ignore[index]
+    table.clear()  # type: ignore[attr-defined]
+    assert len(table) == 0 and table.get(keys[0], "none") == "none"  # type: ignore[arg-type, attr-defined]
+
+
+def test_prefix_map_refuses_what_is_not_a_64_bit_hash_and_int_mask() -> None:
+    table = _prefix_map()
+    for bad in (-1, 2**64, 2**100):
+        with pytest.raises(OverflowError):
+            table[bad] = 1  # type: ignore[index]
+        assert table.get(bad, 0) == 0  # type: ignore[attr-defined]
+        with pytest.raises(KeyError):
+            del table[bad]  # type: ignore[attr-defined]
+    with pytest.raises(TypeError):
+        table["x"] = 1  # type: ignore[index]
+    with pytest.raises(TypeError):
+        table[1] = "mask"  # type: ignore[index]
+    with pytest.raises(KeyError):
+        table[5]  # type: ignore[index]
+    assert len(table) == 0  # type: ignore[arg-type]
+
+
+def test_prefix_map_releases_its_values() -> None:
+    """Overwrite, delete, clear and dropping the table give back every reference it took."""
+    mask = 1 << 100
+    base = sys.getrefcount(mask)
+    table = _prefix_map()
+    for k in range(100):
+        table[k] = mask  # type: ignore[index]
+    assert sys.getrefcount(mask) == base + 100
+    for k in range(50):
+        del table[k]  # type: ignore[attr-defined]
+    table[60] = 3  # type: ignore[index]
+    assert sys.getrefcount(mask) == base + 49
+    table.clear()  # type: ignore[attr-defined]
+    assert sys.getrefcount(mask) == base
+    for k in range(10):
+        table[k] = mask  # type: ignore[index]
+    del table
+    assert sys.getrefcount(mask) == base
+
+
+def test_apply_refuses_a_hash_outside_64_bits_before_changing_anything() -> None:
+    index = KVIndex(100)
+    with pytest.raises(ValueError, match="2\\*\\*64"):
+        index.apply("a", 0, [5, 2**64], b"\x01\x01")
+    with pytest.raises(ValueError, match="2\\*\\*64"):
+        index.resync("a", 0, [-3])
+    assert len(index) == 0 and index.seq("a") is None and index.workers() == []
+
+
+def _chains(rng: random.Random, n: int) -> list[list[int]]:
+    """Prompts sharing system prefixes, hashed for real (block size 4)."""
+    systems = [[rng.randrange(1000) for _ in range(4 * rng.randint(1, 5))] for _ in range(6)]
+    out = []
+    for _ in range(n):
+        tokens = rng.choice(systems) + [rng.randrange(1000) for _ in range(4 * rng.randint(0, 8))]
+        out.append(hash_blocks(tokens, 4))
+    return out
+
+
+@pytest.mark.parametrize(("workers", "max_blocks"), [(5, 100_000), (150, 100_000), (150, 400)])
+def test_native_and_python_index_agree_event_for_event(workers: int, max_blocks: int) -> None:
+    """Both paths fed one random stream (stores, removes, gaps with resync, worker removal, slot reuse, eviction)
+    answer every probe identically and end with equal snapshots and stats. 150 workers make masks of several
+    machine words; max_blocks=400 keeps eviction running. Matches also set reference bits, which steer eviction,
+    so both indexes see the same probes in the same order."""
+    rng = random.Random(workers * 31 + max_blocks)
+    chains = _chains(rng, 120)
+    native, python = KVIndex(max_blocks, native=True), KVIndex(max_blocks, native=False)
+    names = [f"w{i}" for i in range(workers)]
+    seqs: dict[str, int] = {}
+    for step in range(3000):
+        w = rng.choice(names)
+        op = rng.random()
+        if op < 0.02 and w in seqs:
+            assert native.remove_worker(w) == python.remove_worker(w)
+            del seqs[w]
+        elif op < 0.05 and w in seqs:
+            seqs[w] += 3
+            snapshot = sorted(set(rng.choice(chains)) | set(rng.choice(chains)))
+            native.resync(w, seqs[w], snapshot)
+            python.resync(w, seqs[w], snapshot)
+        else:
+            chain = rng.choice(chains)
+            cut = rng.randint(1, len(chain)) if chain else 0
+            hashes = chain[:cut] if op < 0.75 else chain[cut - 1 :]
+            kind = b"\x01" if op < 0.75 else b"\x00"
+            seq = seqs.get(w, -1) + 1
+            assert native.apply(w, seq, hashes, kind * len(hashes)) == python.apply(w, seq, hashes,
+                                                                                    kind * len(hashes))
+            seqs[w] = seq
+        probe = rng.choice(chains) + [rng.getrandbits(64) for _ in range(rng.randint(0, 3))]
+        assert native.match(probe) == python.match(probe), step
+    assert native.snapshot() == python.snapshot()
+    assert native.stats() == python.stats()
+    if max_blocks < 1000:
+        assert native.stats().evictions > 0

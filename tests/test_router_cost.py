@@ -231,9 +231,9 @@ def test_selector_vector_path_books_like_the_row_path(monkeypatch: pytest.Monkey
     eff = load.gather(workers)
     for i, w in enumerate(workers):
         rec = load.get(w)
-        assert tuple(eff[i]) == (rec.effective() if rec is not None else (0, 0, 0))
+        assert tuple(eff[:, i]) == (rec.effective() if rec is not None else (0, 0, 0))
     gone = next(w for w in workers if load.get(w) is not None)
     load.remove(gone)
-    assert tuple(load.gather([gone])[0]) == (0.0, 0.0, 0.0)
+    assert tuple(load.gather([gone])[:, 0]) == (0.0, 0.0, 0.0)
     load.on_dispatch("newcomer", 16, 1)  # takes the freed slot, starting from its own load only
-    assert tuple(load.gather(["newcomer", gone])[0]) == (16.0, 1.0, 1.0)
+    assert tuple(load.gather(["newcomer", gone])[:, 0]) == (16.0, 1.0, 1.0)

@@ -125,11 +125,13 @@ class _Prepare(threading.Thread):
             self.model_ready.set()
         with contextlib.suppress(Exception):
             import router.server  # noqa: F401
-        from engine.kernels import build_all
+        from engine.kernels import block_hash_module, build_all
         from router.kv_index import native_available
 
         build_all()
-        native_available()  # builds and loads the router's native prefix map (router/prefix_map.c) off the hot path
+        # The router's CPython extensions too (prefix map, block hash for token lists), off its first request's path.
+        native_available()
+        block_hash_module()
 
     def model_path(self, timeout_s: float = 600.0) -> Path:
         if not self.model_ready.wait(timeout_s):

@@ -3,11 +3,15 @@
 Only full blocks get a hash. Block ``i``'s hash is ``H(parent, token_ids, extra_keys)`` where ``parent`` is the hash
 of block ``i-1`` (``ROOT_HASH`` for the first block) and ``extra_keys`` covers whatever else changes the KV content
 (model, LoRA adapter, cache salt). ``H`` is keyed BLAKE2b with a fixed key, so every process on every machine computes
-the same 64-bit value; Python's ``hash()`` is not used because it is salted per process for strings.
+the same 64-bit value; Python's ``hash()`` is not used because it is salted per process for strings. The message is
+``parent (8 bytes LE) | tokens (int32 LE each) | b"\\x00" + key per extra key``: int32 holds any vocabulary's ids, and
+at block size 16 with a model key the message fits in one 128-byte BLAKE2b block (int64 tokens took two), which
+halves the router's hashing per request. A token id outside int32 raises ``OverflowError``.
 
-:func:`hash_blocks` computes the whole chain in one call to ``engine/kernels/block_hash.c`` when the native kernels
-are available (compiled on first use, no torch import: the router calls this for every request), and otherwise
-block by block with :func:`hash_block`, the reference, which gives the same values.
+:func:`hash_blocks` computes the whole chain in one call to ``engine/kernels/block_hash.c`` when it is built
+(compiled on first use, no torch import: the router calls this for every request): token lists and tuples go to the
+file's CPython-module build, which reads the ints in place, buffers (``array``, numpy) to its ctypes build; otherwise
+it hashes block by block with :func:`hash_block`, the reference, which gives the same values.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+import sys
 from array import array
 from collections.abc import Callable, Sequence
+from typing import Any
 
-_KEY = b"tandem-kv-block-hash-v1"
+_KEY = b"tandem-kv-block-hash-v2"  # v2: int32 tokens (v1 hashed them as int64)
 ROOT_HASH: int = int.from_bytes(hashlib.blake2b(b"root", key=_KEY, digest_size=8).digest(), "little")
 
 
@@ -32,10 +38,20 @@ def extra_keys_for(model: str = "", lora: str | None = None, cache_salt: str | N
     return tuple(keys)
 
 
+def _int32_le(token_ids: Sequence[int]) -> bytes:
+    """Token ids as int32 little-endian; OverflowError outside int32, TypeError for a non-integer (as ``array``)."""
+    buf = array("i", token_ids)
+    if buf.itemsize != 4:
+        raise RuntimeError(f"C int is {buf.itemsize} bytes here; the block hash needs 4")
+    if not _LITTLE:
+        buf.byteswap()
+    return buf.tobytes()
+
+
 def hash_block(parent: int, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()) -> int:
     h = hashlib.blake2b(key=_KEY, digest_size=8)
     h.update(parent.to_bytes(8, "little"))
-    h.update(array("q", token_ids).tobytes())
+    h.update(_int32_le(token_ids))
     for key in extra_keys:
         h.update(b"\x00")
         h.update(key.encode())
@@ -56,11 +72,17 @@ def hash_blocks(
         n_blocks = (len(token_ids) - start) // block_size
         if n_blocks <= 0:
             return []
-        native = _native_hasher()
-        if native is not None and isinstance(parent, int) and 0 <= parent < 1 << 64:
-            out = _hash_native(native, token_ids, block_size, extra_keys, parent, start, n_blocks)
-            if out is not None:
-                return out
+        if isinstance(parent, int) and 0 <= parent < 1 << 64:
+            module = _native_module() if type(token_ids) in (list, tuple) else None
+            if module is not None:
+                out = module.hash_blocks(token_ids, block_size, _extra_bytes(extra_keys), parent, start)
+                if out is not None:
+                    return out
+            native = _native_hasher()
+            if native is not None:
+                out = _hash_native(native, token_ids, block_size, extra_keys, parent, start, n_blocks)
+                if out is not None:
+                    return out
     return _hash_blocks_reference(token_ids, block_size, extra_keys, parent, start)
 
 
@@ -75,13 +97,25 @@ def _hash_blocks_reference(
 
 
 @functools.cache
+def _native_module() -> Any:
+    from engine.kernels import block_hash_module
+
+    return block_hash_module()
+
+
+def _extra_bytes(extra_keys: tuple[str, ...]) -> bytes:
+    return b"".join([b"\x00" + key.encode() for key in extra_keys])
+
+
+@functools.cache
 def _native_hasher() -> Callable[..., int] | None:
     from engine.kernels import block_hasher  # here, not at the top: importing this module stays cheap
 
     return block_hasher()
 
 
-_INT64_FORMATS = frozenset({"q", "<q", "=q", "@q", "l", "@l"})  # 8-byte signed, native order (memoryview formats)
+_INT32_FORMATS = frozenset({"i", "<i", "=i", "@i"})  # 4-byte signed, native order (memoryview formats)
+_LITTLE = sys.byteorder == "little"
 
 
 def _hash_native(
@@ -97,20 +131,20 @@ def _hash_native(
     end = start + n_blocks * block_size
     tokens: bytes | None = None
     if not isinstance(token_ids, list | tuple):
-        try:  # array('q') or an int64 numpy array: one copy of the buffer, no per-token work
+        try:  # array('i') or an int32 numpy array: one copy of the buffer, no per-token work
             view = memoryview(token_ids)  # type: ignore[arg-type]
         except TypeError:
             pass
         else:
-            if view.ndim == 1 and view.itemsize == 8 and view.format in _INT64_FORMATS:
+            if view.ndim == 1 and view.itemsize == 4 and view.format in _INT32_FORMATS:
                 tokens = view[start:end].tobytes()
     if tokens is None:
         ids = token_ids if start == 0 and end == len(token_ids) else token_ids[start:end]
         try:
-            tokens = struct.pack(f"{end - start}q", *ids)  # ~2x faster than array('q', ids)
-        except struct.error:  # out of int64 range or not an integer: the reference raises its usual error
+            tokens = struct.pack(f"{end - start}i", *ids)  # native order (the kernel's); 2x array's speed
+        except struct.error:  # out of int32 range or not an integer: the reference raises its usual error
             return None
-    extra = b"".join([b"\x00" + key.encode() for key in extra_keys])
+    extra = _extra_bytes(extra_keys)
     out = array("Q", bytes(8 * n_blocks))
     if native(tokens, end - start, block_size, extra, len(extra), parent, out.buffer_info()[0]) != n_blocks:
         return None

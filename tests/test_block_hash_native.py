@@ -1,7 +1,7 @@
 """The native block-hash chain (engine/kernels/block_hash.c) against hashlib, and the fallback to hashlib.
 
 ``reference`` below is the definition, written out with hashlib: block ``i`` hashes ``parent (8 bytes LE)``, its
-tokens as int64 LE and ``b"\\x00" + key`` per extra key with keyed BLAKE2b (8-byte digest, read LE). Every case
+tokens as int32 LE and ``b"\\x00" + key`` per extra key with keyed BLAKE2b (8-byte digest, read LE). Every case
 runs :func:`hash_blocks` (native when built) and compares values, errors included, with it.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import struct
 import subprocess
 import sys
 from array import array
@@ -37,9 +38,9 @@ def reference(token_ids: Sequence[int], block_size: int, extra_keys: tuple[str, 
               parent: int = ROOT_HASH, start: int = 0) -> list[int]:
     out = []
     for begin in range(start, len(token_ids) - block_size + 1, block_size):
-        h = hashlib.blake2b(key=b"tandem-kv-block-hash-v1", digest_size=8)
+        h = hashlib.blake2b(key=b"tandem-kv-block-hash-v2", digest_size=8)
         h.update(parent.to_bytes(8, "little"))
-        h.update(array("q", token_ids[begin : begin + block_size]).tobytes())
+        h.update(struct.pack(f"<{block_size}i", *token_ids[begin : begin + block_size]))
         for key in extra_keys:
             h.update(b"\x00" + key.encode())
         parent = int.from_bytes(h.digest(), "little")
@@ -49,8 +50,10 @@ def reference(token_ids: Sequence[int], block_size: int, extra_keys: tuple[str, 
 
 def _reset_native() -> None:
     bh._native_hasher.cache_clear()
+    bh._native_module.cache_clear()
     kernels.block_hasher.cache_clear()
     kernels._loaded.pop("block_hash", None)
+    kernels._modules.pop("engine._block_hash", None)
 
 
 @pytest.fixture
@@ -98,7 +101,7 @@ def test_no_full_block_gives_an_empty_list() -> None:
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_continuing_from_start_and_parent_gives_the_rest_of_the_chain(block_size: int) -> None:
     rng = random.Random(block_size)
-    tokens = [rng.randrange(1 << 40) for _ in range(10 * block_size + 3)]
+    tokens = [rng.randrange(1 << 31) for _ in range(10 * block_size + 3)]
     keys = ("model=m", "lora=x")
     full = hash_blocks(tokens, block_size, keys)
     assert full == reference(tokens, block_size, keys)
@@ -122,19 +125,19 @@ def test_unaligned_start_raises() -> None:
         hash_blocks(list(range(64)), 16, start=8)
 
 
-def test_the_whole_int64_range_of_token_ids_including_negative_ones() -> None:
+def test_the_whole_int32_range_of_token_ids_including_negative_ones() -> None:
     rng = random.Random(7)
-    edges = [0, 1, -1, (1 << 63) - 1, -(1 << 63), (1 << 32), -(1 << 32)]
-    tokens = [rng.choice(edges) if rng.random() < 0.3 else rng.randrange(-(1 << 63), 1 << 63) for _ in range(530)]
+    edges = [0, 1, -1, (1 << 31) - 1, -(1 << 31), (1 << 16), -(1 << 16)]
+    tokens = [rng.choice(edges) if rng.random() < 0.3 else rng.randrange(-(1 << 31), 1 << 31) for _ in range(530)]
     for block_size in BLOCK_SIZES:
         assert hash_blocks(tokens, block_size, ("model=m",)) == reference(tokens, block_size, ("model=m",))
 
 
-@pytest.mark.parametrize("bad", [1 << 63, -(1 << 63) - 1, 1 << 70])
-def test_token_ids_out_of_int64_range_raise_overflow_error_in_a_full_block(bad: int) -> None:
+@pytest.mark.parametrize("bad", [1 << 31, -(1 << 31) - 1, 1 << 63, 1 << 70])
+def test_token_ids_out_of_int32_range_raise_overflow_error_in_a_full_block(bad: int) -> None:
     tokens = list(range(40))
     tokens[20] = bad
-    with pytest.raises(OverflowError):
+    with pytest.raises(struct.error):
         reference(tokens, 16)
     with pytest.raises(OverflowError):
         hash_blocks(tokens, 16)
@@ -155,8 +158,10 @@ def test_arrays_tuples_and_ranges_hash_like_lists() -> None:
     tokens = list(range(-50, 1000, 3))
     expected = reference(tokens, 17, ("model=m",))
     assert hash_blocks(tuple(tokens), 17, ("model=m",)) == expected
+    assert hash_blocks(array("i", tokens), 17, ("model=m",)) == expected
     assert hash_blocks(array("q", tokens), 17, ("model=m",)) == expected
     assert hash_blocks(range(-50, 1000, 3), 17, ("model=m",)) == expected
+    assert hash_blocks(array("i", tokens), 17, ("model=m",), expected[1], 34) == expected[2:]
     assert hash_blocks(array("q", tokens), 17, ("model=m",), expected[1], 34) == expected[2:]
 
 
@@ -167,15 +172,19 @@ def test_numpy_token_arrays_hash_like_lists() -> None:
     assert hash_blocks(np.array(tokens, dtype=np.int64), 16) == expected
     assert hash_blocks(np.array(tokens, dtype=np.int32), 16) == expected
     assert hash_blocks(np.array(tokens, dtype=">i8"), 16) == expected
+    assert hash_blocks(np.array(tokens, dtype=">i4"), 16) == expected
+    assert hash_blocks(np.array(tokens, dtype=np.int32).repeat(2)[::2], 16) == expected
     assert hash_blocks(np.array(tokens, dtype=np.int64).repeat(2)[::2], 16) == expected  # strided view
     assert hash_blocks(np.array(tokens, dtype=np.int64), 16, (), expected[0], 16) == expected[1:]
     with pytest.raises(OverflowError):
         hash_blocks(np.full(32, 1 << 63, dtype=np.uint64), 16)
+    with pytest.raises(OverflowError):
+        hash_blocks(np.full(32, 1 << 40, dtype=np.int64), 16)
 
 
 def test_disabled_native_kernels_fall_back_to_hashlib(fresh_native: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_NATIVE_KERNELS", "0")
-    assert bh._native_hasher() is None
+    assert bh._native_hasher() is None and bh._native_module() is None
     tokens = list(range(100))
     assert hash_blocks(tokens, 16, ("model=m",)) == reference(tokens, 16, ("model=m",))
     assert hash_blocks(tokens, 16, ("model=m",), start=96) == []
@@ -187,7 +196,7 @@ def test_a_failing_compiler_falls_back_to_hashlib(fresh_native: None, monkeypatc
         pytest.skip("TANDEM_NATIVE_KERNELS=0")
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
-    assert bh._native_hasher() is None
+    assert bh._native_hasher() is None and bh._native_module() is None
     tokens = list(range(100))
     assert hash_blocks(tokens, 17) == reference(tokens, 17)
 
@@ -200,11 +209,36 @@ def test_the_router_path_builds_the_kernel_without_importing_torch(tmp_path: Pat
         "import engine.block_hash as b\n"
         "assert 'torch' not in sys.modules and 'engine.kernels' not in sys.modules\n"
         "print(b.hash_blocks(list(range(64)), 16, ('model=m',)))\n"
-        "assert b._native_hasher() is not None\n"
+        "assert b._native_hasher() is not None and b._native_module() is not None\n"
         "assert 'torch' not in sys.modules\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TANDEM_KERNEL_CACHE": str(tmp_path)},
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(reference(list(range(64)), 16, ("model=m",)))
-    assert [p.name.split("-")[0] for p in tmp_path.glob("*.so")] == ["block_hash"]
+    assert [p.name.split("-")[0] for p in tmp_path.glob("*.so")] == ["block_hash", "block_hash"]  # ctypes, module
+
+
+def test_the_list_module_and_the_buffer_kernel_agree_and_the_module_declines_what_it_cannot_read() -> None:
+    """Lists and tuples go through engine._block_hash, buffers through the ctypes kernel: both equal hashlib. For a
+    token that is not an exact int within int32 the module returns None, and the other paths give the answer or
+    the usual error."""
+    module = bh._native_module()
+    if module is None:
+        pytest.skip("no compiler or Python headers")
+    rng = random.Random(11)
+    tokens = [rng.randrange(-(1 << 31), 1 << 31) for _ in range(16 * 9 + 5)]
+    keys = ("model=m", "salt=x")
+    extra = bh._extra_bytes(keys)
+    expected = reference(tokens, 16, keys)
+    assert module.hash_blocks(tokens, 16, extra, ROOT_HASH, 0) == expected
+    assert module.hash_blocks(tuple(tokens), 16, extra, expected[2], 48) == expected[3:]
+    assert module.hash_blocks(tokens, 16, extra, ROOT_HASH, len(tokens)) == []
+    assert hash_blocks(array("i", tokens), 16, keys) == expected
+    for odd in (True, 1 << 31, 2.0):
+        bad = tokens.copy()
+        bad[7] = odd  # type: ignore[call-overload]
+        assert module.hash_blocks(bad, 16, extra, ROOT_HASH, 0) is None
+    flagged = tokens.copy()
+    flagged[7] = True  # type: ignore[call-overload]
+    assert hash_blocks(flagged, 16, keys) == reference(flagged, 16, keys)

@@ -103,7 +103,7 @@ def compile_shared(cc: str, source: Path, flags: tuple[str, ...], key_extra: str
     return out
 
 
-def load_python_extension(module_name: str, source: Path) -> ModuleType | None:
+def load_python_extension(module_name: str, source: Path, extra_flags: tuple[str, ...] = ()) -> ModuleType | None:
     """Build ``source``, a CPython extension module, for this interpreter and import it as ``module_name`` (its
     ``PyInit_`` symbol is named after the last dotted part); None, logged, when native code is disabled, there is no
     compiler, the interpreter's headers are missing or the build fails: the caller then uses its Python path."""
@@ -118,7 +118,7 @@ def load_python_extension(module_name: str, source: Path) -> ModuleType | None:
         elif not include or not os.path.exists(os.path.join(include, "Python.h")):
             log.info("no Python.h for this interpreter; %s uses its Python path", module_name)
         else:
-            flags = (*(f for f in _FLAGS if f != "-fopenmp"), f"-I{include}")
+            flags = (*(f for f in _FLAGS if f != "-fopenmp"), f"-I{include}", *extra_flags)
             try:
                 path = compile_shared(cc, source, flags, sysconfig.get_config_var("EXT_SUFFIX") or sys.version)
                 spec = importlib.util.spec_from_file_location(module_name, path)
@@ -228,6 +228,11 @@ def layer_ops() -> LayerOps | None:
     if _load("layer_ops") is None:
         return None
     return LayerOps(**{name: _bind("layer_ops", name, argtypes, None) for name, argtypes in sigs.items()})
+
+
+def block_hash_module() -> ModuleType | None:
+    """``block_hash.c`` built as the CPython module ``engine._block_hash`` (lists in, lists out), or None."""
+    return load_python_extension("engine._block_hash", _HERE / "block_hash.c", ("-DTANDEM_PY_EXTENSION",))
 
 
 @functools.cache

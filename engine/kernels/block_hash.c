@@ -1,7 +1,7 @@
 /* The KV block-hash chain (engine/block_hash.py) in one call: keyed BLAKE2b, 8-byte digest, per RFC 7693.
  *
  * Block i of `tokens` hashes the message
- *     parent (8 bytes LE) | block_size tokens (int64 LE each) | extra
+ *     parent (8 bytes LE) | block_size tokens (int32 LE each) | extra
  * where parent is the previous block's digest (the caller's `parent` for block 0), extra is the caller's
  * b"\x00" + key.encode() for each extra key, and the 8-byte digest is read as a little-endian uint64. The key is
  * the fixed "tandem-kv-block-hash-v1", so the state after the key block is the same for every block: it is
@@ -11,7 +11,16 @@
  *                        on bad arguments or when the message buffer cannot be allocated
  *
  * Pure C, no threads, no global state written after load: safe to call from several threads at once.
+ *
+ * Built with -DTANDEM_PY_EXTENSION and the interpreter's headers, the file is also the CPython module
+ * engine._block_hash, whose hash_blocks(tokens, block_size, extra, parent, start) reads a list or tuple of ints
+ * directly: packing 1024 token ids into a buffer for the ctypes call cost as much as hashing them. It returns None,
+ * and leaves the errors to engine/block_hash.py's other paths, for anything but exact ints within int32.
  */
+#ifdef TANDEM_PY_EXTENSION /* the same file built as the CPython module engine._block_hash (see the end) */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,7 +35,7 @@
 #define BLOCK_BYTES 128
 #define DIGEST_BYTES 8
 
-static const char KEY[] = "tandem-kv-block-hash-v1";
+static const char KEY[] = "tandem-kv-block-hash-v2";
 #define KEY_BYTES (sizeof(KEY) - 1)
 
 /* RFC 7693 section 2.6: the SHA-512 initialisation vector. */
@@ -146,21 +155,24 @@ static uint64_t hash_message(const uint8_t *msg, size_t len) {
     return h[0]; /* the first 8 output bytes, little-endian: exactly h[0] */
 }
 
-int64_t tandem_hash_blocks(const int64_t *tokens, int64_t n_tokens, int64_t block_size, const uint8_t *extra,
+int64_t tandem_hash_blocks(const int32_t *tokens, int64_t n_tokens, int64_t block_size, const uint8_t *extra,
                            int64_t extra_len, uint64_t parent, uint64_t *out) {
-    if (n_tokens < 0 || block_size <= 0 || extra_len < 0 || block_size > (INT64_MAX - 8 - extra_len) / 8) return -1;
+    if (n_tokens < 0 || block_size <= 0 || extra_len < 0 || block_size > (INT64_MAX - 8 - extra_len) / 4) return -1;
     int64_t n_blocks = n_tokens / block_size;
     if (n_blocks == 0) return 0;
-    size_t token_bytes = (size_t)block_size * 8;
+    size_t token_bytes = (size_t)block_size * 4;
     size_t len = 8 + token_bytes + (size_t)extra_len;
     uint8_t *msg = malloc(len);
     if (msg == NULL) return -1;
     if (extra_len) memcpy(msg + 8 + token_bytes, extra, (size_t)extra_len); /* the same for every block */
     for (int64_t b = 0; b < n_blocks; b++) {
-        const int64_t *blk = tokens + b * block_size;
+        const int32_t *blk = tokens + b * block_size;
         store_le64(msg, parent);
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-        for (int64_t i = 0; i < block_size; i++) store_le64(msg + 8 + 8 * i, (uint64_t)blk[i]);
+        for (int64_t i = 0; i < block_size; i++) {
+            uint32_t v = (uint32_t)blk[i];
+            for (int k = 0; k < 4; k++) msg[8 + 4 * i + k] = (uint8_t)(v >> (8 * k));
+        }
 #else
         memcpy(msg + 8, blk, token_bytes);
 #endif
@@ -170,3 +182,79 @@ int64_t tandem_hash_blocks(const int64_t *tokens, int64_t n_tokens, int64_t bloc
     free(msg);
     return n_blocks;
 }
+
+#ifdef TANDEM_PY_EXTENSION
+static PyObject *py_hash_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "hash_blocks(tokens, block_size, extra, parent, start)");
+        return NULL;
+    }
+    PyObject *seq = args[0];
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) Py_RETURN_NONE;
+    if (!PyBytes_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "extra must be bytes");
+        return NULL;
+    }
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[4]);
+    unsigned long long parent = PyLong_AsUnsignedLongLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (block_size <= 0 || start < 0 || start > n) Py_RETURN_NONE;
+    Py_ssize_t n_blocks = (n - start) / block_size, count = n_blocks * block_size;
+    PyObject **items = PySequence_Fast_ITEMS(seq) + start;
+    int32_t *tokens = PyMem_Malloc((size_t)(count > 0 ? count : 1) * sizeof(int32_t));
+    uint64_t *out = PyMem_Malloc((size_t)(n_blocks > 0 ? n_blocks : 1) * sizeof(uint64_t));
+    if (tokens == NULL || out == NULL) {
+        PyMem_Free(tokens);
+        PyMem_Free(out);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int overflow = 0;
+        long v = PyLong_CheckExact(items[i]) ? PyLong_AsLongAndOverflow(items[i], &overflow) : 0;
+        if (!PyLong_CheckExact(items[i]) || overflow || v < INT32_MIN || v > INT32_MAX) {
+            PyMem_Free(tokens);
+            PyMem_Free(out);
+            Py_RETURN_NONE;
+        }
+        tokens[i] = (int32_t)v;
+    }
+    const uint8_t *extra = (const uint8_t *)PyBytes_AS_STRING(args[2]);
+    Py_ssize_t extra_len = PyBytes_GET_SIZE(args[2]);
+    int64_t got;
+    Py_BEGIN_ALLOW_THREADS
+    got = tandem_hash_blocks(tokens, count, block_size, extra, extra_len, parent, out);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(tokens);
+    PyObject *result = NULL;
+    if (got != n_blocks) {
+        PyErr_SetString(PyExc_MemoryError, "block hash: message buffer");
+    } else if ((result = PyList_New(n_blocks)) != NULL) {
+        for (Py_ssize_t b = 0; b < n_blocks; b++) {
+            PyObject *h = PyLong_FromUnsignedLongLong(out[b]);
+            if (h == NULL) {
+                Py_CLEAR(result);
+                break;
+            }
+            PyList_SET_ITEM(result, b, h);
+        }
+    }
+    PyMem_Free(out);
+    return result;
+}
+
+static PyMethodDef block_hash_methods[] = {
+    {"hash_blocks", (PyCFunction)(void (*)(void))py_hash_blocks, METH_FASTCALL,
+     "hash_blocks(tokens, block_size, extra, parent, start) -> list of block hashes, or None to use another path"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef block_hash_module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_block_hash", .m_doc = "engine/kernels/block_hash.c for Python lists.",
+    .m_size = -1, .m_methods = block_hash_methods,
+};
+
+PyMODINIT_FUNC PyInit__block_hash(void) { return PyModule_Create(&block_hash_module); }
+#endif

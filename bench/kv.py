@@ -2,11 +2,12 @@
 
 1. **Bandwidth** (:func:`kvtransfer.bench.run_kv_bench`): each backend between two processes for 1, 8 and 64 MiB
    requests, beside a raw NIXL transfer of the same bytes, a raw socket and an in-process memcpy.
-2. **Overlap**: a real decode worker process and, in this process, a real prefill worker (gRPC server included)
-   on the given model. A ``--prompt-len`` prompt goes through the normal handoff; the prefill worker records when
-   the last layer's forward finished and when the transfer was acknowledged. The same blocks are then sent again
-   with no compute running (``serial``). ``overlap = 1 - exposed / serial``: the fraction of the transfer that
-   was hidden behind prefill compute.
+2. **Overlap**: a real decode worker process and a real prefill worker (gRPC server included) on the given model,
+   in a fresh process per backend (spawned, as a worker is: the bandwidth phase's agents, threads and process
+   groups must not share the prefill side's cores or GIL). A ``--prompt-len`` prompt goes through the normal
+   handoff; the prefill worker records when the last layer's forward finished and when the transfer was
+   acknowledged. The same blocks are then sent again with no compute running (``serial``).
+   ``overlap = 1 - exposed / serial``: the fraction of the transfer that was hidden behind prefill compute.
 3. **Decode ITL**: four long decode streams on a decode worker, alone, then while a prefill worker keeps pushing
    long prompts' KV into the same decode worker. p50/p99 inter-token latency for both. With two or more CPUs the
    two workers are pinned to disjoint CPU sets (half each, with as many engine threads), as separate hosts would
@@ -115,6 +116,14 @@ def measure_overlap(model: str, backend: str, prompt_len: int, threads: int | No
         decode.stop()
 
 
+def measure_overlap_isolated(model: str, backend: str, prompt_len: int, threads: int | None) -> dict[str, Any]:
+    """:func:`measure_overlap` in a freshly spawned process (nothing of this process's earlier phases in it)."""
+    import multiprocessing
+
+    with futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(measure_overlap, model, backend, prompt_len, threads).result(timeout=900)
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -186,6 +195,6 @@ def run_kv(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"bandwidth": run_kv_bench(tuple(int(s) for s in args.sizes.split(",")), backends,
                                                         args.repeats)}
     if args.model:
-        report["overlap"] = [measure_overlap(args.model, b, args.prompt_len, args.threads) for b in backends]
+        report["overlap"] = [measure_overlap_isolated(args.model, b, args.prompt_len, args.threads) for b in backends]
         report["decode_itl"] = [measure_itl(args.model, b, args.prompt_len // 2) for b in backends]
     return report

@@ -7,6 +7,7 @@ both sides afterwards (checked through each worker's ``Load``).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -289,3 +290,24 @@ def test_decode_worker_waiting_for_kv_sleeps_instead_of_spinning(checkpoint: Cal
     finally:
         c.close()
         w.stop()
+
+
+@pytest.mark.slow
+def test_bench_overlap_runs_in_its_own_process_and_reports_a_consistent_measurement(
+        checkpoint: Callable[[str], Path]) -> None:
+    """``tandem bench kv``'s overlap phase, end to end on the tiny model over tcp: spawned in a fresh process, a real
+    prefill worker and a real decode worker process; the report's bytes are the request's KV and its overlap is
+    computed from the measured serial and exposed times."""
+    from bench.kv import measure_overlap_isolated
+
+    model = checkpoint("llama")
+    report = measure_overlap_isolated(str(model), "tcp", 256, 1)
+    assert report["backend"] == "tcp" and report["prompt_len"] == 256
+    cfg = json.loads((model / "config.json").read_text())
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    assert report["kv_bytes"] == 2 * cfg["num_hidden_layers"] * 256 * kv_heads * head_dim * 4  # fp32, 256 tokens
+    assert report["serial_transfer_s"] > 0 and report["exposed_after_compute_s"] >= 0
+    expected = max(0.0, min(1.0, 1 - report["exposed_after_compute_s"] / report["serial_transfer_s"]))
+    assert report["overlap"] == pytest.approx(expected)
+    assert report["request_s"] > report["exposed_after_compute_s"]

@@ -121,9 +121,10 @@ def _nixl_agent(name: str, tls: str) -> Any:
         os.environ["UCX_TLS"] = tls
     else:
         os.environ.pop("UCX_TLS", None)
-    from nixl._api import nixl_agent, nixl_agent_config
+    from kvtransfer.nixl_agent import import_nixl_api
 
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    api = import_nixl_api()
+    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
 
 
 def _nixl_target(conn: Any, nbytes: int, repeats: int, tls: str) -> None:

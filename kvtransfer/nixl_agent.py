@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -43,10 +45,7 @@ def make_agent(config: TransferConfig, role: str) -> Any:
     tls = resolve_ucx_tls(config.ucx_tls)
     if tls:
         os.environ["UCX_TLS"] = tls
-    try:
-        import nixl._api as nixl_api
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("the nixl backend needs NIXL: pip install nixl-cu12==1.5.1 (see kvtransfer docs)") from e
+    nixl_api = import_nixl_api()
     name = f"tandem-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     cfg = nixl_api.nixl_agent_config(enable_prog_thread=True, backends=list(config.nixl_backends))
     with _AGENT_CONFIG_LOCK:
@@ -54,6 +53,28 @@ def make_agent(config: TransferConfig, role: str) -> Any:
 
 
 _AGENT_CONFIG_LOCK = threading.Lock()
+
+
+def import_nixl_api() -> Any:
+    """``nixl._api``, with NIXL's Python logger moved off stdout.
+
+    NIXL configures its ``nixl`` logger at import to print INFO lines ("Backend UCX was instantiated", one per
+    agent) on stdout, which corrupts anything a Tandem process prints there (``tandem bench kv --json``, a worker's
+    READY line). Its handler is dropped and the logger propagates to the process's own logging (stderr) at WARNING,
+    unless ``NIXL_LOG_LEVEL`` asks for another level.
+    """
+    try:
+        import nixl._api as nixl_api
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("the nixl backend needs NIXL: pip install nixl-cu12==1.5.1 (see kvtransfer docs)") from e
+    logger = logging.getLogger("nixl")
+    for handler in list(logger.handlers):
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
+            logger.removeHandler(handler)
+    logger.propagate = True
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logger.setLevel(logging.WARNING)
+    return nixl_api
 
 
 def _with_progress_delay(nixl_api: Any, delay_us: int, build: Callable[[], Any]) -> Any:

@@ -49,13 +49,26 @@ def _idle_cpu_of_agent(delay_us: int) -> float:
 
     out = subprocess.run([sys.executable, "-c", _IDLE_PROBE, str(delay_us)], capture_output=True, text=True,
                          timeout=120, check=True, env={**os.environ, "UCX_NET_DEVICES": "lo"})
-    return float(out.stdout.strip().splitlines()[-1])
+    return float(out.stdout.strip())  # nothing else on stdout: NIXL's own log lines go to stderr
 
 
 def test_idle_agent_progress_thread_does_not_spin_a_core() -> None:
     """NIXL's Python API starts its progress thread with no delay (a full core, forever); ours sleeps between
     idle passes. A spinning thread would take ~1 core, so 0.5 separates the two with a wide margin."""
     assert _idle_cpu_of_agent(100) < 0.5
+
+
+def test_nixl_log_lines_stay_off_stdout() -> None:
+    """NIXL prints an INFO line per agent on stdout by default; a Tandem process's stdout carries its READY line and
+    ``--json`` reports, so agents made through kvtransfer leave it empty (warnings still reach stderr)."""
+    import subprocess
+    import sys
+
+    probe = ("from kvtransfer.config import TransferConfig\nfrom kvtransfer.nixl_agent import make_agent\n"
+             "make_agent(TransferConfig(), 'quiet')\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "UCX_NET_DEVICES": "lo"})
+    assert out.stdout == ""
 
 
 def test_full_head_runs_are_one_descriptor_each() -> None:

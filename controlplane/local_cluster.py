@@ -132,6 +132,9 @@ class _Prepare(threading.Thread):
         # The router's CPython extensions too (prefix map, block hash for token lists), off its first request's path.
         native_available()
         block_hash_module()
+        from router.cost import _kernel
+
+        _kernel()
 
     def model_path(self, timeout_s: float = 600.0) -> Path:
         if not self.model_ready.wait(timeout_s):

@@ -27,12 +27,14 @@ near-ties are spread, which is what keeps replicas that share load reports from 
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
 import numpy as np
@@ -43,6 +45,15 @@ VECTOR_MIN = 24  # from this many candidates on, score them as arrays (numpy's f
 _Num = TypeVar("_Num", float, np.ndarray)
 
 _HEADER_KEYS = ("w", "ov", "un", "p", "d", "q", "t")
+
+
+@functools.cache
+def _kernel() -> Any:
+    """``router/cost_kernel.c`` built for this interpreter, or None: then the numpy path below runs."""
+    from engine.kernels import load_python_extension
+
+    return load_python_extension("router._cost_kernel", Path(__file__).with_name("cost_kernel.c"),
+                                 ("-ffp-contract=off",))
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,9 +94,8 @@ class CostBreakdown:
         parts = dict(item.split("=", 1) for item in header.split(";"))
         if tuple(parts) != _HEADER_KEYS:
             raise ValueError(f"not an x-tandem-route value: {header!r}")
-        values = [unquote(parts["w"]), int(parts["ov"]), int(parts["un"])]
-        values += [float(parts[key]) for key in _HEADER_KEYS[3:]]
-        return cls(*values)
+        prefill, decode, queue, total = (float(parts[key]) for key in _HEADER_KEYS[3:])
+        return cls(unquote(parts["w"]), int(parts["ov"]), int(parts["un"]), prefill, decode, queue, total)
 
 
 # One candidate's terms, in CostBreakdown field order; the hot path builds these and CostBreakdowns only on demand.
@@ -159,18 +169,43 @@ class CostModel:
             append((worker, overlap, r - overlap, prefill, decode, queue, total))
         return out
 
+    def score_and_choose(self, candidates: list[WorkerId], overlap_blocks: Mapping[WorkerId, int],
+                         request_blocks: int, load: LoadTracker, rng: random.Random,
+                         native: bool = True) -> tuple[ScoredArrays, int]:
+        """``score_arrays`` then ``choose_array``, as one native call when ``router/cost_kernel.c`` is built (the
+        same terms bit for bit, the same rng draws); the numpy path otherwise or with ``native=False``."""
+        kernel = _kernel() if native else None
+        if kernel is None or not isinstance(overlap_blocks, dict):
+            scored = self.score_arrays(candidates, overlap_blocks, request_blocks, load)
+            return scored, self.choose_array(scored.total, request_blocks, rng)
+        cfg = self.config
+        table, slots = load.table_and_slots(candidates)
+        out = np.empty((5, len(candidates)))
+        u = rng.random() if cfg.temperature > 0.0 else 0.0
+        i = kernel.score(table, slots, self._positions(candidates), overlap_blocks, request_blocks,
+                         float(cfg.prefill_weight), float(cfg.decode_weight), float(cfg.queue_weight),
+                         1.0 / cfg.block_size, float(cfg.temperature), u, out)
+        total = out[4]
+        if i < 0:  # exact ties at temperature 0: choose_array's own tie-break
+            i = rng.choice(np.flatnonzero(total <= total.min()).tolist())
+        return ScoredArrays(candidates, out[0], out[1], out[2], out[3], total, request_blocks), i
+
+    def _positions(self, candidates: list[WorkerId]) -> dict[WorkerId, int]:
+        if self._pos_key != candidates:
+            self._pos = {w: i for i, w in enumerate(candidates)}
+            self._pos_key = list(candidates)
+        return self._pos
+
     def score_arrays(self, candidates: list[WorkerId], overlap_blocks: Mapping[WorkerId, int], request_blocks: int,
                      load: LoadTracker) -> ScoredArrays:
         """``rows`` for many candidates: the loads come as one gather, the overlaps are scattered in per hit worker
         (a match reports only the workers that hold a prefix), and the formula runs once on arrays."""
-        if self._pos_key != candidates:
-            self._pos = {w: i for i, w in enumerate(candidates)}
-            self._pos_key = list(candidates)
+        positions = self._positions(candidates)
         n = len(candidates)
         overlap = np.zeros(n + 1)  # the last entry takes hits on workers that are not candidates, then is dropped
         if overlap_blocks:
             hits = len(overlap_blocks)
-            where = np.fromiter(map(self._pos.get, overlap_blocks, repeat(n)), dtype=np.intp, count=hits)
+            where = np.fromiter(map(positions.get, overlap_blocks, repeat(n)), dtype=np.intp, count=hits)
             overlap[where] = np.fromiter(overlap_blocks.values(), dtype=np.float64, count=hits)
             np.minimum(overlap, request_blocks, out=overlap)
         overlap = overlap[:n]

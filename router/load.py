@@ -98,16 +98,22 @@ class LoadTracker:
 
     def gather(self, candidates: list[WorkerId]) -> np.ndarray:
         """Effective ``prefill_tokens``, ``decode_blocks`` and ``queue_depth`` of each candidate as the three rows of
-        a ``(3, n)`` array, zeros for a worker with no record. The candidates' slots are looked up once per distinct
-        candidate list (the same list keeps coming while the pool does not change), then it is one ``take`` (a
-        quarter of the cost of fancy indexing at 512 candidates), and each row comes out contiguous."""
+        a ``(3, n)`` array, zeros for a worker with no record: one ``take`` (a quarter of the cost of fancy indexing
+        at 512 candidates), and each row comes out contiguous."""
+        table, slots = self.table_and_slots(candidates)
+        return table.take(slots, axis=1)
+
+    def table_and_slots(self, candidates: list[WorkerId]) -> tuple[np.ndarray, np.ndarray]:
+        """The live ``(3, capacity)`` table of effective loads (read-only outside) and each candidate's column in it
+        (0, a zero column, for a worker with no record). The slots are looked up once per distinct candidate list:
+        the same list keeps coming while the pool does not change."""
         version, cached = self._gather_key
         if version != self._version or cached != candidates:
             workers = self._workers
             self._gather_slots = np.fromiter(((w.slot if (w := workers.get(c)) is not None else 0)
                                               for c in candidates), dtype=np.intp, count=len(candidates))
             self._gather_key = (self._version, list(candidates))
-        return self._eff.take(self._gather_slots, axis=1)
+        return self._eff, self._gather_slots
 
     def get(self, worker_id: WorkerId) -> WorkerLoad | None:
         """The live record (treat as read-only), None for a worker never dispatched to nor reported."""

@@ -3,7 +3,7 @@
 One decision::
 
     token ids ──hash_blocks──► block hashes ──KVIndex.match──► overlap per worker
-              ──CostModel.rows / score_arrays (non-draining candidates)──► terms ──choose──► chosen
+              ──CostModel.rows / score_and_choose (non-draining candidates)──► terms ──choose──► chosen
               ──LoadTracker.on_dispatch(chosen)──► Decision          ...later: prefill_done / release(Decision)
 
 The dispatch is booked before ``select`` returns, so the next decision (this router's next request, even one being
@@ -109,8 +109,7 @@ class Selector:
         scored: tuple[CostRow, ...] | ScoredArrays
         if len(candidates) >= VECTOR_MIN:
             names = candidates if isinstance(candidates, list) else list(candidates)
-            scored = self.cost.score_arrays(names, overlap, request_blocks, load)
-            i = self.cost.choose_array(scored.total, request_blocks, self.rng)
+            scored, i = self.cost.score_and_choose(names, overlap, request_blocks, load, self.rng)
             worker, chosen_overlap = candidates[i], int(scored.overlap[i])
             best_overlap = int(scored.overlap.max())
         else:

@@ -180,9 +180,10 @@ def test_configs_reject_invalid_values() -> None:
 
 
 def test_array_scoring_equals_the_row_loop_and_draws_the_same_picks() -> None:
-    """The vector path (many candidates) computes the same terms as the per-candidate loop, bit for bit, and,
-    fed an rng in the same state, chooses the same worker at temperature 0 and above; workers with no record,
-    hits on non-candidates and overlaps beyond the request are handled alike."""
+    """The vector path (many candidates; numpy, and the native kernel when it builds) computes the same terms as
+    the per-candidate loop, bit for bit, and, fed an rng in the same state, chooses the same worker at temperature
+    0 and above; workers with no record, hits on non-candidates and overlaps beyond the request are handled
+    alike."""
     rng = random.Random(11)
     for trial in range(40):
         n = rng.randint(VECTOR_MIN, 300)
@@ -197,13 +198,21 @@ def test_array_scoring_equals_the_row_loop_and_draws_the_same_picks() -> None:
         overlap = {w: rng.randint(1, 100) for w in rng.sample(workers, rng.randint(0, n // 3))}
         overlap["not-a-candidate"] = 7
         for temperature in (0.0, 0.05, 1.0):
-            model = CostModel(CostConfig(temperature=temperature, block_size=BS, queue_weight=0.5 + trial % 3))
+            weights = {"queue_weight": 0.5 + trial % 3, "prefill_weight": (1.0, 0.7, 2.3)[trial % 3],
+                       "decode_weight": (1.0, 1.9)[trial % 2]}
+            model = CostModel(CostConfig(temperature=temperature, block_size=BS, **weights))
             rows = model.rows(workers, overlap, r, load)
             scored = model.score_arrays(workers, overlap, r, load)
             assert scored.rows() == tuple(rows)
             a, b = random.Random(trial), random.Random(trial)
             for _ in range(20):
                 assert model.choose_array(scored.total, r, a) == model.choose([row[6] for row in rows], r, b)
+            # router/cost_kernel.c (when built): the same terms bit for bit and the same picks from the same draws.
+            c, d = random.Random(trial), random.Random(trial)
+            for _ in range(20):
+                native, i = model.score_and_choose(workers, overlap, r, load, c)
+                reference, j = model.score_and_choose(workers, overlap, r, load, d, native=False)
+                assert native.rows() == reference.rows() == tuple(rows) and i == j
 
 
 def test_selector_vector_path_books_like_the_row_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -237,3 +246,13 @@ def test_selector_vector_path_books_like_the_row_path(monkeypatch: pytest.Monkey
     assert tuple(load.gather([gone])[:, 0]) == (0.0, 0.0, 0.0)
     load.on_dispatch("newcomer", 16, 1)  # takes the freed slot, starting from its own load only
     assert tuple(load.gather(["newcomer", gone])[:, 0]) == (16.0, 1.0, 1.0)
+
+
+def test_native_cost_kernel_is_built_where_native_code_is() -> None:
+    """Where a compiler and Python's headers exist (here and in CI) the selector's array path is the C kernel."""
+    from engine.kernels import _compiler, enabled
+    from router.cost import _kernel
+
+    if not enabled() or _compiler() is None:
+        pytest.skip("native code disabled or no compiler")
+    assert _kernel() is not None

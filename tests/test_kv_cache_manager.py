@@ -270,3 +270,17 @@ def test_shared_prefix_blocks_are_freed_only_by_the_last_holder() -> None:
     kv.free(second)
     assert kv.pool.free_queue.ids() == [4, 5, 6, 7, 2, 3, 1, 0]
     kv.pool.check_accounting()
+
+
+def test_request_block_hashes_are_the_router_chain_as_tokens_arrive() -> None:
+    """A request's hashes, extended block by block as its output grows, equal the one chain the router computes
+    over the same tokens (engine.block_hash), so the router's index names exactly the blocks workers cache."""
+    from engine.block_hash import hash_blocks
+
+    prompt = list(range(100, 100 + 3 * BS + 2))
+    req = Request("r", prompt, SamplingParams(temperature=0.0), extra_keys=("model=m",), block_size=BS)
+    assert req.block_hashes == hash_blocks(prompt, BS, ("model=m",))
+    for t in range(2 * BS + 1):
+        req.append_token(7000 + t)
+        assert req.block_hashes == hash_blocks(req.all_token_ids, BS, ("model=m",))
+    assert len(req.block_hashes) == (len(prompt) + 2 * BS + 1) // BS

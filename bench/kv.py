@@ -7,7 +7,8 @@
    groups must not share the prefill side's cores or GIL). A ``--prompt-len`` prompt goes through the normal
    handoff; the prefill worker records when the last layer's forward finished and when the transfer was
    acknowledged. The same blocks are then sent again with no compute running (``serial``).
-   ``overlap = 1 - exposed / serial``: the fraction of the transfer that was hidden behind prefill compute.
+   ``overlap = 1 - exposed / serial``: the fraction of the transfer that was hidden behind prefill compute. With
+   ``--repeats N``, N fresh prompts (no prefix-cache hits between them); the medians are reported, every run listed.
 3. **Decode ITL**: four long decode streams on a decode worker, alone, then while a prefill worker keeps pushing
    long prompts' KV into the same decode worker. p50/p99 inter-token latency for both. With two or more CPUs the
    two workers are pinned to disjoint CPU sets (half each, with as many engine threads), as separate hosts would
@@ -57,7 +58,10 @@ def _worker_args(model: str, backend: str, threads: int | None) -> argparse.Name
     return p.parse_args(argv)
 
 
-def measure_overlap(model: str, backend: str, prompt_len: int, threads: int | None) -> dict[str, Any]:
+def measure_overlap(model: str, backend: str, prompt_len: int, threads: int | None,
+                    repeats: int = 1) -> dict[str, Any]:
+    """``repeats`` fresh prompts (no prefix-cache hit between them) through one prefill/decode pair; the report's
+    figures are the medians, every run listed in ``runs``."""
     from worker.server import build_service
 
     decode = start_worker("decode", model, backend, ["--num-kv-blocks", "512"])
@@ -68,46 +72,56 @@ def measure_overlap(model: str, backend: str, prompt_len: int, threads: int | No
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     pre, dec = WorkerClient.connect(f"127.0.0.1:{port}"), WorkerClient.connect(decode.address)
-    try:
-        _drain(disaggregated_generate(pre, dec, "warm", list(range(1, 65)), _params(1)))
-        prompt = [(i * 7919) % 1500 + 1 for i in range(prompt_len)]
+    from kvtransfer.base import DestinationInfo, TransferState
+
+    def one(k: int) -> dict[str, float]:
+        rid = f"overlap-{k}"
+        prompt = [(i * 7919 + k * 104729) % 1500 + 1 for i in range(prompt_len)]
         t0 = time.perf_counter()
-        _drain(disaggregated_generate(pre, dec, "overlap", prompt, _params(1)))
+        _drain(disaggregated_generate(pre, dec, rid, prompt, _params(1)))
         total = time.perf_counter() - t0
         deadline = time.monotonic() + 30  # the prefill side sees the ACK a poll tick after decode finishes
-        while not any(t.request_id == "overlap" for t in service.timings):
+        while not any(t.request_id == rid for t in service.timings):
             if time.monotonic() > deadline:
                 raise TimeoutError("prefill never saw the overlap transfer finish")
             time.sleep(0.005)
-        timing = next(t for t in reversed(service.timings) if t.request_id == "overlap")
-        exposed = timing.exposed_s
+        exposed = next(t for t in reversed(service.timings) if t.request_id == rid).exposed_s
 
         # The same bytes again, with nothing computing: the transfer's own duration.
-        res = dec.stub.Reserve(pb.ReserveRequest(request_id="serial", prompt_token_ids=prompt, params=_params(1)))
-        from kvtransfer.base import DestinationInfo, TransferState
-
+        serial_id = f"serial-{k}"
+        res = dec.stub.Reserve(pb.ReserveRequest(request_id=serial_id, prompt_token_ids=prompt, params=_params(1)))
         dest = DestinationInfo.from_bytes(res.destination)
-        layers = service.engine.model_config.num_layers
         src = list(range(len(dest.dst_block_ids)))
 
         def send_all(_: Any) -> float:
             t = time.perf_counter()
-            service.sender.start("serial", dest, src, time.time() + 60)
+            service.sender.start(serial_id, dest, src, time.time() + 60)
             for layer in range(layers):
-                service.sender.send_layer("serial", layer)
-            service.sender.finish("serial")
+                service.sender.send_layer(serial_id, layer)
+            service.sender.finish(serial_id)
             return t
 
         t_start = service.loop.call_sync(send_all)
-        while service.sender.poll("serial").state < TransferState.DONE:
+        while service.sender.poll(serial_id).state < TransferState.DONE:
             time.sleep(0.0005)
         serial = time.perf_counter() - t_start
-        service.sender.release("serial")
-        _drain(dec.stub.Decode(pb.DecodeRequest(request_id="serial", first_token_id=1)))
-        nbytes = 2 * layers * len(src) * service.layout.block_bytes
-        return {"backend": backend, "prompt_len": prompt_len, "request_s": total, "kv_bytes": nbytes,
-                "serial_transfer_s": serial, "exposed_after_compute_s": exposed,
-                "overlap": max(0.0, min(1.0, 1.0 - exposed / serial)) if serial > 0 else None}
+        service.sender.release(serial_id)
+        _drain(dec.stub.Decode(pb.DecodeRequest(request_id=serial_id, first_token_id=1)))
+        nblocks[0] = len(src)
+        return {"request_s": total, "serial_transfer_s": serial, "exposed_after_compute_s": exposed,
+                "overlap": max(0.0, min(1.0, 1.0 - exposed / serial)) if serial > 0 else 0.0}
+
+    layers = service.engine.model_config.num_layers
+    nblocks = [0]
+    try:
+        _drain(disaggregated_generate(pre, dec, "warm", list(range(1, 65)), _params(1)))
+        runs = [one(k) for k in range(repeats)]
+        report: dict[str, Any] = {"backend": backend, "prompt_len": prompt_len,
+                                  "kv_bytes": 2 * layers * nblocks[0] * service.layout.block_bytes}
+        for key in ("request_s", "serial_transfer_s", "exposed_after_compute_s", "overlap"):
+            report[key] = statistics.median(r[key] for r in runs)
+        report["runs"] = runs
+        return report
     finally:
         pre.close()
         dec.close()
@@ -116,12 +130,13 @@ def measure_overlap(model: str, backend: str, prompt_len: int, threads: int | No
         decode.stop()
 
 
-def measure_overlap_isolated(model: str, backend: str, prompt_len: int, threads: int | None) -> dict[str, Any]:
+def measure_overlap_isolated(model: str, backend: str, prompt_len: int, threads: int | None,
+                             repeats: int = 1) -> dict[str, Any]:
     """:func:`measure_overlap` in a freshly spawned process (nothing of this process's earlier phases in it)."""
     import multiprocessing
 
     with futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(measure_overlap, model, backend, prompt_len, threads).result(timeout=900)
+        return pool.submit(measure_overlap, model, backend, prompt_len, threads, repeats).result(timeout=900)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -195,6 +210,7 @@ def run_kv(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"bandwidth": run_kv_bench(tuple(int(s) for s in args.sizes.split(",")), backends,
                                                         args.repeats)}
     if args.model:
-        report["overlap"] = [measure_overlap_isolated(args.model, b, args.prompt_len, args.threads) for b in backends]
+        report["overlap"] = [measure_overlap_isolated(args.model, b, args.prompt_len, args.threads, args.repeats)
+                             for b in backends]
         report["decode_itl"] = [measure_itl(args.model, b, args.prompt_len // 2) for b in backends]
     return report

@@ -47,12 +47,12 @@ def _drain(stream: Any) -> list[float]:
     return times
 
 
-def _worker_args(model: str, backend: str, threads: int | None) -> argparse.Namespace:
+def _worker_args(model: str, backend: str, threads: int | None, blocks: int = 512) -> argparse.Namespace:
     from worker.server import add_worker_args
 
     p = argparse.ArgumentParser()
     add_worker_args(p)
-    argv = ["--role", "prefill", "--model", model, "--kv-backend", backend, "--num-kv-blocks", "512"]
+    argv = ["--role", "prefill", "--model", model, "--kv-backend", backend, "--num-kv-blocks", str(blocks)]
     if threads:
         argv += ["--threads", str(threads)]
     return p.parse_args(argv)
@@ -61,11 +61,13 @@ def _worker_args(model: str, backend: str, threads: int | None) -> argparse.Name
 def measure_overlap(model: str, backend: str, prompt_len: int, threads: int | None,
                     repeats: int = 1) -> dict[str, Any]:
     """``repeats`` fresh prompts (no prefix-cache hit between them) through one prefill/decode pair; the report's
-    figures are the medians, every run listed in ``runs``."""
+    figures are the medians, every run listed in ``runs``. Both KV pools hold every run's blocks, so no run pays
+    for evicting an earlier one's cached blocks and the repeats measure the same thing."""
     from worker.server import build_service
 
-    decode = start_worker("decode", model, backend, ["--num-kv-blocks", "512"])
-    service = build_service(_worker_args(model, backend, threads))
+    blocks = max(512, (2 * repeats + 2) * (prompt_len // 16 + 1))  # each run: the request and the serial copy
+    decode = start_worker("decode", model, backend, ["--num-kv-blocks", str(blocks)])
+    service = build_service(_worker_args(model, backend, threads, blocks))
     service.start()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     pb_grpc.add_WorkerServicer_to_server(service, server)

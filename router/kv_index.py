@@ -265,15 +265,16 @@ class KVIndex:
     def _store(self, h: int, bit: int, held: set[int]) -> None:
         mask = self._get(h)
         if mask is None:
-            self._masks[h] = bit
+            new = bit
         elif mask & bit:
             self._ref.add(h)
             return
         else:
-            self._masks[h] = bit = self._canonical(mask | bit)
+            new = self._canonical(mask | bit)
             self._ref.add(h)
+        self._masks[h] = new  # a new hash goes to the back of the eviction order; a known one keeps its place
         if self._lookup is not None:
-            self._lookup[h] = bit
+            self._lookup[h] = new
         held.add(h)
         self._entries += 1
 

@@ -11,8 +11,9 @@ fp32 RMSNorm, SiLU-and-multiply and rotary embedding) and ``block_hash.c`` (the 
 built without ``-fopenmp`` and loaded without importing torch, because the router, which never imports torch,
 calls it for every request.
 
-:func:`compile_shared` and :func:`load_python_extension` build other components' C sources the same way (the
-router's ``router/prefix_map.c``, a CPython extension, so it is also keyed by the interpreter's ABI).
+:func:`compile_shared` and :func:`load_python_extension` build CPython extension modules the same way, keyed also
+by the interpreter's ABI: ``block_hash.c`` again as ``engine._block_hash`` (token lists read in place), and the
+router's ``router/prefix_map.c`` and ``router/cost_kernel.c``. Each has a Python path that computes the same thing.
 
 Everything here is optional. When there is no compiler, the build fails, ``TANDEM_NATIVE_KERNELS=0`` is set, or
 the platform is not Linux, :func:`paged_attention_kernel` and :func:`layer_ops` return ``None`` and the engine uses

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill", type=int, default=None, help="prefill replicas (default 1)")
     up.add_argument("--decode", type=int, default=None, help="decode replicas (default 1)")
     up.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    up.add_argument("--grpc-port", type=int, default=None,
+                    help="client gRPC API port (tandem.v1.Gateway; default: the HTTP port + 1; -1: not served)")
     up.add_argument("--redis", default=None, help="redis://... for the worker registry and KV events")
     up.add_argument("--config", default=None, help="JSON file with any of these settings")
     up.add_argument("--kv-backend", default=None, choices=["nixl", "torch", "tcp"])
@@ -220,7 +222,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         if "worker_flags" in settings:
             settings["worker_flags"] = tuple(settings["worker_flags"])
     flags = {"model": args.model, "prefill": args.prefill, "decode": args.decode, "port": args.port,
-             "redis": args.redis, "kv_backend": args.kv_backend}
+             "grpc_port": args.grpc_port, "redis": args.redis, "kv_backend": args.kv_backend}
     settings.update({k: v for k, v in flags.items() if v is not None})
     try:
         cfg = UpConfig(**settings)

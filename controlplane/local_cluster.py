@@ -43,6 +43,7 @@ class UpConfig:
     prefill: int = 1
     decode: int = 1
     port: int = 8000
+    grpc_port: int | None = None  # the client gRPC API (tandem.v1.Gateway); None: port + 1; negative: not served
     host: str = "127.0.0.1"
     redis: str | None = None
     kv_backend: str = "tcp"
@@ -55,6 +56,8 @@ class UpConfig:
             raise ValueError(f"need >= 0 prefill and >= 1 decode replicas, got {self.prefill}/{self.decode}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
+        if self.grpc_port is not None and self.grpc_port >= 65536:
+            raise ValueError(f"grpc_port {self.grpc_port} out of range")
 
 
 def _process_start() -> float:
@@ -209,6 +212,13 @@ async def _serve(cfg: UpConfig, model: Path, replicas: list[Any], addresses: lis
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
+    grpc_server = None
+    grpc_port = cfg.port + 1 if cfg.grpc_port is None else cfg.grpc_port
+    if grpc_port >= 0:
+        from router.grpc_gateway import start_grpc_gateway
+
+        grpc_server, grpc_port = await start_grpc_gateway(router.gateway, cfg.host, grpc_port)
+        _say(f"serving the gRPC API (tandem.v1.Gateway) at {cfg.host}:{grpc_port}")
     _say(f"workers healthy; serving OpenAI API at http://{cfg.host}:{cfg.port}/v1 (Ctrl-C or `tandem down` to stop)")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -234,6 +244,8 @@ async def _serve(cfg: UpConfig, model: Path, replicas: list[Any], addresses: lis
     sup = asyncio.create_task(supervise())
     await stop.wait()
     sup.cancel()
+    if grpc_server is not None:
+        await grpc_server.stop(1.0)
     await runner.cleanup()
     await router.close()
     return 0

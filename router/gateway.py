@@ -142,7 +142,7 @@ class Gateway:
             raise APIError(400, "request body is not valid JSON") from None
         cfg = self.config
         req = parse_request(body, chat, self.tokenizer, cfg.model_name, cfg.max_model_len, cfg.vocab_size)
-        self._admit()
+        self.admit()
         self.metrics.prompt_tokens.inc(len(req.prompt_token_ids) * req.n)
         choices = [Choice(i, IncrementalDetokenizer(self.tokenizer, tuple(req.params.stop),
                                                     req.params.include_stop_str_in_output))
@@ -160,7 +160,7 @@ class Gateway:
         headers = {"x-tandem-route": _route_header(plans)} if explain else None
         return web.json_response(self._final_body(req, choices), headers=headers)
 
-    def _admit(self) -> None:
+    def admit(self) -> None:
         pool = self.dispatcher.pool
         decode = pool.available("decode")
         if not decode:
@@ -178,7 +178,7 @@ class Gateway:
         params.seed = params.seed + index
         return params
 
-    async def _tokens(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> AsyncGenerator[str, None]:
+    async def choice_texts(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> AsyncGenerator[str, None]:
         """Run one choice; yield its new text per chunk (also recorded on ``c``)."""
         rid = f"{req.request_id}-{c.index}"
         # aclosing: the dispatcher's generators end here, at once, not later from the loop's async-gen finalizer
@@ -212,7 +212,7 @@ class Gateway:
             self.metrics.cached_tokens.inc(c.cached)
 
     async def _collect(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> None:
-        async for _ in self._tokens(req, c, plans):
+        async for _ in self.choice_texts(req, c, plans):
             pass
 
     def _final_body(self, req: GenerationRequest, choices: list[Choice]) -> dict[str, Any]:
@@ -300,7 +300,7 @@ class Gateway:
         """
         sent = 0
         try:
-            async with contextlib.aclosing(self._tokens(req, c, plans)) as texts:
+            async with contextlib.aclosing(self.choice_texts(req, c, plans)) as texts:
                 async for text in texts:
                     yield c, text, c.logprobs[sent:]
                     sent = len(c.logprobs)
@@ -319,7 +319,7 @@ class Gateway:
         async def pump(c: Choice) -> None:
             try:
                 sent = 0
-                async for text in self._tokens(req, c, plans):
+                async for text in self.choice_texts(req, c, plans):
                     await queue.put((c, text, c.logprobs[sent:]))
                     sent = len(c.logprobs)
                 await queue.put(None)

@@ -1,7 +1,9 @@
 """``python -m router.serve``: a standalone router in front of given workers, in one process or several.
 
 One process: build the router (tokenizer, worker pool, KV index following every worker's event stream), bind the
-HTTP gateway, freeze the start-up heap out of the GC's way, print ``READY <port>``, serve until SIGTERM/SIGINT.
+HTTP gateway (and with ``--grpc-port`` the client gRPC API, ``proto/tandem/v1/gateway.proto``, announced by a
+``GRPC <port>`` line), freeze the start-up heap out of the GC's way, print ``READY <port>``, serve until
+SIGTERM/SIGINT.
 
 ``--processes N`` (> 1): this process only supervises. It starts N one-process routers on the same port with
 ``SO_REUSEPORT`` (the kernel spreads incoming connections across them): the first binds the port (a free one if
@@ -37,6 +39,7 @@ class ReadyProcess:
     name: str
     proc: subprocess.Popen[str]
     port: int = 0
+    grpc_port: int = 0  # from a ``GRPC <port>`` line, printed before READY by a router given --grpc-port
     log: list[str] = field(default_factory=list)
 
     @classmethod
@@ -50,6 +53,8 @@ class ReadyProcess:
         def read_stdout() -> None:
             assert proc.stdout is not None
             for line in proc.stdout:
+                if not ready.is_set() and line.startswith("GRPC "):
+                    self.grpc_port = int(line.split()[1])
                 if not ready.is_set() and line.startswith("READY "):
                     self.port = int(line.split()[1])
                     ready.set()
@@ -91,6 +96,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on the READY line)")
     p.add_argument("--processes", type=int, default=1, help="router processes sharing the port (SO_REUSEPORT)")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve the client gRPC API (tandem.v1.Gateway) here; 0 picks a free port (GRPC line)")
     p.add_argument("--min-uncached-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (hashes must agree)")
     p.add_argument("--log-level", default="WARNING")
@@ -114,6 +121,12 @@ async def _serve_one(args: argparse.Namespace) -> int:
     server = site._server
     assert server is not None and server.sockets  # type: ignore[attr-defined]
     port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    grpc_server = None
+    if args.grpc_port is not None:
+        from router.grpc_gateway import start_grpc_gateway
+
+        grpc_server, grpc_port = await start_grpc_gateway(router.gateway, args.host, args.grpc_port)
+        print(f"GRPC {grpc_port}", flush=True)
     gc.collect()
     gc.freeze()  # the start-up heap (tokenizer, protobuf, aiohttp) never becomes garbage: keep it out of GC passes
     print(f"READY {port}", flush=True)
@@ -122,6 +135,8 @@ async def _serve_one(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if grpc_server is not None:
+        await grpc_server.stop(1.0)
     await runner.cleanup()
     await router.close()
     return 0
@@ -135,6 +150,8 @@ def _child_cmd(args: argparse.Namespace, port: int) -> list[str]:
         cmd += ["--redis", args.redis]
     if args.served_model_name:
         cmd += ["--served-model-name", args.served_model_name]
+    if args.grpc_port is not None:
+        cmd += ["--grpc-port", str(args.grpc_port)]  # gRPC binds with SO_REUSEPORT too
     return cmd
 
 

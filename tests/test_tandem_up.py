@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -35,11 +36,12 @@ def _free_port() -> int:
 class Cluster:
     def __init__(self, model: Path, home: Path) -> None:
         self.port = _free_port()
+        self.grpc_port = _free_port()
         self.home = home
         env = {**os.environ, "TANDEM_HOME": str(home), "RAY_AUTH_MODE": "disabled"}
         self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--model", str(model), "--port",
-                                      str(self.port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env, start_new_session=True)
+                                      str(self.port), "--grpc-port", str(self.grpc_port)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         self.lines: list[str] = []
         deadline = time.monotonic() + 180
         assert self.proc.stdout is not None
@@ -154,6 +156,96 @@ def test_seeded_sampling_is_reproducible_and_n_gives_distinct_choices(client: op
     assert a == b
     many = client.completions.create(**kw, n=3)  # type: ignore[call-overload]
     assert sorted(c.index for c in many.choices) == [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster: Cluster) -> Iterator[Any]:
+    """A stub of the client gRPC API that ``tandem up`` serves beside HTTP."""
+    import grpc
+
+    from proto.tandem.v1 import gateway_pb2_grpc as gpb_grpc
+
+    assert any(f"127.0.0.1:{cluster.grpc_port}" in line for line in cluster.lines)  # announced while starting
+    channel = grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}")
+    yield gpb_grpc.GatewayStub(channel)
+    channel.close()
+
+
+def test_grpc_complete_streams_what_http_answers_and_equals_transformers(
+        gateway: Any, client: openai.OpenAI, checkpoint: Callable[[str], Path],
+        hf_greedy: Callable[..., list[int]]) -> None:
+    """The gRPC API streams the same greedy tokens as transformers and the same text as HTTP, for a short
+    (colocated) and a long (disaggregated) prompt; the last chunk carries finish_reason and usage."""
+    from engine.tokenizer import Tokenizer
+    from proto.tandem.v1 import gateway_pb2 as gpb
+
+    model = _model(client)
+    tok = Tokenizer(checkpoint("llama"))
+    rng = random.Random(5)
+    for n in (6, 120):
+        prompt = [rng.randrange(2000) for _ in range(n)]
+        chunks = list(gateway.Complete(gpb.CompleteRequest(model=model, token_ids=gpb.PromptTokens(ids=prompt),
+                                                           max_tokens=8, temperature=0.0, ignore_eos=True),
+                                       timeout=60))
+        ids = [t for c in chunks for t in c.token_ids]
+        assert ids == hf_greedy(checkpoint("llama"), prompt, 8)
+        assert "".join(c.text for c in chunks) == tok.decode(ids)
+        http = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert "".join(c.text for c in chunks) == http.choices[0].text
+        assert len(chunks) > 1 and all(not c.finish_reason for c in chunks[:-1])
+        last = chunks[-1]
+        assert last.finish_reason == "length" and last.request_id.startswith("cmpl-")
+        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (n, 8)
+
+
+def test_grpc_complete_text_prompt_stop_and_logprobs(gateway: Any, client: openai.OpenAI) -> None:
+    """A text prompt with a stop string ends before it with finish_reason "stop", like HTTP; logprobs come per
+    token with the requested alternatives."""
+    from proto.tandem.v1 import gateway_pb2 as gpb
+
+    model = _model(client)
+    base = list(gateway.Complete(gpb.CompleteRequest(model=model, text="Once upon a time", max_tokens=12,
+                                                     temperature=0.0, ignore_eos=True, logprobs=2), timeout=60))
+    text = "".join(c.text for c in base)
+    lps = [lp for c in base for lp in c.logprobs]
+    assert len(lps) == 12 and all(len(lp.top) == 2 for lp in lps)
+    assert [lp.token_id for lp in lps] == [t for c in base for t in c.token_ids]
+    # A stop string from the middle of that text: two visible characters, not already seen before them.
+    at = next(i for i in range(len(text) // 2, len(text) - 1)
+              if text[i:i + 2].strip() == text[i:i + 2] and "\ufffd" not in text[i:i + 2]
+              and text.index(text[i:i + 2]) == i)
+    stop = text[at:at + 2]
+    cut = list(gateway.Complete(gpb.CompleteRequest(model=model, text="Once upon a time", max_tokens=12,
+                                                    temperature=0.0, ignore_eos=True, stop=[stop]), timeout=60))
+    http = client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                     stop=[stop], extra_body={"ignore_eos": True})
+    assert "".join(c.text for c in cut) == http.choices[0].text == text[:at]
+    assert cut[-1].finish_reason == "stop"
+
+
+def test_grpc_bad_input_gets_a_status_with_the_http_message(gateway: Any, client: openai.OpenAI) -> None:
+    """Unknown model: NOT_FOUND; a bad field, a missing prompt or a prompt past the context: INVALID_ARGUMENT;
+    each with the message the HTTP gateway gives. Models lists the served model."""
+    import grpc
+
+    from proto.tandem.v1 import gateway_pb2 as gpb
+
+    model = _model(client)
+    cases = [
+        (gpb.CompleteRequest(model="nope", text="hi"), grpc.StatusCode.NOT_FOUND, "does not exist"),
+        (gpb.CompleteRequest(model=model, text="hi", temperature=7.0), grpc.StatusCode.INVALID_ARGUMENT,
+         "temperature"),
+        (gpb.CompleteRequest(model=model), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        (gpb.CompleteRequest(model=model, token_ids=gpb.PromptTokens(ids=[1] * 100_000)),
+         grpc.StatusCode.INVALID_ARGUMENT, "maximum context length"),
+    ]
+    for request, code, words in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            list(gateway.Complete(request, timeout=30))
+        assert e.value.code() == code and words in e.value.details(), e.value.details()
+    models = gateway.Models(gpb.ModelsRequest(), timeout=10).models
+    assert [m.id for m in models] == [model] and models[0].max_model_len > 0
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [

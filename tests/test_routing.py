@@ -253,3 +253,75 @@ def test_two_router_replicas_on_one_redis_build_identical_indexes(redis_url: str
             r.stop()
         for w in workers:
             w.stop()
+
+
+def _wait_idle(workers: list[WorkerProcess], timeout_s: float) -> list[Any]:
+    """Poll the workers until none runs, queues or holds a block for a request; return the last loads."""
+    from proto.tandem.v1 import worker_pb2 as pb
+    from router.handoff import WorkerClient
+
+    clients = [WorkerClient.connect(w.address) for w in workers]
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            loads = [c.stub.Load(pb.LoadRequest(), timeout=5) for c in clients]
+            if all(ld.running == 0 and ld.waiting == 0 and ld.used_blocks == 0 for ld in loads):
+                return loads
+            if time.monotonic() > deadline:
+                return loads
+            time.sleep(0.05)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_client_that_goes_away_mid_stream_is_aborted_on_its_worker(router: RouterThread,
+                                                                    two_workers: list[WorkerProcess],
+                                                                    checkpoint: Callable[[str], Path]) -> None:
+    """An SSE client that closes its connection, and a gRPC client that cancels its call, after a few tokens of a
+    4000-token completion: the worker serving it stops the request and holds no block for it within 3 s, where
+    finishing the completion would take several seconds more (the tiny model decodes under 1k tokens/s here)."""
+    import grpc
+
+    from proto.tandem.v1 import gateway_pb2 as gpb
+    from proto.tandem.v1 import gateway_pb2_grpc as gpb_grpc
+    from router.grpc_gateway import start_grpc_gateway
+
+    model = checkpoint("llama").name
+    assert all(ld.running == 0 for ld in _wait_idle(two_workers, 30))
+    body = {"model": model, "prompt": list(range(40, 60)), "max_tokens": 4000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # held: dropping an unfinished iter_lines() closes the response (a disconnect too)
+        seen = 0
+        for line in lines:
+            seen += line.startswith("data: {")
+            if seen >= 3:
+                break
+        live = _wait_idle(two_workers, 0)
+        assert sum(ld.running for ld in live) == 1, live  # still generating while connected
+    # Leaving the block closes the connection mid-stream.
+    loads = _wait_idle(two_workers, 3.0)
+    assert all(ld.running == 0 and ld.used_blocks == 0 for ld in loads), loads
+
+    assert router.router is not None
+    server, port = asyncio.run_coroutine_threadsafe(start_grpc_gateway(router.router.gateway, "127.0.0.1", 0),
+                                                    router.loop).result(30)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = gpb_grpc.GatewayStub(channel).Complete(gpb.CompleteRequest(
+                model=model, token_ids=gpb.PromptTokens(ids=list(range(60, 80))), max_tokens=4000,
+                temperature=0.0, ignore_eos=True), timeout=60)
+            stream = iter(call)
+            for _ in range(3):
+                assert next(stream).token_ids
+            assert sum(ld.running for ld in _wait_idle(two_workers, 0)) == 1
+            call.cancel()
+            with pytest.raises(grpc.RpcError):
+                for _ in stream:
+                    pass
+        loads = _wait_idle(two_workers, 3.0)
+        assert all(ld.running == 0 and ld.used_blocks == 0 for ld in loads), loads
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(1.0), router.loop).result(30)

@@ -217,8 +217,13 @@ async def _serve(cfg: UpConfig, model: Path, replicas: list[Any], addresses: lis
     if grpc_port >= 0:
         from router.grpc_gateway import start_grpc_gateway
 
-        grpc_server, grpc_port = await start_grpc_gateway(router.gateway, cfg.host, grpc_port)
-        _say(f"serving the gRPC API (tandem.v1.Gateway) at {cfg.host}:{grpc_port}")
+        try:
+            grpc_server, grpc_port = await start_grpc_gateway(router.gateway, cfg.host, grpc_port)
+            _say(f"serving the gRPC API (tandem.v1.Gateway) at {cfg.host}:{grpc_port}")
+        except (OSError, RuntimeError) as e:
+            if cfg.grpc_port is not None:  # asked for explicitly: that is an error
+                raise
+            _say(f"warning: no gRPC API ({e}); pass --grpc-port to choose another port")
     _say(f"workers healthy; serving OpenAI API at http://{cfg.host}:{cfg.port}/v1 (Ctrl-C or `tandem down` to stop)")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

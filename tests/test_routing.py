@@ -325,3 +325,37 @@ def test_client_that_goes_away_mid_stream_is_aborted_on_its_worker(router: Route
         assert all(ld.running == 0 and ld.used_blocks == 0 for ld in loads), loads
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(1.0), router.loop).result(30)
+
+
+def test_overload_and_no_worker_get_429_and_503_with_retry_after(router: RouterThread,
+                                                                 checkpoint: Callable[[str], Path]) -> None:
+    """A queue past the admission limit is 429 and a router with no live decode worker is 503, both OpenAI-style
+    errors with a Retry-After header; once the queue is back under the limit the same request is served. (The
+    limit is lowered below the workers' real, empty queues rather than flooding them.)"""
+    model = checkpoint("llama").name
+    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 2}
+    limit = router.call(lambda r: r.gateway.config.max_waiting_per_worker)
+    router.call(lambda r: setattr(r.gateway.config, "max_waiting_per_worker", -1))
+    try:
+        r = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["type"] == "rate_limit_error" and "overloaded" in r.json()["error"]["message"]
+    finally:
+        router.call(lambda r: setattr(r.gateway.config, "max_waiting_per_worker", limit))
+    assert httpx.post(router.url + "/v1/completions", json=body, timeout=30).status_code == 200
+
+    lone = start_worker("decode", str(checkpoint("llama")), "tcp", [*FLAGS, "--worker-id", "lone"])
+    lonely = RouterThread(RouterConfig(model=str(checkpoint("llama")), workers=(lone.address,)))
+    try:
+        lone.kill()  # the router's only worker dies
+        deadline = time.monotonic() + 15
+        while lonely.call(lambda r: r.pool.available("decode")):
+            assert time.monotonic() < deadline, "the router never noticed its worker died"
+            time.sleep(0.05)
+        r = httpx.post(lonely.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+        assert "no decode worker" in r.json()["error"]["message"]
+        assert httpx.get(lonely.url + "/health", timeout=10).status_code == 503
+    finally:
+        lonely.stop()
+        lone.stop()

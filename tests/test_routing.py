@@ -359,3 +359,34 @@ def test_overload_and_no_worker_get_429_and_503_with_retry_after(router: RouterT
     finally:
         lonely.stop()
         lone.stop()
+
+
+def test_prefill_worker_dead_at_dispatch_is_retried_on_the_other_with_the_exact_answer(
+        checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]]) -> None:
+    """Two prefill workers and one decode worker. One prefill worker is SIGKILLed while the router still counts
+    it healthy (its health poll and event follower for that worker are stopped first: otherwise the router notices
+    a death within milliseconds, and this would race it), and the other is booked busy in the router's load
+    tracker, so the dead one is the cheapest and is picked. Its Prefill call fails, the request moves to the live
+    prefill worker (a retry, not a migration: no token was out yet), and the client gets the exact greedy answer."""
+    path = checkpoint("llama")
+    prefills = [start_worker("prefill", str(path), "tcp", [*FLAGS, "--worker-id", f"pre-{i}"]) for i in range(2)]
+    decode = start_worker("decode", str(path), "tcp", [*FLAGS, "--worker-id", "dec-r"])
+    rt = RouterThread(RouterConfig(model=str(path), workers=(*(w.address for w in prefills), decode.address)))
+    try:
+        rt.call(lambda r: r.dispatcher.prefill_selector.load.on_dispatch("pre-1", 50_000, 0))
+        rt.call(lambda r: [t.cancel() for t in r.pool.workers[prefills[0].address].tasks])
+        prompt = [random.Random(21).randrange(2000) for _ in range(160)]
+        prefills[0].kill()
+        assert rt.call(lambda r: r.pool.workers[prefills[0].address].healthy)
+        body, header = complete(rt.url, path.name, prompt, max_tokens=6)
+        from engine.tokenizer import Tokenizer
+
+        assert body["choices"][0]["text"] == Tokenizer(path).decode(hf_greedy(path, prompt, 6))
+        stats = rt.call(lambda r: (r.dispatcher.stats.retries, r.dispatcher.stats.migrations))
+        assert stats == (1, 0), (stats, header)
+        first, last = header.split(" | ")[0], header.split(" | ")[-1]
+        assert "prefill[w=pre-0" in first and "prefill[w=pre-1" in last, header
+    finally:
+        rt.stop()
+        for w in (*prefills, decode):
+            w.stop()

@@ -299,6 +299,33 @@ def test_health_and_metrics_endpoints(cluster: Cluster, client: openai.OpenAI) -
         assert name in text, name
 
 
+def test_a_dead_worker_replica_is_restarted_and_re_registered(cluster: Cluster, client: openai.OpenAI,
+                                                               checkpoint: Callable[[str], Path],
+                                                               hf_greedy: Callable[..., list[int]]) -> None:
+    """SIGKILL the decode worker process: its Ray actor starts a new one, the router swaps the address, and
+    completions are exact again within a minute (the restarted worker is stopped by tandem down like the rest)."""
+    decode = [p for p in cluster.state["worker_pids"]
+              if "decode" in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()]
+    assert len(decode) == 1
+    os.kill(decode[0], signal.SIGKILL)
+    prompt = [11, 12, 13, 14]
+    want = hf_greedy(checkpoint("llama"), prompt, 4)
+    from engine.tokenizer import Tokenizer
+
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            r = client.completions.create(model=_model(client), prompt=prompt, max_tokens=4, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            if r.choices[0].text == Tokenizer(checkpoint("llama")).decode(want):
+                break
+        except openai.APIError:
+            pass  # 503 while the only decode replica is down
+        assert time.monotonic() < deadline, "the decode replica did not come back"
+        time.sleep(0.5)
+    assert not _alive(decode[0])
+
+
 def test_tandem_up_stops_cleanly_leaving_no_processes(cluster: Cluster) -> None:
     """SIGINT stops the router, every worker process and Ray; the state file is removed."""
     pids = [cluster.proc.pid, *cluster.state["worker_pids"]]

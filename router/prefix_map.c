@@ -275,7 +275,11 @@ static inline uint32_t word_at(const void *words, int bits, size_t j) {
 static int emit(PyObject **out, PyObject *ids, PyObject *mask, Py_ssize_t pos) {
     unsigned char stack_buf[256];
     Py_ssize_t nslots = PyList_GET_SIZE(ids);
+#if PY_VERSION_HEX < 0x030C0000
+    size_t n = 0; /* mask_words reads the int's own digits: no buffer, so no allocation past 2048 slots */
+#else
     size_t n = ((size_t)nslots + 7) / 8;
+#endif
     unsigned char *buf = n <= sizeof stack_buf ? stack_buf : PyMem_Malloc(n);
     if (buf == NULL) {
         PyErr_NoMemory();

@@ -141,3 +141,15 @@ def test_native_and_python_index_agree_event_for_event(workers: int, max_blocks:
     assert native.stats() == python.stats()
     if max_blocks < 1000:
         assert native.stats().evictions > 0
+
+
+def test_masks_wider_than_2048_workers_match_like_the_python_path() -> None:
+    """3000 workers share a prefix and split on its last block: masks of 3000 bits (past the 2048 slots a
+    byte-buffer conversion would fit on the stack) report every worker at its depth, as the Python walk does."""
+    native, python = KVIndex(100_000, native=True), KVIndex(100_000, native=False)
+    for i in range(3000):
+        for index in (native, python):
+            index.apply(f"w{i}", 0, [7, 8, 9 + i % 2], b"\x01\x01\x01")
+    for probe in ([7, 8, 9], [7, 8, 10], [7, 8], [7, 99]):
+        assert native.match(probe) == python.match(probe)
+    assert len(native.match([7, 8, 9])) == 3000 and native.match([7, 8, 9])["w1"] == 2

@@ -3,7 +3,9 @@
 Every backend keeps its requests in one :class:`TransferBook`. The book owns the only lease logic in the package:
 
 - a deadline is given as wall-clock ``time.time()`` and converted once to this process's monotonic clock;
-- a small reaper thread turns every unfinished entry past its deadline into FAILED ("lease expired ...");
+- a small reaper thread turns every unfinished entry past its deadline into FAILED ("lease expired ..."). It
+  sleeps until the earliest deadline, woken early by a new entry or a failure to deliver, so an idle or steady
+  book costs no periodic wake-ups (on a decode worker those ticks came out of the decode loop's CPU);
 - every transition to FAILED is queued, and the reaper delivers it outside the lock: first to the backend's
   ``notify_peer`` hook (when the failure was decided locally, so the peer fails fast instead of waiting out its own
   lease), then to the user's ``on_failed(request_id, message)``;
@@ -28,6 +30,7 @@ from typing import Any
 from kvtransfer.base import OnFailed, TransferState, TransferStatus
 
 log = logging.getLogger(__name__)
+REAPER_IDLE_S = 0.5  # the reaper's longest sleep: a backstop, deadlines and failures wake it themselves
 
 
 def mono_deadline(deadline_s: float) -> float:
@@ -65,6 +68,7 @@ class TransferBook:
         self.on_done: OnDone | None = None  # set through KVSender/KVReceiver.set_on_done
         self._outbox: collections.deque[tuple[Entry, str, bool, bool]] = collections.deque()
         self._stop = threading.Event()
+        self._kick = threading.Event()  # wakes the reaper: a new deadline, a failure to deliver, stop
         self._thread: threading.Thread | None = None
 
     # ---- lifecycle
@@ -75,6 +79,7 @@ class TransferBook:
 
     def stop(self, timeout_s: float) -> None:
         self._stop.set()
+        self._kick.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
         self._deliver()
@@ -87,7 +92,8 @@ class TransferBook:
                 raise ValueError(f"{self.side}: request {request_id!r} is already registered (release it first)")
             entry = Entry(request_id, mono_deadline(deadline_s), ctx)
             self._entries[request_id] = entry
-            return entry
+        self._kick.set()
+        return entry
 
     def find(self, request_id: str) -> Entry | None:
         with self.lock:
@@ -126,7 +132,8 @@ class TransferBook:
             entry.state = TransferState.FAILED
             entry.error = message
             self._outbox.append((entry, message, notify_peer, tell_owner))
-            return True
+        self._kick.set()
+        return True
 
     def done(self, entry: Entry) -> bool:
         with self.lock:
@@ -141,17 +148,26 @@ class TransferBook:
                 log.exception("%s: on_done callback raised for %s", self.side, entry.request_id)
         return True
 
-    def expire_due(self) -> None:
+    def expire_due(self) -> float | None:
+        """Fail every unfinished entry past its deadline; return the earliest deadline still ahead (monotonic),
+        or None when no unfinished entry is left. An entry past its deadline with a write in progress (``busy``)
+        expires once the write ends, so it counts as due now."""
         now = time.monotonic()
+        nearest: float | None = None
         with self.lock:
             for entry in self._entries.values():
-                if entry.state < TransferState.DONE and now >= entry.deadline and not entry.busy:
+                if entry.state >= TransferState.DONE:
+                    continue
+                if now >= entry.deadline and not entry.busy:
                     self.fail(
                         entry,
                         f"{self.side}: lease expired after {now - entry.started:.2f}s "
                         f"({entry.layers_done} layers, {entry.nbytes} bytes done)",
                         notify_peer=True,
                     )
+                elif nearest is None or entry.deadline < nearest:
+                    nearest = entry.deadline
+        return nearest
 
     # ---- guarded writes (receivers): once FAILED is visible, no byte is written into the reserved blocks any more
     def begin_write(self, entry: Entry) -> bool:
@@ -191,6 +207,11 @@ class TransferBook:
                     log.exception("%s: on_failed callback raised for %s", self.side, entry.request_id)
 
     def _reap(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
-            self.expire_due()
+        """Until stopped: expire, deliver, then sleep until the earliest deadline (``interval_s`` while an expired
+        entry waits for its write to end; ``REAPER_IDLE_S`` at most, as a backstop)."""
+        while not self._stop.is_set():
+            self._kick.clear()  # before looking: a deadline or failure added after this wakes the wait below
+            nearest = self.expire_due()
             self._deliver()
+            wait = REAPER_IDLE_S if nearest is None else min(REAPER_IDLE_S, nearest - time.monotonic())
+            self._kick.wait(max(wait, interval_s))

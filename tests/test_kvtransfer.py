@@ -272,6 +272,37 @@ def test_a_raising_on_done_callback_is_logged_and_the_transfer_still_done() -> N
     assert not book.done(entry)  # fires once: a second transition is refused
 
 
+def test_reaper_sleeps_until_the_earliest_deadline_and_a_nearer_one_wakes_it() -> None:
+    """The lease reaper does not tick while nothing is due (on a decode worker every tick was CPU taken from the
+    decode loop), yet expires each lease on time: a later, nearer deadline wakes it, and a failure is delivered
+    at once. Nobody polls the book here, so only the reaper can have expired the entries."""
+    failed: list[tuple[str, float]] = []
+    book = TransferBook("receiver", lambda rid, _msg: failed.append((rid, time.monotonic())))
+    passes = [0]
+    expire_due = book.expire_due
+
+    def counted() -> float | None:
+        passes[0] += 1
+        return expire_due()
+
+    book.expire_due = counted  # type: ignore[method-assign]
+    book.start(0.002)
+    try:
+        book.add("far", time.time() + 30)
+        time.sleep(0.3)
+        assert passes[0] <= 3, f"the reaper ticked {passes[0]} times in 0.3 s with nothing due"
+        t0 = time.monotonic()
+        book.add("near", time.time() + 0.15)
+        assert wait_until(lambda: bool(failed), 2)
+        assert failed[0][0] == "near" and 0.14 <= failed[0][1] - t0 < 0.4, failed
+        assert book.get("far").state < TransferState.DONE
+        t1 = time.monotonic()
+        book.fail(book.get("far"), "receiver: refused")
+        assert wait_until(lambda: len(failed) == 2, 1) and failed[1][1] - t1 < 0.1, failed
+    finally:
+        book.stop(1.0)
+
+
 def test_stalled_transfer_expires_its_lease_on_both_sides_and_calls_on_failed(fake_pair: tuple) -> None:
     """A silent stall is caught by the lease: both sides FAILED "lease expired" and on_failed fires."""
     _, r, src, _ = fake_pair

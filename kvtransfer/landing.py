@@ -103,10 +103,20 @@ class Landing:
                 return None
             return entry
 
-    def in_flight(self) -> bool:
-        """Whether some reservation has heard from its sender (HELLO) and is not finished: bytes may be landing."""
+    def has_reservations(self) -> bool:
+        """Whether some reservation may still receive bytes (not yet DONE, FAILED or forgotten)."""
         with self.book.lock:
-            return any(e.state < TransferState.DONE and e.ctx.hellos for e in self._by_tid.values())
+            return any(e.state < TransferState.DONE for e in self._by_tid.values())
+
+    def nearly_done(self) -> bool:
+        """Whether some in-flight reservation lacks only its last layer: the next notification completes it.
+
+        Only that notification is on a request's critical path (its arrival lets decode start); the earlier layers
+        land while prefill still computes the later ones, so noticing them a poll tick late costs nothing.
+        """
+        with self.book.lock:
+            return any(e.state < TransferState.DONE and e.ctx.hellos and e.layers_done >= len(e.ctx.layer_bytes) - 1
+                       for e in self._by_tid.values())
 
     def by_tid(self, tid: int) -> Entry | None:
         with self.book.lock:

@@ -58,6 +58,36 @@ def test_idle_agent_progress_thread_does_not_spin_a_core() -> None:
     assert _idle_cpu_of_agent(100) < 0.5
 
 
+def test_receiver_polls_notifications_only_while_a_reservation_is_open() -> None:
+    """The decode side's notification thread takes the decode loop's CPU and GIL each time it wakes: with nothing
+    reserved it does not poll, with a reservation open it polls at the configured tick (2 ms), and it goes quiet
+    again once the reservation is gone. The fast tick for a last layer is exercised by every transfer test."""
+    r = NixlReceiver()
+    calls = [0]
+    real = r._agent.get_new_notifs
+
+    def counted() -> dict:
+        calls[0] += 1
+        return real()
+
+    r._agent.get_new_notifs = counted
+    try:
+        r.register(make_caches(LAYOUT, 8, None), LAYOUT)
+        time.sleep(0.3)
+        idle = calls[0]
+        r.reserve("open", [1, 2], 8, time.time() + 20)
+        time.sleep(0.3)
+        open_polls = calls[0] - idle
+        r.release("open")
+        time.sleep(0.1)  # the next poll sees the reservation gone
+        before = calls[0]
+        time.sleep(0.3)
+        assert idle <= 2 and calls[0] - before <= 2, (idle, calls[0] - before)
+        assert 20 <= open_polls <= 200, open_polls
+    finally:
+        r.close()
+
+
 def test_nixl_log_lines_stay_off_stdout() -> None:
     """NIXL prints an INFO line per agent on stdout by default; a Tandem process's stdout carries its READY line and
     ``--json`` reports, so agents made through kvtransfer leave it empty (warnings still reach stderr)."""

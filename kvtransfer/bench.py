@@ -9,8 +9,9 @@ block tables usually are.
 Baselines, same bytes:
 
 - ``raw_nixl``: two plain NIXL agents (no Tandem code), one contiguous descriptor, WRITE + notification, on the
-  UCX transports the nixl backend resolves to here (``tcp,self`` on a CPU-only host); ``raw_nixl_ucx_default``
-  is the same on UCX's default transports (shared memory between processes on one host), for reference;
+  UCX transports the nixl backend uses (``TransferConfig.ucx_tls``; by default UCX's choice, shared memory
+  between processes on one host); when the config names transports, ``raw_nixl_ucx_default`` is the same on
+  UCX's default, for reference;
 - ``raw_socket``: one TCP ``sendall`` / ``recv_into`` over loopback plus a one-byte ack;
 - ``memcpy``: in-process ``torch.Tensor.copy_`` (the ceiling for anything that copies on the CPU).
 
@@ -34,7 +35,6 @@ import torch
 from kvtransfer.config import TransferConfig
 from kvtransfer.harness import Peer
 from kvtransfer.layout import KVLayout
-from kvtransfer.nixl_agent import resolve_ucx_tls
 
 _CTX = mp.get_context("spawn")
 MIB = 1 << 20
@@ -232,7 +232,7 @@ def run_kv_bench(
     ``nixl`` and ``raw_nixl`` are skipped (``None``) when NIXL is not installed.
     """
     has_nixl = importlib.util.find_spec("nixl") is not None
-    nixl_tls = resolve_ucx_tls(TransferConfig().ucx_tls)
+    nixl_tls = TransferConfig().ucx_tls
     gbps: dict[int, dict[str, float | None]] = {s: {} for s in sizes_mib}
     per_block = _request_bytes_per_block(BENCH_LAYOUT)
     for size in sizes_mib:

@@ -16,9 +16,8 @@ class TransferConfig:
     connect_timeout_s: float = 10.0  # handshake bound: connecting, forming a process group
     close_timeout_s: float = 1.0  # close() joins its threads within this
     ucx_net_devices: str = "lo"  # NIXL/UCX: applied to UCX_NET_DEVICES before the agent is created
-    # NIXL/UCX: UCX_TLS. "auto" lets UCX choose where CUDA is present and picks "tcp,self" on CPU-only hosts
-    # (see kvtransfer.nixl_agent.resolve_ucx_tls); "" always leaves UCX's default; anything else is used as is.
-    ucx_tls: str = "auto"
+    # NIXL/UCX: UCX_TLS, e.g. "tcp,self"; "" leaves UCX's own choice (see kvtransfer.nixl_agent.ucx_environment).
+    ucx_tls: str = ""
     nixl_backends: tuple[str, ...] = ("UCX",)
     # NIXL's progress thread sleeps this long between idle passes. NIXL's Python API hard-codes 0, a thread that
     # spins on a whole core for as long as the agent lives (measured: 1.0 core idle, 0.05 at 100 us).

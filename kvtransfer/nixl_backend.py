@@ -24,9 +24,9 @@ target, so on expiry the sender stops posting and the receiver reports FAILED; t
 of its own and the receiver's lease, so it does not post after the receiver gave up on time.
 
 UCX stays on loopback here: ``TransferConfig.ucx_net_devices`` (default ``lo``) is written to ``UCX_NET_DEVICES``
-before the agent is created (UCX reads only its environment). On CPU-only hosts ``ucx_tls="auto"`` selects
-``tcp,self``: UCX's shared-memory transports would copy inside the post call under the GIL (see
-:func:`kvtransfer.nixl_agent.resolve_ucx_tls`), while over tcp the bytes move on NIXL's own progress thread.
+before the agent is created (UCX reads only its environment). UCX picks the transports unless
+``TransferConfig.ucx_tls`` names them: on one host, shared memory, where the sender's process performs the copy
+and the receiver's CPU is not involved (see :func:`kvtransfer.nixl_agent.ucx_environment`).
 
 CUDA tensors register as VRAM; the sender waits on an event recorded at ``send_layer`` before posting,
 from its progress thread, so the forward pass never blocks.

@@ -181,15 +181,15 @@ def test_transfer_config_validates() -> None:
         TransferConfig().port = 1  # type: ignore[misc]
 
 
-def test_auto_ucx_transports_are_tcp_on_cpu_hosts_and_ucx_default_with_cuda() -> None:
-    """On CPU-only hosts NIXL must post over tcp: UCX's shared-memory transports copy inside the GIL-holding post."""
-    from kvtransfer.nixl_agent import resolve_ucx_tls
+def test_ucx_environment_pins_loopback_and_leaves_transports_to_ucx_unless_named() -> None:
+    """UCX picks the transports by default (shared memory on one host: the sender copies, the receiver's CPU is
+    free); a config that names transports gets exactly those, and loopback is always pinned unless cleared."""
+    from kvtransfer.nixl_agent import ucx_environment
 
-    assert resolve_ucx_tls("auto", cuda=False) == "tcp,self"
-    assert resolve_ucx_tls("auto", cuda=True) == ""
-    assert resolve_ucx_tls("", cuda=False) == ""
-    assert resolve_ucx_tls("rc,cuda_copy", cuda=False) == "rc,cuda_copy"
-    assert TransferConfig().ucx_tls == "auto"
+    assert TransferConfig().ucx_tls == ""
+    assert ucx_environment(TransferConfig()) == {"UCX_NET_DEVICES": "lo"}
+    assert ucx_environment(TransferConfig(ucx_tls="tcp,self")) == {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self"}
+    assert ucx_environment(TransferConfig(ucx_net_devices="", ucx_tls="rc,cuda_copy")) == {"UCX_TLS": "rc,cuda_copy"}
 
 
 # ------------------------------------------------------------------------------------ in-process: fake backend

@@ -23,10 +23,12 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
 import grpc
+import psutil
 
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
@@ -156,49 +158,80 @@ def _tier_cpus() -> tuple[set[int] | None, set[int] | None, list[str]]:
     return set(cpus[:half]), set(cpus[half:]), ["--threads", str(half)]
 
 
-def measure_itl(model: str, backend: str, load_prompt_len: int, streams: int = 4, tokens: int = 64,
+def measure_itl(model: str, backend: str, load_prompt_len: int, streams: int = 4, tokens: int = 128,
                 pin: bool = True) -> dict[str, Any]:
+    """Decode ITL in three runs of ``streams`` concurrent streams: quiet; while the prefill worker keeps computing
+    ``load_prompt_len``-token prompts with no destination (the control: the same prefill work next door, no
+    bytes landing); and while it keeps prefilling them *into this decode worker*. Only the difference between
+    the last two is what landing transfers cost decode; the control's difference from quiet is what sharing one
+    host with a busy prefill worker costs (memory bandwidth, L3, scheduling), which separate hosts do not pay."""
     pre_cpus, dec_cpus, threads = _tier_cpus() if pin else (None, None, [])
     prefill = start_worker("prefill", model, backend, ["--num-kv-blocks", "1024", *threads], cpus=pre_cpus)
     decode = start_worker("decode", model, backend, ["--num-kv-blocks", "1024", *threads], cpus=dec_cpus)
+    own_cpus = os.sched_getaffinity(0)
+    if pre_cpus:  # the load client runs beside prefill, off the decode worker's CPUs, as a separate host would
+        os.sched_setaffinity(0, pre_cpus)
     pre, dec = WorkerClient.connect(prefill.address), WorkerClient.connect(decode.address)
+    decode_proc = psutil.Process(decode.proc.pid)
+    load_prompt = [(i * 31) % 1500 + 1 for i in range(load_prompt_len)]
+
+    def decode_cpu_s() -> float:
+        t = decode_proc.cpu_times()
+        return t.user + t.system
 
     def run_streams(tag: str) -> list[float]:
-        gaps: list[float] = []
+        """Inter-token gaps of the streams, counted only while all of them run: their prefills queue behind the
+        load's on the prefill worker, so they start at different times, and the decode batch (hence the step
+        time) must be the same ``streams`` sequences in every run for the runs to be comparable."""
         with futures.ThreadPoolExecutor(streams) as ex:
-            runs = ex.map(lambda i: _drain(disaggregated_generate(pre, dec, f"{tag}-{i}", [3 + i, 4, 5, 6],
-                                                                  _params(tokens))), range(streams))
-            for times in runs:
-                gaps += [b - a for a, b in itertools.pairwise(times[1:])]  # skip the prefill token
+            runs = list(ex.map(lambda i: _drain(disaggregated_generate(pre, dec, f"{tag}-{i}", [3 + i, 4, 5, 6],
+                                                                       _params(tokens))), range(streams)))
+        lo, hi = max(times[1] for times in runs), min(times[-1] for times in runs)  # times[0]: the prefill token
+        gaps = [b - a for times in runs for a, b in itertools.pairwise(times[1:]) if lo <= a and b <= hi]
+        if len(gaps) < streams * 8:
+            raise RuntimeError(f"ITL run {tag}: the streams overlapped for only {len(gaps)} gaps")
         return gaps
 
-    try:
-        _drain(disaggregated_generate(pre, dec, "warm", list(range(1, 33)), _params(2)))
-        quiet = run_streams("quiet")
-        stop = threading.Event()
-        sent = [0]
+    def under(tag: str, load: Callable[[int], None] | None) -> dict[str, Any]:
+        """One run of the streams, with ``load(k)`` called back to back on another thread meanwhile."""
+        stop, sent = threading.Event(), [0]
 
         def pressure() -> None:
-            prompt = [(i * 31) % 1500 + 1 for i in range(load_prompt_len)]
-            while not stop.is_set() and sent[0] < 200:
-                _drain(disaggregated_generate(pre, dec, f"load-{sent[0]}", prompt, _params(1)))
+            while load is not None and not stop.is_set() and sent[0] < 200:
+                load(sent[0])
                 sent[0] += 1
 
         t = threading.Thread(target=pressure, daemon=True)
         t.start()
-        loaded = run_streams("loaded")
+        c0, w0 = decode_cpu_s(), time.perf_counter()
+        gaps = run_streams(tag)
+        cores = (decode_cpu_s() - c0) / (time.perf_counter() - w0)
         stop.set()
         t.join(60)
         ms = 1000.0
+        return {"p50": _pct(gaps, 0.5) * ms, "p99": _pct(gaps, 0.99) * ms, "mean": statistics.fmean(gaps) * ms,
+                "load_requests": sent[0], "decode_cores_busy": cores}
+
+    def compute_only(k: int) -> None:
+        pre.stub.Prefill(pb.PrefillRequest(request_id=f"compute-{k}", prompt_token_ids=load_prompt,
+                                           params=_params(1)), timeout=120)
+
+    def with_transfer(k: int) -> None:
+        _drain(disaggregated_generate(pre, dec, f"load-{k}", load_prompt, _params(1)))
+
+    try:
+        _drain(disaggregated_generate(pre, dec, "warm", list(range(1, 33)), _params(2)))
+        quiet = under("quiet", None)
+        control = under("control", compute_only)
+        loaded = under("loaded", with_transfer)
         return {"backend": backend, "streams": streams, "tokens": tokens, "load_prompt_len": load_prompt_len,
-                "transfers_during_loaded_run": sent[0],
+                "transfers_during_loaded_run": loaded["load_requests"],
                 "cpus": {"prefill": sorted(pre_cpus) if pre_cpus else "all", "decode": sorted(dec_cpus) if dec_cpus
                          else "all"},
-                "itl_ms_quiet": {"p50": _pct(quiet, 0.5) * ms, "p99": _pct(quiet, 0.99) * ms,
-                                 "mean": statistics.fmean(quiet) * ms},
-                "itl_ms_with_transfers": {"p50": _pct(loaded, 0.5) * ms, "p99": _pct(loaded, 0.99) * ms,
-                                          "mean": statistics.fmean(loaded) * ms}}
+                "itl_ms_quiet": quiet, "itl_ms_prefill_compute_only": control, "itl_ms_with_transfers": loaded,
+                "transfer_cost_p50": loaded["p50"] / control["p50"] - 1.0}
     finally:
+        os.sched_setaffinity(0, own_cpus)
         pre.close()
         dec.close()
         prefill.stop()

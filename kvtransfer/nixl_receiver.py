@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -14,11 +15,13 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.landing import Landing
 from kvtransfer.layout import KVLayout
 from kvtransfer.nixl_agent import make_agent, mem_of, parse_hello
+from kvtransfer.pacing import Backoff
 from kvtransfer.wire import HEADER_SIZE, Kind, control, unpack
 
 log = logging.getLogger(__name__)
 ACTIVE_POLL_S = 2.5e-4
 IDLE_POLL_S = 0.5
+HELLO_WINDOW_S = 0.005
 
 
 class NixlReceiver(KVReceiver):
@@ -99,16 +102,23 @@ class NixlReceiver(KVReceiver):
 
         - No reservation: no polling; ``reserve`` wakes the thread (``IDLE_POLL_S`` as a backstop, which also
           drains stray notifications of finished transfers).
-        - Reservations whose transfers have further to go: every ``poll_interval_s``. HELLO, the early layers'
-          DATA and a FAIL are not latency-critical at that scale.
+        - Reservations whose transfers have further to go: every ``poll_interval_s``. The early layers' DATA and
+          a FAIL are not latency-critical at that scale.
+        - For ``HELLO_WINDOW_S`` after a HELLO the tick starts at 50 us and doubles up to ``ACTIVE_POLL_S``: a
+          short prompt's layers all land within about a millisecond of its HELLO, so its last layer is caught by
+          these fast polls instead of a full tick later. A long prompt's layers come one per layer of prefill
+          compute, and after the window the tick is ``poll_interval_s`` again until its last layer is next.
         - A reservation that lacks only its last layer: every ``ACTIVE_POLL_S``. That DATA notification lets
           decode start, and a poller at ``poll_interval_s`` would add up to that much to every request.
         """
+        pace = Backoff(self.config.poll_interval_s)
+        hello_until = 0.0
         while not self._stop.is_set():
             if not self._live.is_set():
                 self._reserved.wait(IDLE_POLL_S)
                 self._reserved.clear()
-            tick = ACTIVE_POLL_S if self.landing.nearly_done() else self.config.poll_interval_s
+            urgent = time.monotonic() < hello_until or self.landing.nearly_done()
+            tick = pace.next_timeout(ACTIVE_POLL_S if urgent else None)
             if self._stop.wait(tick):
                 return
             try:
@@ -121,16 +131,19 @@ class NixlReceiver(KVReceiver):
             for remote, msgs in notifs.items():
                 for msg in msgs:
                     try:
-                        self._handle(remote, bytes(msg))
+                        if self._handle(remote, bytes(msg)) == Kind.HELLO:
+                            pace.reset()
+                            hello_until = time.monotonic() + HELLO_WINDOW_S
                     except Exception:
                         log.exception("nixl receiver: bad notification from %s", remote)
 
-    def _handle(self, remote: str, msg: bytes) -> None:
+    def _handle(self, remote: str, msg: bytes) -> Kind | None:
+        """Act on one notification; returns its kind, or None when it was for no live reservation."""
         frame = unpack(msg)
         payload = msg[HEADER_SIZE : HEADER_SIZE + frame.payload_len] if frame.kind != Kind.DATA else b""
         entry = self.landing.live(frame.transfer_id)
         if entry is None:
-            return
+            return None
         if frame.kind == Kind.HELLO:
             try:
                 layout, name, metadata = parse_hello(payload)
@@ -152,3 +165,4 @@ class NixlReceiver(KVReceiver):
             self.landing.on_finish(entry)
         elif frame.kind == Kind.FAIL:
             self.book.fail(entry, f"receiver: sender reported: {payload.decode(errors='replace')}")
+        return frame.kind

@@ -55,6 +55,7 @@ class NixlSender(KVSender):
         self._agent_lock = threading.Lock()
         self._reg: Any = None
         self._metadata = b""
+        self._hello = b""
         self._known: set[str] = set()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -68,6 +69,7 @@ class NixlSender(KVSender):
         with self._agent_lock:
             self._reg = self._agent.register_memory(tensors)
             self._metadata = self._agent.get_agent_metadata()
+        self._hello = hello_payload(layout, self._agent.name, self._metadata)  # the same for every request
         self._bases = [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches]
         self._mem = mem_of(tensors[0])
 
@@ -91,8 +93,7 @@ class NixlSender(KVSender):
                 return
             leg.peer = _LegPlan(d.agent_name, np.empty(0, np.uint64), np.empty(0, np.uint64), np.empty(0, np.uint64), 0)
         self.out.plan(entry)  # raises CompatibilityError after notifying the receiver(s)
-        assert self.out.layout is not None
-        hello = hello_payload(self.out.layout, self._agent.name, self._metadata)
+        hello = self._hello
         for leg in entry.ctx.legs:
             lp: _LegPlan = leg.peer
             lp.src_off, lp.dst_off, lp.lens = piece_offsets(leg.pieces, self.out.layout, leg.dest.layout)

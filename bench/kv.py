@@ -9,10 +9,11 @@
    acknowledged. The same blocks are then sent again with no compute running (``serial``).
    ``overlap = 1 - exposed / serial``: the fraction of the transfer that was hidden behind prefill compute. With
    ``--repeats N``, N fresh prompts (no prefix-cache hits between them); the medians are reported, every run listed.
-3. **Decode ITL**: four long decode streams on a decode worker, alone, then while a prefill worker keeps pushing
-   long prompts' KV into the same decode worker. p50/p99 inter-token latency for both. With two or more CPUs the
-   two workers are pinned to disjoint CPU sets (half each, with as many engine threads), as separate hosts would
-   be: what is measured is what landing transfers cost the decode side, not prefill compute taking its cores.
+3. **Decode ITL** (:func:`measure_itl`): four decode streams on a decode worker, alone, then alternately while the
+   prefill worker computes long prompts for nobody (the control) and while it pushes their KV into this decode
+   worker. p50/p99 inter-token latency for each, and ``transfer_cost_p50`` = loaded / control - 1. With two or
+   more CPUs the two workers are pinned to disjoint CPU sets (half each, with as many engine threads) and the
+   load client to the prefill half, as separate hosts would be.
 """
 
 from __future__ import annotations
@@ -159,12 +160,13 @@ def _tier_cpus() -> tuple[set[int] | None, set[int] | None, list[str]]:
 
 
 def measure_itl(model: str, backend: str, load_prompt_len: int, streams: int = 4, tokens: int = 128,
-                pin: bool = True) -> dict[str, Any]:
-    """Decode ITL in three runs of ``streams`` concurrent streams: quiet; while the prefill worker keeps computing
-    ``load_prompt_len``-token prompts with no destination (the control: the same prefill work next door, no
-    bytes landing); and while it keeps prefilling them *into this decode worker*. Only the difference between
-    the last two is what landing transfers cost decode; the control's difference from quiet is what sharing one
-    host with a busy prefill worker costs (memory bandwidth, L3, scheduling), which separate hosts do not pay."""
+                pin: bool = True, rounds: int = 3) -> dict[str, Any]:
+    """Decode ITL over runs of ``streams`` concurrent streams: one quiet, then ``rounds`` alternations of the
+    control (the prefill worker keeps computing ``load_prompt_len``-token prompts with no destination: the same
+    prefill work next door, no bytes landing) and the loaded run (it keeps prefilling them *into this decode
+    worker*). Only loaded against control is what landing transfers cost decode; control against quiet is what
+    sharing one host with a busy prefill worker costs (memory bandwidth, L3, scheduling), which separate hosts do
+    not pay. Run-to-run noise on a shared 2-vCPU VM is ±10-20%, hence the alternation and the medians."""
     pre_cpus, dec_cpus, threads = _tier_cpus() if pin else (None, None, [])
     prefill = start_worker("prefill", model, backend, ["--num-kv-blocks", "1024", *threads], cpus=pre_cpus)
     decode = start_worker("decode", model, backend, ["--num-kv-blocks", "1024", *threads], cpus=dec_cpus)
@@ -222,14 +224,23 @@ def measure_itl(model: str, backend: str, load_prompt_len: int, streams: int = 4
     try:
         _drain(disaggregated_generate(pre, dec, "warm", list(range(1, 33)), _params(2)))
         quiet = under("quiet", None)
-        control = under("control", compute_only)
-        loaded = under("loaded", with_transfer)
+        controls, loads = [], []
+        for k in range(rounds):
+            controls.append(under(f"control{k}", compute_only))
+            loads.append(under(f"loaded{k}", with_transfer))
+
+        def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+            out = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+            return out | {"runs": runs}
+
+        costs = [ld["p50"] / c["p50"] - 1.0 for c, ld in zip(controls, loads, strict=True)]
         return {"backend": backend, "streams": streams, "tokens": tokens, "load_prompt_len": load_prompt_len,
-                "transfers_during_loaded_run": loaded["load_requests"],
+                "transfers_during_loaded_run": statistics.median(r["load_requests"] for r in loads),
                 "cpus": {"prefill": sorted(pre_cpus) if pre_cpus else "all", "decode": sorted(dec_cpus) if dec_cpus
                          else "all"},
-                "itl_ms_quiet": quiet, "itl_ms_prefill_compute_only": control, "itl_ms_with_transfers": loaded,
-                "transfer_cost_p50": loaded["p50"] / control["p50"] - 1.0}
+                "itl_ms_quiet": quiet, "itl_ms_prefill_compute_only": median_of(controls),
+                "itl_ms_with_transfers": median_of(loads),
+                "transfer_cost_p50": statistics.median(costs), "transfer_cost_p50_runs": costs}
     finally:
         os.sched_setaffinity(0, own_cpus)
         pre.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -313,3 +314,26 @@ def test_bench_overlap_runs_in_its_own_process_and_reports_a_consistent_measurem
         assert run["overlap"] == pytest.approx(expected)
         assert run["request_s"] > run["exposed_after_compute_s"]
     assert report["overlap"] == pytest.approx(sum(r["overlap"] for r in report["runs"]) / 2)  # median of two
+
+
+@pytest.mark.slow
+def test_bench_itl_alternates_a_compute_only_control_with_landing_transfers(checkpoint: Callable[[str], Path]) -> None:
+    """``tandem bench kv``'s ITL phase on the tiny model over nixl, real worker processes: the control run's load
+    is prefill compute with no destination (nothing lands on decode), the loaded run's is real transfers into the
+    decode worker, the streams' gaps are counted only while every stream runs, and the reported cost is loaded
+    against control. No timing threshold: the figures are the benchmark's, this checks what they mean."""
+    from bench.kv import measure_itl
+
+    affinity = os.sched_getaffinity(0)
+    report = measure_itl(str(checkpoint("llama")), "nixl", 256, streams=2, tokens=40, rounds=2)
+    assert os.sched_getaffinity(0) == affinity  # the load client's pinning is undone
+    quiet, control, loaded = (report[k] for k in ("itl_ms_quiet", "itl_ms_prefill_compute_only",
+                                                  "itl_ms_with_transfers"))
+    assert quiet["load_requests"] == 0
+    assert all(r["load_requests"] >= 1 for r in control["runs"] + loaded["runs"])
+    assert report["transfers_during_loaded_run"] == statistics.median(r["load_requests"] for r in loaded["runs"])
+    for run in [quiet, *control["runs"], *loaded["runs"]]:
+        assert 0 < run["p50"] <= run["p99"] and 0 < run["decode_cores_busy"] < 1.5
+    costs = [ld["p50"] / c["p50"] - 1 for c, ld in zip(control["runs"], loaded["runs"], strict=True)]
+    assert report["transfer_cost_p50_runs"] == pytest.approx(costs)
+    assert report["transfer_cost_p50"] == pytest.approx(statistics.median(costs))

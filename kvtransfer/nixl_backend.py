@@ -14,8 +14,10 @@ Per layer the sender posts one WRITE over that layer's block-run descriptors (on
 V; per token row when TP differs and only a head slice moves), with a DATA notification that NIXL delivers only
 after the layer's bytes are in place. Every layer's WRITE is prepared (``prep_xfer_dlist`` once per leg,
 ``make_prepped_xfer`` per layer) when the first layer is posted, so a later layer costs one ``transfer`` call.
-``send_layer`` only queues the layer and wakes the progress thread, which posts it at once; between layers, with
-nothing in flight, that thread backs off instead of polling (and taking the GIL) every few tens of microseconds.
+``send_layer`` only queues the layer and wakes the progress thread, which posts it at once; the last layer of a
+DRAM transfer is posted by the caller itself (it is on the critical path, and nothing computes after it). Between
+layers, with nothing in flight, that thread backs off instead of polling (and taking the GIL) every few tens of
+microseconds.
 The receiver counts landed bytes per layer from those notifications and is DONE when every layer landed; it then
 sends ACK, which makes the sender DONE.
 

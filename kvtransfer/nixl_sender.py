@@ -113,10 +113,32 @@ class NixlSender(KVSender):
         if self._mem[0] == "VRAM":  # pragma: no cover - needs a GPU
             ready = torch.cuda.Event()
             ready.record()
+        elif layer == len(self._bases) - 1 and self._post_last_now(entry, layer):
+            return
         with self.book.lock:
             for leg in entry.ctx.legs:
                 leg.peer.waiting.append((layer, ready))
         self._wake.set()  # the progress thread posts it now (UCX may copy DRAM inside the post call)
+
+    def _post_last_now(self, entry: Entry, layer: int) -> bool:
+        """Post the last layer of a DRAM transfer on the calling (forward) thread; False to leave it to the progress
+        thread (a leg not prepared yet, e.g. a one-layer model, whose preparation that thread owns).
+
+        Nothing computes after the last layer except the logits, and over shared memory UCX copies inside the
+        post anyway, so posting here takes the progress thread's wake-up (0.1-0.6 ms measured on 2 vCPUs) off
+        the request's critical path. The WRITE's completion is checked here as well, because NIXL sends the
+        layer's DATA notification only when a state check finds it complete.
+        """
+        with self.book.lock:
+            if any(leg.peer is None or leg.peer.dlists is None for leg in entry.ctx.legs):
+                return False
+        for leg in entry.ctx.legs:
+            self._post(entry, leg, layer)
+            if entry.state >= TransferState.DONE:
+                return True
+            self._check_pending(entry, leg, only_layer=layer)
+        self._wake.set()  # FINISH, and any WRITE still in flight, are the progress thread's
+        return True
 
     def finish(self, request_id: str) -> None:
         entry = self.book.get(request_id)
@@ -289,20 +311,8 @@ class NixlSender(KVSender):
                 self._post(entry, leg, layer)
                 if entry.state >= TransferState.DONE:
                     return
-        for layer, handle in list(lp.pending):
-            with self._agent_lock:
-                state = self._agent.check_xfer_state(handle)
-            if state == "PROC":
-                continue
-            with self.book.lock:
-                lp.pending.remove((layer, handle))
-            with self._agent_lock:
-                handle.release()
-            if state == "ERR":
-                self.book.fail(entry, f"sender: NIXL WRITE of layer {layer} to {lp.remote} failed "
-                               "(receiver unreachable or gone)", notify_peer=True)
-                return
-            self.out.leg_sent_layer(entry, leg, lp.nbytes)
+        if not self._check_pending(entry, leg):
+            return
         num_layers = len(self._bases)
         if entry.ctx.finish_requested and not lp.finish_sent and leg.layers_sent >= num_layers:
             lp.finish_sent = True
@@ -311,6 +321,35 @@ class NixlSender(KVSender):
                     self._agent.send_notif(lp.remote, control(Kind.FINISH, leg.dest.transfer_id))
             except Exception as e:
                 self.book.fail(entry, f"sender: FINISH to {lp.remote} failed: {e}")
+
+    def _check_pending(self, entry: Entry, leg: Leg, only_layer: int | None = None) -> bool:
+        """Collect ``leg``'s completed WRITEs (only ``only_layer``'s when given); False if one failed.
+
+        Called from the progress thread and, for the last layer, from the posting thread: a handle is taken off
+        ``pending`` under the book's lock before it is released, so each is released exactly once.
+        """
+        lp: _LegPlan = leg.peer
+        with self.book.lock:
+            candidates = [p for p in lp.pending if only_layer is None or p[0] == only_layer]
+        for layer, handle in candidates:
+            with self._agent_lock:  # held from the membership check to the release: no other thread can free it
+                with self.book.lock:
+                    if (layer, handle) not in lp.pending:
+                        continue  # collected by the other thread, or taken by _drain, which releases it
+                state = self._agent.check_xfer_state(handle)
+                if state == "PROC":
+                    continue
+                with self.book.lock:
+                    if (layer, handle) not in lp.pending:
+                        continue
+                    lp.pending.remove((layer, handle))
+                handle.release()
+            if state == "ERR":
+                self.book.fail(entry, f"sender: NIXL WRITE of layer {layer} to {lp.remote} failed "
+                               "(receiver unreachable or gone)", notify_peer=True)
+                return False
+            self.out.leg_sent_layer(entry, leg, lp.nbytes)
+        return True
 
     def _on_notif(self, remote: str, msg: bytes) -> None:
         frame = unpack(msg)

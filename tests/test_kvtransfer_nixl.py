@@ -88,6 +88,45 @@ def test_receiver_polls_notifications_only_while_a_reservation_is_open() -> None
         r.close()
 
 
+def test_last_dram_layer_is_posted_by_the_caller_and_earlier_layers_by_the_progress_thread() -> None:
+    """The last layer is on the request's critical path: it is posted (and its completion checked, which is what
+    releases NIXL's DATA notification) on the thread that calls ``send_layer``, with no wake-up of the progress
+    thread in between. Earlier layers are posted by the progress thread while the caller computes. The bytes and
+    both sides' states are the same either way."""
+    import threading
+
+    src, dst = make_caches(LAYOUT, 8, 5), make_caches(LAYOUT, 8, None)
+    r, s = NixlReceiver(), NixlSender()
+    posted: list[tuple[int, str]] = []
+    post = s._post
+
+    def recording(entry: object, leg: object, layer: int) -> None:
+        posted.append((layer, threading.current_thread().name))
+        post(entry, leg, layer)  # type: ignore[arg-type]
+
+    s._post = recording  # type: ignore[method-assign]
+    try:
+        r.register(dst, LAYOUT)
+        s.register(src, LAYOUT)
+        d = r.reserve("inline", [4, 5], 8, time.time() + 20)
+        s.start("inline", d, [1, 2], time.time() + 20)
+        s.send_layer("inline", 0)
+        end = time.monotonic() + 5
+        while not posted and time.monotonic() < end:  # the first layer prepares the leg on the progress thread
+            time.sleep(0.001)
+        s.send_layer("inline", 1)
+        s.finish("inline")
+        end = time.monotonic() + 20
+        while time.monotonic() < end and not (s.poll("inline").finished and r.poll("inline").finished):
+            time.sleep(0.002)
+        assert s.poll("inline").state == r.poll("inline").state == TransferState.DONE
+        assert posted == [(0, "kv-nixl-progress"), (1, threading.current_thread().name)], posted
+        assert digest(src, [1, 2]) == digest(dst, [4, 5])
+    finally:
+        s.close()
+        r.close()
+
+
 def test_nixl_log_lines_stay_off_stdout() -> None:
     """NIXL prints an INFO line per agent on stdout by default; a Tandem process's stdout carries its READY line and
     ``--json`` reports, so agents made through kvtransfer leave it empty (warnings still reach stderr)."""

@@ -60,6 +60,13 @@ class EngineLoop:
             self._wake.notify()
         return fut
 
+    def wait_for_command(self, timeout: float) -> None:
+        """For a hook on the loop thread with nothing to do until something arrives: block until a command is
+        queued (any ``call``) or the loop is stopped, at most ``timeout`` seconds."""
+        with self._wake:
+            if not self._cmds and not self._stop:
+                self._wake.wait(timeout)
+
     def call_sync(self, fn: Callable[[LLMEngine], T], timeout: float | None = 30.0) -> T:
         return self.call(fn).result(timeout)
 

@@ -118,8 +118,10 @@ class NixlReceiver(KVReceiver):
                 self._reserved.wait(IDLE_POLL_S)
                 self._reserved.clear()
             urgent = time.monotonic() < hello_until or self.landing.nearly_done()
-            tick = pace.next_timeout(ACTIVE_POLL_S if urgent else None)
-            if self._stop.wait(tick):
+            # A plain sleep, not an Event wait: nothing but close() (which the tick bounds) needs to cut it short,
+            # and on this VM a 2 ms Event.wait costs ~100 us of CPU against ~55 us for time.sleep.
+            time.sleep(pace.next_timeout(ACTIVE_POLL_S if urgent else None))
+            if self._stop.is_set():
                 return
             try:
                 with self._agent_lock:

@@ -39,7 +39,6 @@ class NixlReceiver(KVReceiver):
         self._known: set[str] = set()
         self._stop = threading.Event()
         self._reserved = threading.Event()  # set by reserve: the watcher starts polling
-        self._live = threading.Event()  # the watcher's view: some reservation is open
         self._thread = threading.Thread(target=self._watch, name="kv-nixl-notifs", daemon=True)
         self._thread.start()
         self.book.start(self.config.poll_interval_s)
@@ -61,7 +60,6 @@ class NixlReceiver(KVReceiver):
             agent_name=self._agent.name, agent_metadata=self._metadata, regions=self._regions,
             mem_type=self._mem[0], device_id=self._mem[1],
         )
-        self._live.set()
         self._reserved.set()
         return dest
 
@@ -114,7 +112,7 @@ class NixlReceiver(KVReceiver):
         pace = Backoff(self.config.poll_interval_s)
         hello_until = 0.0
         while not self._stop.is_set():
-            if not self._live.is_set():
+            if not self.landing.has_reservations():  # a reserve racing this check sets _reserved: no lost wake-up
                 self._reserved.wait(IDLE_POLL_S)
                 self._reserved.clear()
             urgent = time.monotonic() < hello_until or self.landing.nearly_done()
@@ -129,7 +127,6 @@ class NixlReceiver(KVReceiver):
             except Exception:
                 log.exception("nixl receiver: get_new_notifs failed")
                 continue
-            self._live.set() if self.landing.has_reservations() else self._live.clear()
             for remote, msgs in notifs.items():
                 for msg in msgs:
                     try:

@@ -112,7 +112,8 @@ def test_last_dram_layer_is_posted_by_the_caller_and_earlier_layers_by_the_progr
         s.start("inline", d, [1, 2], time.time() + 20)
         s.send_layer("inline", 0)
         end = time.monotonic() + 5
-        while not posted and time.monotonic() < end:  # the first layer prepares the leg on the progress thread
+        # the first layer prepares the leg on the progress thread; once it is sent the leg is certainly prepared
+        while s.poll("inline").layers_done < 1 and time.monotonic() < end:
             time.sleep(0.001)
         s.send_layer("inline", 1)
         s.finish("inline")

@@ -325,7 +325,7 @@ def test_bench_itl_alternates_a_compute_only_control_with_landing_transfers(chec
     from bench.kv import measure_itl
 
     affinity = os.sched_getaffinity(0)
-    report = measure_itl(str(checkpoint("llama")), "nixl", 256, streams=2, tokens=40, rounds=2)
+    report = measure_itl(str(checkpoint("llama")), "nixl", 256, streams=2, tokens=64, rounds=2)
     assert os.sched_getaffinity(0) == affinity  # the load client's pinning is undone
     quiet, control, loaded = (report[k] for k in ("itl_ms_quiet", "itl_ms_prefill_compute_only",
                                                   "itl_ms_with_transfers"))

@@ -195,21 +195,23 @@ def measure_itl(model: str, backend: str, load_prompt_len: int, streams: int = 4
         return gaps
 
     def under(tag: str, load: Callable[[int], None] | None) -> dict[str, Any]:
-        """One run of the streams, with ``load(k)`` called back to back on another thread meanwhile."""
+        """One run of the streams, with ``load(k)`` (if given) called back to back on another thread meanwhile."""
         stop, sent = threading.Event(), [0]
 
-        def pressure() -> None:
-            while load is not None and not stop.is_set() and sent[0] < 200:
-                load(sent[0])
+        def pressure(fn: Callable[[int], None]) -> None:
+            while not stop.is_set() and sent[0] < 200:
+                fn(sent[0])
                 sent[0] += 1
 
-        t = threading.Thread(target=pressure, daemon=True)
-        t.start()
+        t = threading.Thread(target=pressure, args=(load,), daemon=True) if load is not None else None
+        if t is not None:
+            t.start()
         c0, w0 = decode_cpu_s(), time.perf_counter()
         gaps = run_streams(tag)
         cores = (decode_cpu_s() - c0) / (time.perf_counter() - w0)
         stop.set()
-        t.join(60)
+        if t is not None:
+            t.join(60)
         ms = 1000.0
         return {"p50": _pct(gaps, 0.5) * ms, "p99": _pct(gaps, 0.99) * ms, "mean": statistics.fmean(gaps) * ms,
                 "load_requests": sent[0], "decode_cores_busy": cores}

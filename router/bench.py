@@ -9,7 +9,8 @@ Workload, per worker count::
             ``engine.block_hash`` so that the decision path can be timed with hashing included.
     match   requests of ``request_blocks`` blocks: a cached conversation cut at a random depth, then new blocks;
             one in ten is cold (misses at block 0). 4096 distinct requests over the whole index (memory-bound: each
-            lookup is a few DRAM misses), and a 64-request working set that stays in CPU cache.
+            lookup is a few DRAM misses), and a 64-request working set that stays in CPU cache. ``match`` returns a
+            dict per hit worker; ``match_depths`` (what a decision over many candidates uses) an array per slot.
     decide  Selector.select_hashed (hashes precomputed) and Selector.select (token ids hashed), scoring every
             worker, with 64 decisions in flight (the oldest released as each new one is booked).
     churn   ``churn_events`` more stored blocks into the full index, so eviction runs; RSS must stay flat
@@ -55,7 +56,7 @@ class _Cluster:
     workers: list[str]
     rng: random.Random
     systems: list[list[int]] = field(default_factory=list)
-    holders: list[list[str]] = field(default_factory=list)  # per worker index: system prompts it holds
+    holders: list[list[int]] = field(default_factory=list)  # per worker index: system prompts it holds
     seq: dict[str, int] = field(default_factory=dict)
     sample: list[tuple[list[int], int]] = field(default_factory=list)  # (hashes, cached depth)
 
@@ -181,6 +182,8 @@ def _bench_one(num_workers: int, cached_blocks: int, request_blocks: int, second
     calls, elapsed = _timed(lambda i: match(requests[i & mask]), seconds)
     hot = requests[:64]  # a working set that stays in CPU cache, as in a microbenchmark
     hot_calls, hot_elapsed = _timed(lambda i: match(hot[i & 63]), seconds)
+    match_depths = index.match_depths  # what the selector calls from VECTOR_MIN candidates on
+    depth_calls, depth_elapsed = _timed(lambda i: match_depths(requests[i & mask]), seconds)
     hits = [index.match(r) for r in requests[:512]]
     avg_hit_workers = sum(map(len, hits)) / len(hits)
     avg_best = sum(max(h.values(), default=0) for h in hits) / len(hits)
@@ -208,6 +211,7 @@ def _bench_one(num_workers: int, cached_blocks: int, request_blocks: int, second
         "fill_s": round(fill_s, 2),
         "match_per_s": round(calls / elapsed),
         "match_per_s_hot_working_set": round(hot_calls / hot_elapsed),
+        "match_depths_per_s": round(depth_calls / depth_elapsed),
         "match_avg_hit_workers": round(avg_hit_workers, 1),
         "match_avg_best_blocks": round(avg_best, 1),
         "decide_hashed": hashed,

@@ -100,6 +100,10 @@ class CostBreakdown:
 
 # One candidate's terms, in CostBreakdown field order; the hot path builds these and CostBreakdowns only on demand.
 CostRow = tuple[WorkerId, int, int, float, float, float, float]
+# The overlap as KVIndex.match_depths gives it: (each candidate's index slot, -1 for none, from KVIndex.slots_of;
+# the leading cached blocks per index slot). The many-candidate path takes this instead of a dict per hit worker.
+SlotDepths = tuple[np.ndarray, np.ndarray]
+Overlap = Mapping[WorkerId, int] | SlotDepths
 
 
 @dataclass(slots=True, frozen=True)
@@ -169,20 +173,23 @@ class CostModel:
             append((worker, overlap, r - overlap, prefill, decode, queue, total))
         return out
 
-    def score_and_choose(self, candidates: list[WorkerId], overlap_blocks: Mapping[WorkerId, int],
+    def score_and_choose(self, candidates: list[WorkerId], overlap_blocks: Overlap,
                          request_blocks: int, load: LoadTracker, rng: random.Random,
                          native: bool = True) -> tuple[ScoredArrays, int]:
         """``score_arrays`` then ``choose_array``, as one native call when ``router/cost_kernel.c`` is built (the
-        same terms bit for bit, the same rng draws); the numpy path otherwise or with ``native=False``."""
+        same terms bit for bit, the same rng draws); the numpy path otherwise or with ``native=False``.
+        ``overlap_blocks``: a dict per hit worker, or ``SlotDepths``."""
         kernel = _kernel() if native else None
-        if kernel is None or not isinstance(overlap_blocks, dict):
+        by_slot = isinstance(overlap_blocks, tuple)
+        if kernel is None or not (by_slot or isinstance(overlap_blocks, dict)):
             scored = self.score_arrays(candidates, overlap_blocks, request_blocks, load)
             return scored, self.choose_array(scored.total, request_blocks, rng)
         cfg = self.config
         table, slots = load.table_and_slots(candidates)
         out = np.empty((5, len(candidates)))
         u = rng.random() if cfg.temperature > 0.0 else 0.0
-        i = kernel.score(table, slots, self._positions(candidates), overlap_blocks, request_blocks,
+        where, overlap = overlap_blocks if by_slot else (self._positions(candidates), overlap_blocks)
+        i = kernel.score(table, slots, where, overlap, request_blocks,
                          float(cfg.prefill_weight), float(cfg.decode_weight), float(cfg.queue_weight),
                          1.0 / cfg.block_size, float(cfg.temperature), u, out)
         total = out[4]
@@ -196,12 +203,20 @@ class CostModel:
             self._pos_key = list(candidates)
         return self._pos
 
-    def score_arrays(self, candidates: list[WorkerId], overlap_blocks: Mapping[WorkerId, int], request_blocks: int,
+    def score_arrays(self, candidates: list[WorkerId], overlap_blocks: Overlap, request_blocks: int,
                      load: LoadTracker) -> ScoredArrays:
         """``rows`` for many candidates: the loads come as one gather, the overlaps are scattered in per hit worker
-        (a match reports only the workers that hold a prefix), and the formula runs once on arrays."""
-        positions = self._positions(candidates)
+        (a dict reports only the workers that hold a prefix) or gathered by index slot (``SlotDepths``), and the
+        formula runs once on arrays."""
         n = len(candidates)
+        if isinstance(overlap_blocks, tuple):
+            where, depths = overlap_blocks
+            overlap = np.where(where >= 0, depths.take(np.maximum(where, 0)) if len(depths) else 0, 0)
+            overlap = np.minimum(overlap.astype(np.float64), request_blocks)
+            eff = load.gather(candidates)
+            prefill, decode, queue, total = self.terms(request_blocks, overlap, eff[0], eff[1], eff[2])
+            return ScoredArrays(candidates, overlap, prefill, decode, queue, total, request_blocks)
+        positions = self._positions(candidates)
         overlap = np.zeros(n + 1)  # the last entry takes hits on workers that are not candidates, then is dropped
         if overlap_blocks:
             hits = len(overlap_blocks)

@@ -8,7 +8,9 @@
  *   table      float64 (3, cap), C order: prefill_tokens, decode_blocks, queue_depth per load slot
  *   slots      intp (n,): each candidate's slot in table
  *   positions  dict worker -> candidate index; overlap: dict worker -> cached leading blocks (workers that are not
- *              candidates are skipped)
+ *              candidates are skipped); or, as KVIndex.match_depths gives them:
+ *              positions intp (n,): each candidate's slot in the index (-1: none); overlap int32 (index slots,):
+ *              cached leading blocks per index slot
  *   out        float64 (5, n), C order, written: overlap (capped at r), prefill, decode, queue, total
  *   returns the chosen index; at temperature 0 with several exact minimum totals, -1 (the caller breaks the tie
  *   with its rng, as CostModel.choose_array does). At temperature > 0, u in [0, 1) is the caller's one draw: the
@@ -44,8 +46,9 @@ static PyObject *score(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
         return NULL;
     }
     PyObject *positions = args[2], *overlap = args[3];
-    if (!PyDict_Check(positions) || !PyDict_Check(overlap)) {
-        PyErr_SetString(PyExc_TypeError, "positions and overlap must be dicts");
+    const int by_dict = PyDict_Check(positions);
+    if (by_dict != PyDict_Check(overlap)) {
+        PyErr_SetString(PyExc_TypeError, "positions and overlap must both be dicts, or both arrays");
         return NULL;
     }
     long r_long = PyLong_AsLong(args[4]);
@@ -53,7 +56,7 @@ static PyObject *score(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     double inv_bs = PyFloat_AsDouble(args[8]), temperature = PyFloat_AsDouble(args[9]);
     double u = PyFloat_AsDouble(args[10]);
     if (PyErr_Occurred()) return NULL;
-    Py_buffer tv, sv, ov;
+    Py_buffer tv, sv, ov, pv = {0}, dv = {0};
     if (get_buffer(args[0], &tv, 2, sizeof(double), 0, "table") < 0) return NULL;
     if (get_buffer(args[1], &sv, 1, sizeof(Py_ssize_t), 0, "slots") < 0) {
         PyBuffer_Release(&tv);
@@ -74,6 +77,26 @@ static PyObject *score(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     const Py_ssize_t *slots = sv.buf;
     double *ovl = ov.buf, *prefill = ovl + n, *decode = prefill + n, *queue = decode + n, *total = queue + n;
     const double r = (double)r_long;
+    if (!by_dict) {
+        if (get_buffer(positions, &pv, 1, sizeof(Py_ssize_t), 0, "index slots") < 0) goto done;
+        if (get_buffer(overlap, &dv, 1, sizeof(int32_t), 0, "depths") < 0) goto done;
+        if (pv.shape[0] != n) {
+            PyErr_SetString(PyExc_ValueError, "index slots must have one entry per candidate");
+            goto done;
+        }
+        const Py_ssize_t *islots = pv.buf, nd = dv.shape[0];
+        const int32_t *depths = dv.buf;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t s = islots[i];
+            if (s >= nd) {
+                PyErr_SetString(PyExc_IndexError, "index slot out of range");
+                goto done;
+            }
+            double v = s < 0 ? 0.0 : (double)depths[s];
+            ovl[i] = v < r ? v : r;
+        }
+        goto scored_overlap;
+    }
     for (Py_ssize_t i = 0; i < n; i++) ovl[i] = 0.0;
     PyObject *key, *value;
     Py_ssize_t it = 0;
@@ -92,6 +115,7 @@ static PyObject *score(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
         }
         ovl[i] = v < r ? v : r;
     }
+scored_overlap:
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t s = slots[i];
         if (s < 0 || s >= cap) {
@@ -139,6 +163,8 @@ done:
     PyBuffer_Release(&tv);
     PyBuffer_Release(&sv);
     PyBuffer_Release(&ov);
+    if (pv.obj != NULL) PyBuffer_Release(&pv);
+    if (dv.obj != NULL) PyBuffer_Release(&dv);
     return result;
 }
 

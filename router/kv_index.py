@@ -58,6 +58,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 WorkerId = str
 
 _KINDS = b"\x00\x01"
@@ -96,9 +98,9 @@ def native_available() -> bool:
 
 
 class KVIndex:
-    __slots__ = ("_bits", "_entries", "_evictions", "_free", "_gaps", "_get", "_held", "_ids", "_ids_cache",
-                 "_intern", "_lookup", "_masks", "_matches", "_max", "_ref", "_resyncs", "_seq", "_slot", "_touch",
-                 "_touch_from")
+    __slots__ = ("_bits", "_depths", "_entries", "_evictions", "_free", "_gaps", "_get", "_held", "_ids",
+                 "_ids_cache", "_intern", "_lookup", "_masks", "_matches", "_max", "_ref", "_resyncs", "_seq", "_slot",
+                 "_slots_key", "_slots_of", "_slots_version", "_touch", "_touch_from")
 
     def __init__(self, max_blocks: int, *, touch_on_match: bool = True, native: bool | None = None) -> None:
         """``native``: use ``router/prefix_map.c`` for lookups (None: when it builds; True: require it)."""
@@ -124,6 +126,10 @@ class KVIndex:
         self._free: list[int] = []
         self._seq: dict[WorkerId, int] = {}
         self._ids_cache: dict[int, tuple[WorkerId, ...]] = {}
+        self._depths = np.zeros(0, dtype=np.int32)  # match_depths' result, one entry per slot, reused
+        self._slots_version = 0  # bumped whenever a worker gains or loses its slot
+        self._slots_key: tuple[int, list[WorkerId]] = (-1, [])
+        self._slots_of = np.zeros(0, dtype=np.intp)
         self._entries = 0
         self._evictions = 0
         self._gaps = 0
@@ -185,6 +191,7 @@ class KVIndex:
         heapq.heappush(self._free, slot)
         del self._seq[worker_id]
         self._ids_cache.clear()
+        self._slots_version += 1
         return True
 
     # -- queries ----------------------------------------------------------------------------------------------
@@ -200,6 +207,38 @@ class KVIndex:
             if self._touch and not self._matches & _TOUCH_EVERY_MASK and self._entries >= self._touch_from:
                 self._ref.update(islice(block_hashes, pos))
         return out
+
+    def match_depths(self, block_hashes: Sequence[int]) -> tuple[np.ndarray, int]:
+        """``match`` as an array: ``depths[slot]`` is the leading blocks cached by the worker in index slot ``slot``
+        (see ``slots_of``), and the position where the walk ended. No per-worker dict is built, which at hundreds of
+        workers was most of a cold match (a shared system prompt drops ~90 workers into it).
+
+        The array is the index's own buffer, rewritten by the next call: read it before matching again.
+        """
+        depths = self._depths
+        lookup = self._lookup
+        if lookup is None:
+            depths[:] = 0
+            slot = self._slot
+            for worker, n in self._match_python(block_hashes).items():
+                depths[slot[worker]] = n
+            return depths, int(depths.max()) if len(depths) else 0
+        pos = lookup.match_depths(block_hashes, depths)
+        if pos:
+            self._matches += 1
+            if self._touch and not self._matches & _TOUCH_EVERY_MASK and self._entries >= self._touch_from:
+                self._ref.update(islice(block_hashes, pos))
+        return depths, pos
+
+    def slots_of(self, workers: list[WorkerId]) -> np.ndarray:
+        """Each worker's index slot (-1 for a worker the index has never seen), for reading ``match_depths``.
+        Looked up once per distinct list while no worker joins or leaves the index."""
+        version, cached = self._slots_key
+        if version != self._slots_version or cached != workers:
+            slot = self._slot
+            self._slots_of = np.fromiter((slot.get(w, -1) for w in workers), dtype=np.intp, count=len(workers))
+            self._slots_key = (self._slots_version, list(workers))
+        return self._slots_of
 
     def _match_python(self, block_hashes: Sequence[int]) -> dict[WorkerId, int]:
         out: dict[WorkerId, int] = {}
@@ -258,8 +297,10 @@ class KVIndex:
             self._ids.append(worker_id)
             self._held.append(set())
             self._bits.append(self._canonical(1 << slot))
+            self._depths = np.zeros(len(self._ids), dtype=np.int32)
         self._slot[worker_id] = slot
         self._ids_cache.clear()
+        self._slots_version += 1
         return slot
 
     def _store(self, h: int, bit: int, held: set[int]) -> None:

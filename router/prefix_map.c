@@ -16,10 +16,15 @@
  * holding None for a free slot) matched i leading blocks. The walk ends at the first position no still-matching worker holds;
  * `pos` is where it ended (0 when the first block is held by nobody). A hash outside [0, 2**64) cannot be in the
  * map (insertion refuses it), so it ends the walk like a miss.
+ *
+ * match_depths(hashes, depths) -> pos: the same walk, but the result is written per slot into `depths` (a writable
+ * int32 buffer, zeroed first, one entry per slot): no dict of a hundred workers is built, and the router's cost
+ * kernel reads the candidates' entries straight from it. A free slot holds no hash, so its entry stays 0.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 #define PREFETCH 16
 #define STACK_KEYS 256
@@ -269,12 +274,20 @@ static inline uint32_t word_at(const void *words, int bits, size_t j) {
     return bits == 8 ? ((const unsigned char *)words)[j] : (uint32_t)((const digit *)words)[j];
 }
 
-/* out[ids[s]] = pos for every slot s whose bit is set in `mask` (None entries are free slots: skipped). The first
- * drop creates `out` presized for its workers, so that a system prompt shared by a hundred workers does not resize
- * the dict five times on the way. */
-static int emit(PyObject **out, PyObject *ids, PyObject *mask, Py_ssize_t pos) {
+/* Where a walk puts what it finds: a dict keyed by worker id (match), or an int32 entry per slot (match_depths). */
+typedef struct {
+    PyObject *ids;  /* match: KVIndex._ids (a list); NULL for match_depths */
+    PyObject *out;  /* match: the result dict, created at the first drop */
+    int32_t *depths; /* match_depths: one entry per slot */
+    Py_ssize_t nslots;
+} Sink;
+
+/* Record `pos` for every slot whose bit is set in `mask`: out[ids[s]] = pos (None entries of ids are free slots:
+ * skipped), or depths[s] = pos. The first drop creates `out` presized for its workers, so that a system prompt shared
+ * by a hundred workers does not resize the dict five times on the way. */
+static int emit(Sink *sink, PyObject *mask, Py_ssize_t pos) {
     unsigned char stack_buf[256];
-    Py_ssize_t nslots = PyList_GET_SIZE(ids);
+    Py_ssize_t nslots = sink->nslots;
 #if PY_VERSION_HEX < 0x030C0000
     size_t n = 0; /* mask_words reads the int's own digits: no buffer, so no allocation past 2048 slots */
 #else
@@ -291,12 +304,14 @@ static int emit(PyObject **out, PyObject *ids, PyObject *mask, Py_ssize_t pos) {
     size_t count;
     int bits = mask_words(mask, buf, n, &words, &count);
     if (bits < 0) goto done;
-    if (*out == NULL) {
-        Py_ssize_t total = 0;
-        for (size_t j = 0; j < count; j++) total += __builtin_popcount(word_at(words, bits, j));
-        if ((*out = _PyDict_NewPresized(total)) == NULL) goto done;
+    if (sink->ids != NULL) {
+        if (sink->out == NULL) {
+            Py_ssize_t total = 0;
+            for (size_t j = 0; j < count; j++) total += __builtin_popcount(word_at(words, bits, j));
+            if ((sink->out = _PyDict_NewPresized(total)) == NULL) goto done;
+        }
+        if ((p = PyLong_FromSsize_t(pos)) == NULL) goto done;
     }
-    if ((p = PyLong_FromSsize_t(pos)) == NULL) goto done;
     for (size_t j = 0; j < count; j++) {
         for (uint32_t w = word_at(words, bits, j); w; w &= w - 1) {
             Py_ssize_t slot = (Py_ssize_t)(j * (size_t)bits + (size_t)__builtin_ctz(w));
@@ -304,8 +319,12 @@ static int emit(PyObject **out, PyObject *ids, PyObject *mask, Py_ssize_t pos) {
                 PyErr_SetString(PyExc_ValueError, "worker mask has a bit past the last slot");
                 goto done;
             }
-            PyObject *worker = PyList_GET_ITEM(ids, slot);
-            if (worker != Py_None && PyDict_SetItem(*out, worker, p) < 0) goto done;
+            if (sink->ids == NULL) {
+                sink->depths[slot] = (int32_t)pos;
+                continue;
+            }
+            PyObject *worker = PyList_GET_ITEM(sink->ids, slot);
+            if (worker != Py_None && PyDict_SetItem(sink->out, worker, p) < 0) goto done;
         }
     }
     rc = 0;
@@ -315,32 +334,24 @@ done:
     return rc;
 }
 
-static PyObject *PrefixMap_match(PrefixMap *m, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "match(hashes, ids)");
-        return NULL;
-    }
-    PyObject *ids = args[1];
-    if (!PyList_Check(ids)) {
-        PyErr_SetString(PyExc_TypeError, "ids must be a list (worker id or None per slot)");
-        return NULL;
-    }
-    PyObject *seq = PySequence_Fast(args[0], "hashes must be a sequence");
-    if (seq == NULL) return NULL;
+/* The prefix walk over `hashes` into `sink`; returns the position where it ended, or -1 with an exception set. */
+static Py_ssize_t walk(PrefixMap *m, PyObject *hashes, Sink *sink) {
+    PyObject *seq = PySequence_Fast(hashes, "hashes must be a sequence");
+    if (seq == NULL) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     uint64_t stack_keys[STACK_KEYS];
     uint64_t *keys = n <= STACK_KEYS ? stack_keys : PyMem_Malloc((size_t)n * sizeof(uint64_t));
-    PyObject *out = NULL, *run = NULL;
-    Py_ssize_t pos = 0;
+    PyObject *run = NULL;
+    Py_ssize_t pos = -1;
     if (keys == NULL) {
         PyErr_NoMemory();
-        goto fail;
+        goto done;
     }
     Py_ssize_t valid = 0; /* keys[0:valid] converted; the walk cannot pass the first hash that cannot be stored */
     for (; valid < n; valid++) {
         if (as_key(items[valid], &keys[valid]) < 0) {
-            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) goto fail;
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) goto done;
             PyErr_Clear();
             break;
         }
@@ -362,40 +373,72 @@ static PyObject *PrefixMap_match(PrefixMap *m, PyObject *const *args, Py_ssize_t
         prev = mask;
         if (mask == NULL) break; /* every still-matching worker stops here (handled below) */
         PyObject *kept = PyNumber_And(run, mask);
-        if (kept == NULL) goto fail;
+        if (kept == NULL) goto done;
         int same = PyObject_RichCompareBool(kept, run, Py_EQ);
         if (same != 0) {
             Py_DECREF(kept);
-            if (same < 0) goto fail;
+            if (same < 0) goto done;
             continue;
         }
         PyObject *dropped = PyNumber_Xor(run, kept);
-        int rc = dropped == NULL ? -1 : emit(&out, ids, dropped, i);
+        int rc = dropped == NULL ? -1 : emit(sink, dropped, i);
         Py_XDECREF(dropped);
         Py_SETREF(run, kept);
-        if (rc < 0) goto fail;
+        if (rc < 0) goto done;
         int alive = PyObject_IsTrue(run);
-        if (alive < 0) goto fail;
+        if (alive < 0) goto done;
         if (!alive) {
             Py_CLEAR(run);
             break;
         }
     }
+    if (run != NULL && emit(sink, run, i) < 0) goto done;
     pos = i;
-    if (run != NULL) {
-        if (emit(&out, ids, run, pos) < 0) goto fail;
-        Py_CLEAR(run);
-    }
-    if (keys != stack_keys) PyMem_Free(keys);
-    Py_DECREF(seq);
-    if (out == NULL && (out = PyDict_New()) == NULL) return NULL;
-    return Py_BuildValue("(Nn)", out, pos);
-fail:
+done:
     Py_XDECREF(run);
-    Py_XDECREF(out);
     if (keys != NULL && keys != stack_keys) PyMem_Free(keys);
     Py_DECREF(seq);
-    return NULL;
+    return pos;
+}
+
+static PyObject *PrefixMap_match(PrefixMap *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "match(hashes, ids)");
+        return NULL;
+    }
+    PyObject *ids = args[1];
+    if (!PyList_Check(ids)) {
+        PyErr_SetString(PyExc_TypeError, "ids must be a list (worker id or None per slot)");
+        return NULL;
+    }
+    Sink sink = {.ids = ids, .out = NULL, .depths = NULL, .nslots = PyList_GET_SIZE(ids)};
+    Py_ssize_t pos = walk(m, args[0], &sink);
+    if (pos < 0) {
+        Py_XDECREF(sink.out);
+        return NULL;
+    }
+    if (sink.out == NULL && (sink.out = PyDict_New()) == NULL) return NULL;
+    return Py_BuildValue("(Nn)", sink.out, pos);
+}
+
+static PyObject *PrefixMap_match_depths(PrefixMap *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "match_depths(hashes, depths)");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) return NULL;
+    if (view.ndim != 1 || view.itemsize != sizeof(int32_t) || view.format == NULL ||
+        (strcmp(view.format, "i") != 0 && strcmp(view.format, "=i") != 0 && strcmp(view.format, "<i") != 0)) {
+        PyErr_SetString(PyExc_ValueError, "depths must be a writable 1-D int32 buffer");
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    Sink sink = {.ids = NULL, .out = NULL, .depths = view.buf, .nslots = view.shape[0]};
+    memset(view.buf, 0, (size_t)view.len);
+    Py_ssize_t pos = walk(m, args[0], &sink);
+    PyBuffer_Release(&view);
+    return pos < 0 ? NULL : PyLong_FromSsize_t(pos);
 }
 
 static PyMappingMethods PrefixMap_as_mapping = {
@@ -409,6 +452,8 @@ static PyMethodDef PrefixMap_methods[] = {
     {"clear", (PyCFunction)PrefixMap_clear, METH_NOARGS, "Remove every entry."},
     {"match", (PyCFunction)(void (*)(void))PrefixMap_match, METH_FASTCALL,
      "match(hashes, ids) -> (dict worker -> leading blocks, position where the walk ended)"},
+    {"match_depths", (PyCFunction)(void (*)(void))PrefixMap_match_depths, METH_FASTCALL,
+     "match_depths(hashes, depths) -> position where the walk ended; depths[slot] = that slot's leading blocks"},
     {NULL, NULL, 0, NULL},
 };
 

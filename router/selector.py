@@ -2,7 +2,7 @@
 
 One decision::
 
-    token ids ──hash_blocks──► block hashes ──KVIndex.match──► overlap per worker
+    token ids ──hash_blocks──► block hashes ──KVIndex.match (few candidates) / match_depths (many)──► overlap
               ──CostModel.rows / score_and_choose (non-draining candidates)──► terms ──choose──► chosen
               ──LoadTracker.on_dispatch(chosen)──► Decision          ...later: prefill_done / release(Decision)
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from engine.block_hash import hash_blocks
-from router.cost import VECTOR_MIN, CostBreakdown, CostConfig, CostModel, CostRow, ScoredArrays
+from router.cost import VECTOR_MIN, CostBreakdown, CostConfig, CostModel, CostRow, Overlap, ScoredArrays
 from router.kv_index import KVIndex
 from router.load import LoadTracker, WorkerId
 
@@ -105,14 +105,16 @@ class Selector:
             raise NoWorkerAvailable(f"no worker can take the request: {len(workers)} given, all draining"
                                     if workers else "no worker can take the request: none registered")
         request_blocks = -(-num_tokens // self.block_size)
-        overlap = self.index.match(block_hashes) if block_hashes else {}
         scored: tuple[CostRow, ...] | ScoredArrays
         if len(candidates) >= VECTOR_MIN:
             names = candidates if isinstance(candidates, list) else list(candidates)
-            scored, i = self.cost.score_and_choose(names, overlap, request_blocks, load, self.rng)
+            index = self.index
+            by_slot: Overlap = (index.slots_of(names), index.match_depths(block_hashes)[0]) if block_hashes else {}
+            scored, i = self.cost.score_and_choose(names, by_slot, request_blocks, load, self.rng)
             worker, chosen_overlap = candidates[i], int(scored.overlap[i])
             best_overlap = int(scored.overlap.max())
         else:
+            overlap = self.index.match(block_hashes) if block_hashes else {}
             scored = tuple(self.cost.rows(candidates, overlap, request_blocks, load))
             i = self.cost.choose([row[6] for row in scored], request_blocks, self.rng)
             worker, chosen_overlap = scored[i][0], scored[i][1]

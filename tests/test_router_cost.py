@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from engine.block_hash import extra_keys_for, hash_blocks
@@ -213,6 +214,27 @@ def test_array_scoring_equals_the_row_loop_and_draws_the_same_picks() -> None:
                 native, i = model.score_and_choose(workers, overlap, r, load, c)
                 reference, j = model.score_and_choose(workers, overlap, r, load, d, native=False)
                 assert native.rows() == reference.rows() == tuple(rows) and i == j
+            # The same overlap as KVIndex.match_depths gives it (index slots in another order than the candidates,
+            # some candidates unknown to the index): the same terms and picks, natively and in numpy.
+            by_slot = _as_slot_depths(rng, workers, overlap)
+            c, d = random.Random(trial), random.Random(trial)
+            for _ in range(20):
+                native, i = model.score_and_choose(workers, by_slot, r, load, c)
+                reference, j = model.score_and_choose(workers, by_slot, r, load, d, native=False)
+                assert native.rows() == reference.rows() == tuple(rows) and i == j
+
+
+def _as_slot_depths(rng: random.Random, workers: list[str], overlap: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    """``overlap`` as (each worker's index slot or -1, depth per slot): slots shuffled, with room for non-candidates."""
+    known = [w for w in workers if w in overlap or rng.random() < 0.5]
+    slots = list(range(len(known) + 5))
+    rng.shuffle(slots)
+    slot_of = dict(zip(known, slots, strict=False))
+    depths = np.zeros(len(slots), dtype=np.int32)
+    for w, s in slot_of.items():
+        depths[s] = overlap.get(w, 0)
+    depths[slots[-1]] = 7  # a hit on a worker that is not a candidate
+    return np.array([slot_of.get(w, -1) for w in workers], dtype=np.intp), depths
 
 
 def test_selector_vector_path_books_like_the_row_path(monkeypatch: pytest.MonkeyPatch) -> None:

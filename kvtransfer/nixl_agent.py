@@ -121,6 +121,9 @@ def piece_offsets(pieces: Sequence[Piece], src: KVLayout, dst: KVLayout) -> tupl
 
     Full-head pieces are one descriptor each; head-slice pieces are one descriptor per token row.
     """
+    if all(p.src_heads[1] - p.src_heads[0] == src.local_heads == dst.local_heads for p in pieces):
+        table = np.array([(p.src_start, p.dst_start, p.nbytes) for p in pieces], dtype=np.uint64).reshape(-1, 3)
+        return table[:, 0] * np.uint64(src.block_bytes), table[:, 1] * np.uint64(dst.block_bytes), table[:, 2].copy()
     src_off: list[np.ndarray] = []
     dst_off: list[np.ndarray] = []
     lens: list[np.ndarray] = []

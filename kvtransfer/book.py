@@ -4,8 +4,9 @@ Every backend keeps its requests in one :class:`TransferBook`. The book owns the
 
 - a deadline is given as wall-clock ``time.time()`` and converted once to this process's monotonic clock;
 - a small reaper thread turns every unfinished entry past its deadline into FAILED ("lease expired ..."). It
-  sleeps until the earliest deadline, woken early by a new entry or a failure to deliver, so an idle or steady
-  book costs no periodic wake-ups (on a decode worker those ticks came out of the decode loop's CPU);
+  sleeps until the earliest deadline, woken early by a failure to deliver or by a new entry due before it would
+  wake anyway, so an idle or steady book costs no periodic wake-ups (on a decode worker those ticks came out of
+  the decode loop's CPU), and a request with a normal lease (seconds) wakes nothing when it starts;
 - every transition to FAILED is queued, and the reaper delivers it outside the lock: first to the backend's
   ``notify_peer`` hook (when the failure was decided locally, so the peer fails fast instead of waiting out its own
   lease), then to the user's ``on_failed(request_id, message)``;
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -68,7 +70,8 @@ class TransferBook:
         self.on_done: OnDone | None = None  # set through KVSender/KVReceiver.set_on_done
         self._outbox: collections.deque[tuple[Entry, str, bool, bool]] = collections.deque()
         self._stop = threading.Event()
-        self._kick = threading.Event()  # wakes the reaper: a new deadline, a failure to deliver, stop
+        self._kick = threading.Event()  # wakes the reaper: a nearer deadline, a failure to deliver, stop
+        self._wake_at = math.inf  # monotonic time the reaper sleeps until; inf while it is awake (looking)
         self._thread: threading.Thread | None = None
 
     # ---- lifecycle
@@ -92,7 +95,8 @@ class TransferBook:
                 raise ValueError(f"{self.side}: request {request_id!r} is already registered (release it first)")
             entry = Entry(request_id, mono_deadline(deadline_s), ctx)
             self._entries[request_id] = entry
-        self._kick.set()
+        if entry.deadline < self._wake_at:  # due before the reaper's next look (or it is looking now): wake it
+            self._kick.set()
         return entry
 
     def find(self, request_id: str) -> Entry | None:
@@ -210,8 +214,13 @@ class TransferBook:
         """Until stopped: expire, deliver, then sleep until the earliest deadline (``interval_s`` while an expired
         entry waits for its write to end; ``REAPER_IDLE_S`` at most, as a backstop)."""
         while not self._stop.is_set():
-            self._kick.clear()  # before looking: a deadline or failure added after this wakes the wait below
+            # Before looking: while _wake_at is inf every add() kicks, so an entry that expire_due misses because
+            # it came after the walk still cuts the wait below short (the event stays set).
+            self._wake_at = math.inf
+            self._kick.clear()
             nearest = self.expire_due()
             self._deliver()
             wait = REAPER_IDLE_S if nearest is None else min(REAPER_IDLE_S, nearest - time.monotonic())
-            self._kick.wait(max(wait, interval_s))
+            wait = max(wait, interval_s)
+            self._wake_at = time.monotonic() + wait
+            self._kick.wait(wait)

@@ -108,15 +108,10 @@ class Landing:
         with self.book.lock:
             return any(e.state < TransferState.DONE for e in self._by_tid.values())
 
-    def nearly_done(self) -> bool:
-        """Whether some in-flight reservation lacks only its last layer: the next notification completes it.
-
-        Only that notification is on a request's critical path (its arrival lets decode start); the earlier layers
-        land while prefill still computes the later ones, so noticing them a poll tick late costs nothing.
-        """
+    def in_flight(self) -> list[Entry]:
+        """The reservations that may still receive bytes (not yet DONE, FAILED or forgotten)."""
         with self.book.lock:
-            return any(e.state < TransferState.DONE and e.ctx.hellos and e.layers_done >= len(e.ctx.layer_bytes) - 1
-                       for e in self._by_tid.values())
+            return [e for e in self._by_tid.values() if e.state < TransferState.DONE]
 
     def by_tid(self, tid: int) -> Entry | None:
         with self.book.lock:

@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvtransfer.base import DestinationInfo, KVCaches, KVReceiver, OnFailed, TransferStatus
@@ -21,7 +22,28 @@ from kvtransfer.wire import HEADER_SIZE, Kind, control, unpack
 log = logging.getLogger(__name__)
 ACTIVE_POLL_S = 2.5e-4
 IDLE_POLL_S = 0.5
-HELLO_WINDOW_S = 0.005
+HELLO_WINDOW_S = 0.002
+MAX_SLEEP_S = 0.02  # the longest sleep while some reservation has layers due
+
+
+@dataclass(slots=True)
+class _Pace:
+    """What the watcher knows of one transfer's timing, for predicting when its last layer lands.
+
+    A transfer's layers come one per layer of prefill compute after its HELLO (sent when layer 0 was computed), so
+    the j-th layer to land arrives at about ``hello + j * layer_time``. Both quantities are bounded from below by
+    the watcher's own polls: the HELLO arrived after the poll before the one that saw it (and after the
+    reservation was made): ``hello_lo``; it arrived by the poll that saw it: ``hello_seen``. When a poll first
+    counts ``d`` landed layers, the d-th arrived after the previous poll, so
+    ``layer_time > (previous_poll - hello_seen) / (d - 1)``. The last layer is then due no earlier than
+    ``hello_lo + (layers - 1) * layer_time_lo``: a prediction from lower bounds is early, never late, so sleeping
+    half the predicted time left does not sleep past the last layer while the layers keep their pace.
+    """
+
+    hello_lo: float
+    hello_seen: float
+    seen_done: int = 0
+    layer_time_lo: float = 0.0  # 0: not known yet (fewer than two layers seen)
 
 
 class NixlReceiver(KVReceiver):
@@ -39,6 +61,8 @@ class NixlReceiver(KVReceiver):
         self._known: set[str] = set()
         self._stop = threading.Event()
         self._reserved = threading.Event()  # set by reserve: the watcher starts polling
+        self._pace: dict[int, _Pace] = {}  # transfer id -> timing, from its HELLO on (watcher thread only)
+        self._poll_prev = self._poll_now = 0.0  # the watcher's previous and current poll times
         self._thread = threading.Thread(target=self._watch, name="kv-nixl-notifs", daemon=True)
         self._thread.start()
         self.book.start(self.config.poll_interval_s)
@@ -95,32 +119,32 @@ class NixlReceiver(KVReceiver):
 
     def _watch(self) -> None:
         """Poll the agent's notifications, as rarely as the critical path allows: every wake-up is taken from the
-        decode loop's CPU and GIL (measured: this thread was the receiver's largest cost per transfer, ~9 ms of
-        CPU, from waking every 50 us - 2 ms whether or not anything was landing).
+        decode loop's CPU and GIL (this thread was the receiver's largest cost per transfer, from waking every
+        50 us - 2 ms whether or not anything was due). Only a transfer's *last* DATA notification is on the
+        critical path (it lets decode start); earlier layers land while prefill computes later ones.
 
         - No reservation: no polling; ``reserve`` wakes the thread (``IDLE_POLL_S`` as a backstop, which also
           drains stray notifications of finished transfers).
-        - Reservations whose transfers have further to go: every ``poll_interval_s``. The early layers' DATA and
-          a FAIL are not latency-critical at that scale.
-        - For ``HELLO_WINDOW_S`` after a HELLO the tick starts at 50 us and doubles up to ``ACTIVE_POLL_S``: a
-          short prompt's layers all land within about a millisecond of its HELLO, so its last layer is caught by
-          these fast polls instead of a full tick later. A long prompt's layers come one per layer of prefill
-          compute, and after the window the tick is ``poll_interval_s`` again until its last layer is next.
-        - A reservation that lacks only its last layer: every ``ACTIVE_POLL_S``. That DATA notification lets
-          decode start, and a poller at ``poll_interval_s`` would add up to that much to every request.
+        - A reservation without its HELLO: every ``poll_interval_s``.
+        - For ``HELLO_WINDOW_S`` after a HELLO (until two layers have landed) the tick starts at 50 us and doubles
+          up to ``ACTIVE_POLL_S``: a short prompt's layers all land within about a millisecond of its HELLO.
+        - Then, per transfer (the nearest wins): half the time left until its predicted last layer (see
+          :class:`_Pace`), between ``ACTIVE_POLL_S`` and ``MAX_SLEEP_S``, so a long prefill is polled a few dozen
+          times, not every tick, and its last layer still within ``ACTIVE_POLL_S``. Before two layers have
+          landed, the sleep doubles from ``poll_interval_s`` (``ACTIVE_POLL_S`` if only the last is missing);
+          after a last layer that is later than predicted by more than a layer's time, ``poll_interval_s``.
         """
         pace = Backoff(self.config.poll_interval_s)
-        hello_until = 0.0
         while not self._stop.is_set():
             if not self.landing.has_reservations():  # a reserve racing this check sets _reserved: no lost wake-up
                 self._reserved.wait(IDLE_POLL_S)
                 self._reserved.clear()
-            urgent = time.monotonic() < hello_until or self.landing.nearly_done()
-            # A plain sleep, not an Event wait: nothing but close() (which the tick bounds) needs to cut it short,
-            # and on this VM a 2 ms Event.wait costs ~100 us of CPU against ~55 us for time.sleep.
-            time.sleep(pace.next_timeout(ACTIVE_POLL_S if urgent else None))
+            # A plain sleep, not an Event wait: nothing but close() (which MAX_SLEEP_S bounds) needs to cut it
+            # short, and on this VM a 2 ms Event.wait costs ~100 us of CPU against ~55 us for time.sleep.
+            time.sleep(self._next_sleep(time.monotonic(), pace))
             if self._stop.is_set():
                 return
+            self._poll_prev, self._poll_now = self._poll_now, time.monotonic()
             try:
                 with self._agent_lock:
                     notifs = self._agent.get_new_notifs()
@@ -132,9 +156,52 @@ class NixlReceiver(KVReceiver):
                     try:
                         if self._handle(remote, bytes(msg)) == Kind.HELLO:
                             pace.reset()
-                            hello_until = time.monotonic() + HELLO_WINDOW_S
                     except Exception:
                         log.exception("nixl receiver: bad notification from %s", remote)
+            if notifs or self._pace:
+                self._update_pace()
+
+    def _update_pace(self) -> None:
+        """Tighten each transfer's layer-time bound from the layers this poll counted; forget finished ones."""
+        prev = self._poll_prev
+        for tid, p in list(self._pace.items()):
+            entry = self.landing.live(tid)
+            if entry is None:
+                del self._pace[tid]
+                continue
+            done = entry.layers_done
+            if done > p.seen_done:
+                p.seen_done = done
+                if done >= 2:
+                    p.layer_time_lo = max(p.layer_time_lo, (prev - p.hello_seen) / (done - 1))
+
+    def _next_sleep(self, now: float, pace: Backoff) -> float:
+        """This tick's sleep, by the rules of :meth:`_watch`."""
+        tick = self.config.poll_interval_s
+        best = MAX_SLEEP_S
+        window = False
+        layout = self.landing.layout
+        layers = layout.num_layers if layout is not None else 1
+        with self.book.lock:
+            for entry in self.landing.in_flight():
+                p = self._pace.get(entry.ctx.transfer_id)
+                if p is None:  # no HELLO yet
+                    best = min(best, tick)
+                    continue
+                lt = p.layer_time_lo
+                if not lt and now < p.hello_seen + HELLO_WINDOW_S:
+                    window = True
+                    continue
+                missing = layers - entry.layers_done
+                if not lt:
+                    cand = ACTIVE_POLL_S if missing <= 1 else max((now - p.hello_lo) / 2, tick)
+                else:
+                    due = p.hello_lo + (layers - 1) * lt
+                    cand = tick if now > due + max(lt, HELLO_WINDOW_S) else max((due - now) / 2, ACTIVE_POLL_S)
+                best = min(best, cand)
+        if window:
+            return min(pace.next_timeout(ACTIVE_POLL_S), best)
+        return best
 
     def _handle(self, remote: str, msg: bytes) -> Kind | None:
         """Act on one notification; returns its kind, or None when it was for no live reservation."""
@@ -151,6 +218,8 @@ class NixlReceiver(KVReceiver):
                         self._agent.add_remote_agent(metadata)
                     self._known.add(name)
                 self.landing.on_hello(entry, layout, name)
+                if frame.transfer_id not in self._pace:  # the first sender's HELLO starts the clock
+                    self._pace[frame.transfer_id] = _Pace(max(self._poll_prev, entry.started), self._poll_now)
             except ValueError as e:
                 with self.book.lock:
                     if remote in self._known and remote not in entry.ctx.peers:

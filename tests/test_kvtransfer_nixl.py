@@ -61,7 +61,7 @@ def test_idle_agent_progress_thread_does_not_spin_a_core() -> None:
 def test_receiver_polls_notifications_only_while_a_reservation_is_open() -> None:
     """The decode side's notification thread takes the decode loop's CPU and GIL each time it wakes: with nothing
     reserved it does not poll, with a reservation open it polls at the configured tick (2 ms), and it goes quiet
-    again once the reservation is gone. The fast tick for a last layer is exercised by every transfer test."""
+    again once the reservation is gone. How it paces a transfer's layers: the next test."""
     r = NixlReceiver()
     calls = [0]
     real = r._agent.get_new_notifs
@@ -86,6 +86,56 @@ def test_receiver_polls_notifications_only_while_a_reservation_is_open() -> None
         assert 20 <= open_polls <= 200, open_polls
     finally:
         r.close()
+
+
+def test_receiver_paces_its_polls_by_a_long_prefills_layers_and_still_catches_the_last_one_at_once() -> None:
+    """A 16-layer prefill whose layers come 15 ms apart (as a long prompt's do) is polled a few dozen times, not
+    every 2 ms tick plus every 250 us while its last layer is due (~160 polls before), because the watcher predicts
+    the last layer from lower bounds on the layer pace; yet the receiver sees that layer land within a few
+    milliseconds of its post (median of 4 transfers; typically ~0.3 ms here, as before)."""
+    import statistics
+
+    layout = KVLayout("paced", "float16", num_layers=16, block_size=4, num_kv_heads=2, head_dim=8)
+    r, s = NixlReceiver(), NixlSender()
+    calls = [0]
+    real = r._agent.get_new_notifs
+
+    def counted() -> dict:
+        calls[0] += 1
+        return real()
+
+    r._agent.get_new_notifs = counted
+    done_at: dict[str, float] = {}
+    r.set_on_done(lambda rid: done_at.setdefault(rid, time.perf_counter()))
+    latencies, polls = [], []
+    try:
+        r.register(make_caches(layout, 16, None), layout)
+        s.register(make_caches(layout, 16, 1), layout)
+        for i in range(5):  # the first one adds the remote agent on both sides: not counted
+            rid = f"paced-{i}"
+            before = calls[0]
+            d = r.reserve(rid, [0, 1, 2], 12, time.time() + 20)
+            s.start(rid, d, [5, 6, 7], time.time() + 20)
+            for layer in range(layout.num_layers):
+                if layer:
+                    time.sleep(0.015)
+                s.send_layer(rid, layer)
+            posted = time.perf_counter()
+            s.finish(rid)
+            end = time.monotonic() + 10
+            while not (rid in done_at and s.poll(rid).finished) and time.monotonic() < end:
+                time.sleep(0.001)
+            assert r.poll(rid).state == TransferState.DONE
+            if i:
+                latencies.append(done_at[rid] - posted)
+                polls.append(calls[0] - before)
+            s.release(rid)
+            r.release(rid)
+    finally:
+        s.close()
+        r.close()
+    assert statistics.median(polls) <= 90, polls
+    assert statistics.median(latencies) < 0.005, latencies
 
 
 def test_last_dram_layer_is_posted_by_the_caller_and_earlier_layers_by_the_progress_thread() -> None:

@@ -7,6 +7,7 @@ import base64
 import json
 import logging
 import os
+import struct
 import sys
 import threading
 import uuid
@@ -19,6 +20,7 @@ import torch
 from kvtransfer.config import TransferConfig
 from kvtransfer.layout import KVLayout
 from kvtransfer.plan import Piece
+from kvtransfer.wire import HEADER_SIZE
 
 
 def ucx_environment(config: TransferConfig) -> dict[str, str]:
@@ -114,6 +116,23 @@ def parse_hello(payload: bytes) -> tuple[KVLayout, str, bytes]:
         return KVLayout.from_dict(doc["layout"]), str(doc["agent"]), base64.b64decode(doc["metadata"], validate=True)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"malformed NIXL HELLO: {e}") from None
+
+
+_HANDED = struct.Struct("!Q")
+
+
+def data_notif(header: bytes, handed_after_hello_s: float) -> bytes:
+    """A layer's DATA notification: its frame header, then (8 bytes, microseconds) how long after the leg's HELLO
+    the sender was handed the layer, i.e. when that layer's compute ended, on the sender's own clock. Offsets from
+    one clock need no clock sync; the receiver learns the prefill's layer pace from them (:func:`handed_after`)."""
+    return header + _HANDED.pack(max(0, round(handed_after_hello_s * 1e6)))
+
+
+def handed_after(msg: bytes) -> float | None:
+    """The seconds :func:`data_notif` appended to a DATA notification, or None (none there)."""
+    if len(msg) < HEADER_SIZE + _HANDED.size:
+        return None
+    return _HANDED.unpack_from(msg, HEADER_SIZE)[0] / 1e6
 
 
 def piece_offsets(pieces: Sequence[Piece], src: KVLayout, dst: KVLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -15,7 +15,7 @@ from kvtransfer.book import Entry, TransferBook
 from kvtransfer.config import TransferConfig
 from kvtransfer.landing import Landing
 from kvtransfer.layout import KVLayout
-from kvtransfer.nixl_agent import make_agent, mem_of, parse_hello
+from kvtransfer.nixl_agent import handed_after, make_agent, mem_of, parse_hello
 from kvtransfer.pacing import Backoff
 from kvtransfer.wire import HEADER_SIZE, Kind, control, unpack
 
@@ -24,26 +24,44 @@ ACTIVE_POLL_S = 2.5e-4
 IDLE_POLL_S = 0.5
 HELLO_WINDOW_S = 0.002
 MAX_SLEEP_S = 0.02  # the longest sleep while some reservation has layers due
+# Where the last layer may land, around its predicted time, in layer times: polled every ACTIVE_POLL_S. Measured
+# on 2 vCPUs, one prefill's layer times spread +-30% around their mean (other processes, memory bandwidth).
+DUE_EARLY, DUE_LATE = 0.3, 0.6
 
 
 @dataclass(slots=True)
 class _Pace:
     """What the watcher knows of one transfer's timing, for predicting when its last layer lands.
 
-    A transfer's layers come one per layer of prefill compute after its HELLO (sent when layer 0 was computed), so
-    the j-th layer to land arrives at about ``hello + j * layer_time``. Both quantities are bounded from below by
-    the watcher's own polls: the HELLO arrived after the poll before the one that saw it (and after the
-    reservation was made): ``hello_lo``; it arrived by the poll that saw it: ``hello_seen``. When a poll first
-    counts ``d`` landed layers, the d-th arrived after the previous poll, so
-    ``layer_time > (previous_poll - hello_seen) / (d - 1)``. The last layer is then due no earlier than
-    ``hello_lo + (layers - 1) * layer_time_lo``: a prediction from lower bounds is early, never late, so sleeping
-    half the predicted time left does not sleep past the last layer while the layers keep their pace.
+    Each DATA notification says when the sender was handed that layer, i.e. when its compute ended, as an offset
+    from the leg's HELLO on the sender's clock (:func:`kvtransfer.nixl_agent.data_notif`). Two of them give the
+    prefill's layer time, so the last layer is due ``offset(last) = offset(j) + (last - j) * layer_time`` after
+    the HELLO. The HELLO arrived after the poll before the one that saw it (and after the reservation was made):
+    ``hello_lo``, so ``hello_lo + offset(last)`` is an early estimate of the last layer's arrival, which also
+    carries its copy and notification. Offsets, not arrival times: the progress thread that posts the earlier
+    layers may post them late (it waits for the forward pass to release the GIL), while the last layer is posted
+    by the forward thread itself, so arrival times would predict the end too late.
     """
 
     hello_lo: float
     hello_seen: float
-    seen_done: int = 0
-    layer_time_lo: float = 0.0  # 0: not known yet (fewer than two layers seen)
+    first: tuple[int, float] | None = None  # (layer, offset) of the lowest layer reported
+    last: tuple[int, float] | None = None  # (layer, offset) of the highest
+    landed_at: float = 0.0  # the watcher's poll time when a layer of this transfer last landed
+
+    def note(self, layer: int, offset: float, now: float) -> None:
+        self.landed_at = now
+        if self.first is None or layer < self.first[0]:
+            self.first = (layer, offset)
+        if self.last is None or layer > self.last[0]:
+            self.last = (layer, offset)
+
+    def due(self, layers: int) -> tuple[float, float] | None:
+        """(when the last layer is due, monotonic; the mean layer time), once two layers were reported."""
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return None
+        lt = max(self.last[1] - self.first[1], 0.0) / (self.last[0] - self.first[0])
+        return self.hello_lo + self.last[1] + (layers - 1 - self.last[0]) * lt, lt
 
 
 class NixlReceiver(KVReceiver):
@@ -129,10 +147,13 @@ class NixlReceiver(KVReceiver):
         - For ``HELLO_WINDOW_S`` after a HELLO (until two layers have landed) the tick starts at 50 us and doubles
           up to ``ACTIVE_POLL_S``: a short prompt's layers all land within about a millisecond of its HELLO.
         - Then, per transfer (the nearest wins): half the time left until its predicted last layer (see
-          :class:`_Pace`), between ``ACTIVE_POLL_S`` and ``MAX_SLEEP_S``, so a long prefill is polled a few dozen
-          times, not every tick, and its last layer still within ``ACTIVE_POLL_S``. Before two layers have
-          landed, the sleep doubles from ``poll_interval_s`` (``ACTIVE_POLL_S`` if only the last is missing);
-          after a last layer that is later than predicted by more than a layer's time, ``poll_interval_s``.
+          :class:`_Pace`) less ``DUE_EARLY`` layer times, between ``ACTIVE_POLL_S`` and ``MAX_SLEEP_S``; from
+          there to ``DUE_LATE`` layer times past the prediction, ``ACTIVE_POLL_S``. So a long prefill is polled
+          every tick only around its last layer, not for its whole length, and that layer is still seen within
+          ``ACTIVE_POLL_S``. Before two layers are reported, the sleep doubles from ``poll_interval_s``
+          (``ACTIVE_POLL_S`` if only the last is missing). Past the window: ``ACTIVE_POLL_S`` while layers keep
+          landing (the compute is done and the copies trail it, as when a short prompt's layers all come at
+          once), else ``poll_interval_s`` (a stalled sender; its lease bounds the wait).
         """
         pace = Backoff(self.config.poll_interval_s)
         while not self._stop.is_set():
@@ -158,22 +179,12 @@ class NixlReceiver(KVReceiver):
                             pace.reset()
                     except Exception:
                         log.exception("nixl receiver: bad notification from %s", remote)
-            if notifs or self._pace:
-                self._update_pace()
+            if self._pace:
+                self._forget_finished()
 
-    def _update_pace(self) -> None:
-        """Tighten each transfer's layer-time bound from the layers this poll counted; forget finished ones."""
-        prev = self._poll_prev
-        for tid, p in list(self._pace.items()):
-            entry = self.landing.live(tid)
-            if entry is None:
-                del self._pace[tid]
-                continue
-            done = entry.layers_done
-            if done > p.seen_done:
-                p.seen_done = done
-                if done >= 2:
-                    p.layer_time_lo = max(p.layer_time_lo, (prev - p.hello_seen) / (done - 1))
+    def _forget_finished(self) -> None:
+        for tid in [tid for tid in self._pace if self.landing.live(tid) is None]:
+            del self._pace[tid]
 
     def _next_sleep(self, now: float, pace: Backoff) -> float:
         """This tick's sleep, by the rules of :meth:`_watch`."""
@@ -188,16 +199,22 @@ class NixlReceiver(KVReceiver):
                 if p is None:  # no HELLO yet
                     best = min(best, tick)
                     continue
-                lt = p.layer_time_lo
-                if not lt and now < p.hello_seen + HELLO_WINDOW_S:
+                timing = p.due(layers)
+                if timing is None and now < p.hello_seen + HELLO_WINDOW_S:
                     window = True
                     continue
-                missing = layers - entry.layers_done
-                if not lt:
+                if timing is None:
+                    missing = layers - entry.layers_done
                     cand = ACTIVE_POLL_S if missing <= 1 else max((now - p.hello_lo) / 2, tick)
                 else:
-                    due = p.hello_lo + (layers - 1) * lt
-                    cand = tick if now > due + max(lt, HELLO_WINDOW_S) else max((due - now) / 2, ACTIVE_POLL_S)
+                    due, lt = timing
+                    opens = due - DUE_EARLY * lt
+                    if now < opens:
+                        cand = max((opens - now) / 2, ACTIVE_POLL_S)
+                    elif now <= due + DUE_LATE * lt or now - p.landed_at < max(lt, HELLO_WINDOW_S):
+                        cand = ACTIVE_POLL_S  # the last layer's window, or the copies still land (compute done)
+                    else:
+                        cand = tick  # later than any prediction and nothing landing: a stalled or slow sender
                 best = min(best, cand)
         if window:
             return min(pace.next_timeout(ACTIVE_POLL_S), best)
@@ -226,6 +243,9 @@ class NixlReceiver(KVReceiver):
                         entry.ctx.peers.append(remote)
                 self.book.fail(entry, f"receiver: {e}", notify_peer=True)
         elif frame.kind == Kind.DATA:  # NIXL delivers this after the layer's WRITE completed
+            pace, offset = self._pace.get(frame.transfer_id), handed_after(msg)
+            if pace is not None and offset is not None:
+                pace.note(frame.layer, offset, self._poll_now)
             if self.landing.landed(entry, frame.layer, frame.payload_len):
                 for peer in list(entry.ctx.peers):
                     self._send(peer, control(Kind.ACK, frame.transfer_id))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -22,7 +23,7 @@ from kvtransfer.base import DestinationInfo, KVCaches, KVSender, OnFailed, Trans
 from kvtransfer.book import Entry, TransferBook
 from kvtransfer.config import TransferConfig
 from kvtransfer.layout import KVLayout
-from kvtransfer.nixl_agent import hello_payload, make_agent, mem_of, piece_offsets
+from kvtransfer.nixl_agent import data_notif, hello_payload, make_agent, mem_of, piece_offsets
 from kvtransfer.outgoing import Leg, Outbound
 from kvtransfer.pacing import Backoff
 from kvtransfer.wire import HEADER_SIZE, Frame, Kind, control, unpack
@@ -39,8 +40,10 @@ class _LegPlan:
     nbytes: int  # per layer, K and V
     dlists: tuple[Any, Any] | None = None  # prepared (local, remote) descriptor lists covering every layer
     handles: list[Any] = field(default_factory=list)  # per layer: its prepared WRITE, None once taken to post
+    notifs: list[bytes] = field(default_factory=list)  # per layer: its DATA notification's header
     pending: list[tuple[int, Any]] = field(default_factory=list)  # (layer, xfer handle)
-    waiting: list[tuple[int, Any]] = field(default_factory=list)  # (layer, CUDA event) not yet posted
+    waiting: list[tuple[int, Any, float]] = field(default_factory=list)  # (layer, CUDA event, handed at) to post
+    hello_at: float = 0.0  # monotonic, when this leg's HELLO went out
     finish_sent: bool = False
 
 
@@ -93,12 +96,14 @@ class NixlSender(KVSender):
                 return
             leg.peer = _LegPlan(d.agent_name, np.empty(0, np.uint64), np.empty(0, np.uint64), np.empty(0, np.uint64), 0)
         self.out.plan(entry)  # raises CompatibilityError after notifying the receiver(s)
-        hello = self._hello
+        hello, layout = self._hello, self.out.layout
+        assert layout is not None  # plan() refuses an unregistered sender
         for leg in entry.ctx.legs:
             lp: _LegPlan = leg.peer
-            lp.src_off, lp.dst_off, lp.lens = piece_offsets(leg.pieces, self.out.layout, leg.dest.layout)
+            lp.src_off, lp.dst_off, lp.lens = piece_offsets(leg.pieces, layout, leg.dest.layout)
             lp.nbytes = 2 * int(lp.lens.sum())
             try:
+                lp.hello_at = time.monotonic()
                 with self._agent_lock:
                     self._agent.send_notif(lp.remote, control(Kind.HELLO, leg.dest.transfer_id, hello))
             except Exception as e:
@@ -109,18 +114,19 @@ class NixlSender(KVSender):
         entry = self.book.get(request_id)
         if entry.state >= TransferState.DONE:
             return
+        handed = time.monotonic()  # this layer's compute is done: the pace the receiver predicts from
         ready = None
         if self._mem[0] == "VRAM":  # pragma: no cover - needs a GPU
             ready = torch.cuda.Event()
             ready.record()
-        elif layer == len(self._bases) - 1 and self._post_last_now(entry, layer):
+        elif layer == len(self._bases) - 1 and self._post_last_now(entry, layer, handed):
             return
         with self.book.lock:
             for leg in entry.ctx.legs:
-                leg.peer.waiting.append((layer, ready))
+                leg.peer.waiting.append((layer, ready, handed))
         self._wake.set()  # the progress thread posts it now (UCX may copy DRAM inside the post call)
 
-    def _post_last_now(self, entry: Entry, layer: int) -> bool:
+    def _post_last_now(self, entry: Entry, layer: int, handed: float) -> bool:
         """Post the last layer of a DRAM transfer on the calling (forward) thread; False to leave it to the progress
         thread (a leg not prepared yet, e.g. a one-layer model, whose preparation that thread owns).
 
@@ -133,7 +139,7 @@ class NixlSender(KVSender):
             if any(leg.peer is None or leg.peer.dlists is None for leg in entry.ctx.legs):
                 return False
         for leg in entry.ctx.legs:
-            self._post(entry, leg, layer)
+            self._post(entry, leg, layer, handed)
             if entry.state >= TransferState.DONE:
                 return True
             self._check_pending(entry, leg, only_layer=layer)
@@ -192,8 +198,10 @@ class NixlSender(KVSender):
         with self.book.lock:
             lp.dlists = (src, dst)
         handles = [self._make_write(leg, layer) for layer in range(layers)]
+        notifs = [Frame(Kind.DATA, leg.dest.transfer_id, layer=layer, payload_len=lp.nbytes).pack()
+                  for layer in range(layers)]
         with self.book.lock:
-            lp.handles = handles
+            lp.handles, lp.notifs = handles, notifs
 
     def _make_write(self, leg: Leg, layer: int) -> Any:
         lp: _LegPlan = leg.peer
@@ -215,14 +223,19 @@ class NixlSender(KVSender):
                 lp.handles[layer] = None
         return handle if handle is not None else self._make_write(leg, layer)  # a layer sent twice: a fresh one
 
-    def _post(self, entry: Entry, leg: Leg, layer: int) -> None:
+    def _post(self, entry: Entry, leg: Leg, layer: int, handed: float) -> None:
+        """Post ``layer``'s WRITE; its DATA notification carries when the layer was handed over (see
+        :func:`kvtransfer.nixl_agent.data_notif`), so the receiver can predict the last layer from the compute's
+        pace rather than from notifications that this thread may have posted late."""
         lp: _LegPlan = leg.peer
         if entry.state >= TransferState.DONE:
             return
         try:
             handle = self._take_write(leg, layer)
+            header = lp.notifs[layer] if layer < len(lp.notifs) else Frame(
+                Kind.DATA, leg.dest.transfer_id, layer=layer, payload_len=lp.nbytes).pack()
             with self._agent_lock:
-                state = self._agent.transfer(handle)
+                state = self._agent.transfer(handle, data_notif(header, handed - lp.hello_at))
         except Exception as e:
             self.book.fail(entry, f"sender: posting layer {layer} to {lp.remote} failed: {e}", notify_peer=True)
             return
@@ -304,11 +317,11 @@ class NixlSender(KVSender):
         lp: _LegPlan | None = leg.peer
         if lp is None:
             return
-        for layer, ev in list(lp.waiting):
+        for layer, ev, handed in list(lp.waiting):
             if ev is None or ev.query():
                 with self.book.lock:
-                    lp.waiting.remove((layer, ev))
-                self._post(entry, leg, layer)
+                    lp.waiting.remove((layer, ev, handed))
+                self._post(entry, leg, layer, handed)
                 if entry.state >= TransferState.DONE:
                     return
         if not self._check_pending(entry, leg):

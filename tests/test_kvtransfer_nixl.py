@@ -106,7 +106,10 @@ def test_receiver_paces_its_polls_by_a_long_prefills_layers_and_still_catches_th
 
     r._agent.get_new_notifs = counted
     done_at: dict[str, float] = {}
-    r.set_on_done(lambda rid: done_at.setdefault(rid, time.perf_counter()))
+    def on_done(rid: str) -> None:
+        done_at.setdefault(rid, time.perf_counter())
+
+    r.set_on_done(on_done)
     latencies, polls = [], []
     try:
         r.register(make_caches(layout, 16, None), layout)
@@ -150,9 +153,9 @@ def test_last_dram_layer_is_posted_by_the_caller_and_earlier_layers_by_the_progr
     posted: list[tuple[int, str]] = []
     post = s._post
 
-    def recording(entry: object, leg: object, layer: int) -> None:
+    def recording(entry: object, leg: object, layer: int, handed: float) -> None:
         posted.append((layer, threading.current_thread().name))
-        post(entry, leg, layer)  # type: ignore[arg-type]
+        post(entry, leg, layer, handed)  # type: ignore[arg-type]
 
     s._post = recording  # type: ignore[method-assign]
     try:
@@ -263,3 +266,25 @@ def test_tp2_prefill_into_tp1_decode_over_real_agents() -> None:
         for s, _ in senders:
             s.close()
         r.close()
+
+
+def test_data_notifications_carry_the_layer_hand_over_time_and_the_pace_predicts_the_last_layer_from_it() -> None:
+    """A DATA notification is its frame header plus the microseconds after the HELLO at which the sender was given
+    the layer; the receiver predicts the last layer from those offsets (the compute's pace), not from when the
+    notifications arrived, and needs two layers for it."""
+    from kvtransfer.nixl_agent import data_notif, handed_after
+    from kvtransfer.nixl_receiver import _Pace
+    from kvtransfer.wire import Frame, Kind, unpack
+
+    header = Frame(Kind.DATA, 7, layer=3, payload_len=4096).pack()
+    msg = data_notif(header, 0.25)
+    assert unpack(msg).layer == 3 and unpack(msg).payload_len == 4096 and handed_after(msg) == 0.25
+    assert handed_after(header) is None and handed_after(data_notif(header, -1.0)) == 0.0
+    pace = _Pace(hello_lo=100.0, hello_seen=100.002)
+    pace.note(0, 0.001, now=100.003)
+    assert pace.due(16) is None
+    pace.note(2, 0.061, now=100.5)  # noticed late: arrival times would overstate the layer time
+    due, layer_time = pace.due(16)  # type: ignore[misc]
+    assert layer_time == pytest.approx(0.03) and due == pytest.approx(100.0 + 0.061 + 13 * 0.03)
+    pace.note(1, 0.031, now=100.5)  # out of order: the first and last reported layers stay the bounds
+    assert pace.due(16) == pytest.approx((due, layer_time))

@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true")
     gen.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"])
-    gen.add_argument("--kv-backend", default="tcp", choices=["nixl", "torch", "tcp"])
+    gen.add_argument("--kv-backend", default="auto", choices=["auto", "nixl", "torch", "tcp"],
+                     help="disaggregated mode's KV transfer (auto: nixl where installed, else tcp)")
     _add_engine_flags(gen)
 
     up = sub.add_parser("up", help="start a local cluster (Ray, prefill + decode workers, router) serving OpenAI")
@@ -64,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="client gRPC API port (tandem.v1.Gateway; default: the HTTP port + 1; -1: not served)")
     up.add_argument("--redis", default=None, help="redis://... for the worker registry and KV events")
     up.add_argument("--config", default=None, help="JSON file with any of these settings")
-    up.add_argument("--kv-backend", default=None, choices=["nixl", "torch", "tcp"])
+    up.add_argument("--kv-backend", default=None, choices=["auto", "nixl", "torch", "tcp"],
+                    help="KV transfer between the tiers (default auto: nixl where installed, else tcp)")
     sub.add_parser("down", help="stop the cluster `tandem up` started")
 
     from worker.server import add_worker_args

@@ -30,7 +30,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from ray.actor import ActorClass
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +49,16 @@ class UpConfig:
     grpc_port: int | None = None  # the client gRPC API (tandem.v1.Gateway); None: port + 1; negative: not served
     host: str = "127.0.0.1"
     redis: str | None = None
-    kv_backend: str = "tcp"
+    kv_backend: str = "auto"  # worker.launcher.resolve_kv_backend: nixl where installed, else tcp
     worker_flags: tuple[str, ...] = ()
     cpus_per_replica: float = 0.5
     min_uncached_tokens: int = 64
 
     def __post_init__(self) -> None:
+        from worker.launcher import KV_BACKENDS
+
+        if self.kv_backend not in KV_BACKENDS:
+            raise ValueError(f"unknown kv_backend {self.kv_backend!r} (choose from {', '.join(KV_BACKENDS)})")
         if self.prefill < 0 or self.decode < 1:
             raise ValueError(f"need >= 0 prefill and >= 1 decode replicas, got {self.prefill}/{self.decode}")
         if not 0 <= self.port < 65536:
@@ -157,6 +164,7 @@ def run_up(cfg: UpConfig) -> int:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from controlplane.replica import ReplicaSpec, WorkerReplica
+    from worker.launcher import resolve_kv_backend
 
     prepare = _Prepare(cfg.model)
     prepare.start()  # after `import ray`: imports share one GIL; what overlaps is ray.init waiting for its processes
@@ -166,16 +174,19 @@ def run_up(cfg: UpConfig) -> int:
     replicas: list[tuple[ReplicaSpec, Any, Any]] = []
     try:
         model = prepare.model_path()
-        specs = ([ReplicaSpec("prefill", str(model), cfg.kv_backend, cfg.cpus_per_replica, cfg.worker_flags)]
-                 * cfg.prefill + [ReplicaSpec("decode", str(model), cfg.kv_backend, cfg.cpus_per_replica,
+        backend = resolve_kv_backend(cfg.kv_backend)
+        specs = ([ReplicaSpec("prefill", str(model), backend, cfg.cpus_per_replica, cfg.worker_flags)]
+                 * cfg.prefill + [ReplicaSpec("decode", str(model), backend, cfg.cpus_per_replica,
                                               cfg.worker_flags)] * cfg.decode)
+        # @ray.remote made WorkerReplica an ActorClass (mypy keeps a decorated class's own type)
+        replica_actor = cast("ActorClass[WorkerReplica]", WorkerReplica)
         for spec in specs:
             pg = placement_group([{"CPU": spec.cpus}], strategy="PACK")
-            actor = WorkerReplica.options(num_cpus=spec.cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            actor = replica_actor.options(num_cpus=spec.cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg)).remote(spec)
             replicas.append((spec, pg, actor))
         addresses = ray.get([actor.start.remote() for _, _, actor in replicas], timeout=180)
-        _say(f"{cfg.prefill} prefill + {cfg.decode} decode workers started")
+        _say(f"{cfg.prefill} prefill + {cfg.decode} decode workers started (KV transfer: {backend})")
         STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
         STATE_FILE.write_text(json.dumps({"pid": os.getpid(), "port": cfg.port,
                                           "worker_pids": ray.get([a.pid.remote() for _, _, a in replicas])}))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -38,13 +39,30 @@ class WorkerProcess:
             self.proc.wait(5)
 
 
+KV_BACKENDS = ("auto", "nixl", "torch", "tcp")
+
+
+def resolve_kv_backend(name: str) -> str:
+    """The KV transfer backend a worker starts with. ``auto``: NIXL where it is installed, else the TCP fallback.
+
+    NIXL is the backend with the least decode-side cost (docs/benchmarks.md §2): across hosts UCX moves the bytes
+    by RDMA, and between processes on one host by shared memory, copied by the sending process. Checked with
+    ``find_spec`` so that choosing costs no import (``tandem up`` and ``tandem down`` stay free of torch and NIXL).
+    """
+    if name not in KV_BACKENDS:
+        raise ValueError(f"unknown KV backend {name!r} (choose from {', '.join(KV_BACKENDS)})")
+    if name != "auto":
+        return name
+    return "nixl" if importlib.util.find_spec("nixl") is not None else "tcp"
+
+
 def start_worker(role: str, model: str, kv_backend: str = "tcp", extra: list[str] | None = None,
                  timeout_s: float = 120.0, env: dict[str, str] | None = None,
                  cpus: set[int] | None = None) -> WorkerProcess:
     """Start a worker and wait for its READY line. ``cpus`` pins the process, and so every thread it will start
     (engine, OpenMP, gRPC, UCX), to those CPUs, as separate hosts or a kubelet CPU set would keep tiers apart."""
     cmd = [sys.executable, "-m", "cli.main", "worker", "--role", role, "--model", model, "--port", "0",
-           "--kv-backend", kv_backend, *(extra or [])]
+           "--kv-backend", resolve_kv_backend(kv_backend), *(extra or [])]
     full_env = {**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})}
     pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,

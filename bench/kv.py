@@ -66,11 +66,13 @@ def measure_overlap(model: str, backend: str, prompt_len: int, threads: int | No
     """``repeats`` fresh prompts (no prefix-cache hit between them) through one prefill/decode pair; the report's
     figures are the medians, every run listed in ``runs``. Both KV pools hold every run's blocks, so no run pays
     for evicting an earlier one's cached blocks and the repeats measure the same thing."""
+    from prefill_worker.service import PrefillService
     from worker.server import build_service
 
     blocks = max(512, (2 * repeats + 2) * (prompt_len // 16 + 1))  # each run: the request and the serial copy
     decode = start_worker("decode", model, backend, ["--num-kv-blocks", str(blocks)])
     service = build_service(_worker_args(model, backend, threads, blocks))
+    assert isinstance(service, PrefillService)  # role prefill: its transfer timings and sender are read below
     service.start()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     pb_grpc.add_WorkerServicer_to_server(service, server)

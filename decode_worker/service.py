@@ -91,6 +91,7 @@ class DecodeService(WorkerService):
         if self.receiver is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker has no KV receiver")
         receiver = self.receiver
+        assert receiver is not None  # context.abort raised otherwise
         params = self._params(request.params, context)
         rid = request.request_id or uuid.uuid4().hex
         lease_s = (request.lease_ms or 30_000) / 1000.0
@@ -117,6 +118,7 @@ class DecodeService(WorkerService):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if resp is None:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "not enough free KV blocks for this prompt")
+        assert resp is not None  # context.abort raised otherwise
         return resp
 
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.TokenChunk]:

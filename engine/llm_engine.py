@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -25,7 +26,7 @@ from engine.kv_cache import allocate_kv_cache, num_blocks_for
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
-from engine.models.decoder import AllReduce, ShardSpec, _identity
+from engine.models.decoder import AllReduce, Attention, ShardSpec, _identity
 from engine.request import Request, RequestStatus, TokenLogprobs
 from engine.sampler import Sampler, SampleResult
 from engine.sampling_params import SamplingParams
@@ -85,7 +86,7 @@ class LLMEngine:
         cfg = self.model_config
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         cache = config.cache
-        kv_heads = self.model.layers[0].self_attn.kv_heads
+        kv_heads = cast(Attention, self.model.layers[0].self_attn).kv_heads
         num_blocks = num_blocks_for(cache, cfg, dtype, kv_heads)
         # A sequence can never outgrow the whole cache: it would preempt itself forever.
         cache_tokens = num_blocks * cache.block_size

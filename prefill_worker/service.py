@@ -142,6 +142,7 @@ class PrefillService(WorkerService):
         out = q.get(timeout=lease_s + 60)
         if out is END or out is None or not out.token_ids:
             context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} did not complete")
+        assert out is not None  # context.abort raised otherwise
         while q.get() is not END:
             pass
         resp = pb.PrefillResponse(first_token_id=out.token_ids[0], num_cached_tokens=out.num_cached_tokens,

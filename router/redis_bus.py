@@ -13,10 +13,11 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, cast
 
 import redis.asyncio as aioredis
 
-from router.pool import IndexSink, WorkerPool
+from router.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,14 @@ def _unpack(data: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(data) // 8}Q", data))
 
 
+class EventSink(Protocol):
+    """What the bus needs of the KV index (router.kv_index.KVIndex): apply one worker's event batch."""
+
+    def apply(self, worker_id: str, seq: int, hashes: list[int], kinds: bytes) -> bool: ...
+
+
 class RedisBus:
-    def __init__(self, url: str, model_key: str, index: IndexSink, pool: WorkerPool,
+    def __init__(self, url: str, model_key: str, index: EventSink, pool: WorkerPool,
                  resync: Callable[[str], Awaitable[int | None]] | None = None, discover_interval_s: float = 0.5,
                  ) -> None:
         self.client = aioredis.Redis.from_url(url, socket_timeout=5.0)
@@ -94,7 +101,9 @@ class RedisBus:
                 log.warning("redis stream: %s", e)
                 await asyncio.sleep(0.5)
                 continue
-            for _, entries in resp or ():
+            # RESP2, undecoded: [[stream, [(entry_id, {field: value}), ...]], ...] (redis' annotation is the union
+            # over protocols and decodings)
+            for _, entries in cast("list[list[Any]]", resp) or ():
                 for entry_id, fields in entries:
                     self.stream_id = entry_id
                     await self._apply(fields)

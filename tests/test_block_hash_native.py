@@ -236,8 +236,8 @@ def test_the_list_module_and_the_buffer_kernel_agree_and_the_module_declines_wha
     assert module.hash_blocks(tokens, 16, extra, ROOT_HASH, len(tokens)) == []
     assert hash_blocks(array("i", tokens), 16, keys) == expected
     for odd in (True, 1 << 31, 2.0):
-        bad = tokens.copy()
-        bad[7] = odd  # type: ignore[call-overload]
+        bad: list[object] = list(tokens)
+        bad[7] = odd
         assert module.hash_blocks(bad, 16, extra, ROOT_HASH, 0) is None
     flagged = tokens.copy()
     flagged[7] = True  # type: ignore[call-overload]

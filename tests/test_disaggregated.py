@@ -12,9 +12,10 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import grpc
 import pytest
@@ -114,7 +115,9 @@ def test_block_accounting_exact_after_500_mixed_requests_with_aborts(pair: Pair)
     def run(job: tuple[int, list[int], int, bool]) -> int:
         i, prompt, max_new, cancel = job
         params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
-        stream = disaggregated_generate(pair.prefill, pair.decode, f"mix-{i}", prompt, params_to_proto(params))
+        # a generator function, so the stream can be closed early
+        stream = cast(Generator[pb.TokenChunk, None, None],
+                      disaggregated_generate(pair.prefill, pair.decode, f"mix-{i}", prompt, params_to_proto(params)))
         n = 0
         for chunk in stream:
             n += len(chunk.token_ids)

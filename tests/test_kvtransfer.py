@@ -7,6 +7,7 @@ on 127.0.0.1 only; every child is killed by PID in teardown and every wait is bo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import pickle
@@ -20,6 +21,8 @@ from kvtransfer import (
     CompatibilityError,
     DestinationInfo,
     KVLayout,
+    KVReceiver,
+    KVSender,
     TransferConfig,
     TransferState,
     backend_names,
@@ -87,7 +90,7 @@ def test_layout_validation_and_hash_ignore_tp() -> None:
 def test_check_compatible_names_the_mismatching_field(change: dict[str, object], field: str) -> None:
     """A mismatch raises CompatibilityError (a ValueError) whose message names the field and both values."""
     with pytest.raises(CompatibilityError, match=field):
-        LAYOUT.check_compatible(dataclasses.replace(LAYOUT, **change))
+        LAYOUT.check_compatible(dataclasses.replace(LAYOUT, **change))  # type: ignore[arg-type]  # one field each
 
 
 # -------------------------------------------------------------------------------------------- unit: tp mapping
@@ -358,8 +361,9 @@ def test_fake_tp2_prefill_into_tp1_decode_merges_heads() -> None:
             s.send_layer("tp", layer)
     assert r.poll("tp").state == TransferState.DONE
     assert digest(full, [0, 1, 2]) == digest(dst, [4, 5, 9])
-    for s in [*senders, r]:
-        s.close()
+    sides: list[KVSender | KVReceiver] = [*senders, r]
+    for side in sides:
+        side.close()
 
 
 @pytest.mark.parametrize("backend", ["tcp", "fake"])
@@ -389,7 +393,8 @@ def test_tp1_prefill_into_tp2_decode_sends_each_rank_its_heads(backend: str) -> 
             want = [(k[:, :, rank : rank + 1].contiguous(), v[:, :, rank : rank + 1].contiguous()) for k, v in full]
             assert digest(want, [0, 1, 2]) == digest(dst, [6, 7, 20])
     finally:
-        for x in [s, *receivers]:
+        ends: list[KVSender | KVReceiver] = [s, *receivers]
+        for x in ends:
             x.close()
 
 
@@ -457,7 +462,7 @@ def test_receiver_sees_layers_land_before_finish(procs: tuple[str, Peer, Peer]) 
     seen = []
     for layer in range(LAYOUT.num_layers):
         s.call("send_layer", rid, layer)
-        assert wait_until(lambda layer=layer: state(r, rid)[3] > layer, 10), state(r, rid)
+        assert wait_until(functools.partial(lambda n: state(r, rid)[3] > n, layer), 10), state(r, rid)
         seen.append(state(r, rid)[3])
     assert seen == [1, 2, 3, 4]
     s.call("finish", rid)
@@ -476,7 +481,7 @@ def test_compatibility_mismatch_is_refused_on_both_sides_naming_the_field(procs:
         s.call("start", rid, [bad.to_bytes()], [1, 2], time.time() + 20)
     assert state(s, rid)[0] == TransferState.FAILED
     assert wait_until(lambda: state(r, rid)[0] == TransferState.FAILED, 10), state(r, rid)
-    assert "dtype" in state(r, rid)[1]
+    assert "dtype" in (state(r, rid)[1] or "")
 
 
 @pytest.mark.timeout(60)
@@ -497,7 +502,7 @@ def test_sender_killed_mid_transfer_fails_the_receiver(procs: tuple[str, Peer, P
         limit = 1.5 if backend == "tcp" else lease + 1.0
         assert wait_until(lambda: state(r, rid)[0] == TransferState.FAILED, limit), state(r, rid)
         took = time.monotonic() - t0
-        message = state(r, rid)[1]
+        message = state(r, rid)[1] or ""
         assert ("connection lost" in message) if backend == "tcp" else ("lease expired" in message or "lost" in message)
         assert took < limit
     finally:

@@ -28,6 +28,7 @@ from engine.attention import build_metadata, paged_attention, write_kv
 from engine.kernels import enabled, layer_ops, paged_attention_kernel
 from engine.llm import LLM
 from engine.model_config import RopeConfig
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -58,9 +59,9 @@ def test_layer_ops_match_torch(rows: int, monkeypatch: pytest.MonkeyPatch) -> No
     cos, sin = rope.tables(torch.randint(0, 512, (rows,), generator=g))
     qkv = torch.randn(rows, 6, 32, generator=g)
 
-    native = (norm(x), layers.silu_mul(gu, 77), rope.apply(qkv.clone()[:, :4], cos, sin))
+    native = (norm(x), layers.silu_mul(gu, 77), rope.rotate(qkv.clone()[:, :4], cos, sin))
     _no_layer_ops(monkeypatch)
-    ref = (norm(x), layers.silu_mul(gu, 77), rope.apply(qkv[:, :4], cos, sin))
+    ref = (norm(x), layers.silu_mul(gu, 77), rope.rotate(qkv[:, :4], cos, sin))
     torch.testing.assert_close(native[0], ref[0], rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(native[1], ref[1], rtol=4e-6, atol=1e-6)
     assert torch.equal(native[2], ref[2])  # rotary: the same roundings, bit for bit
@@ -201,7 +202,12 @@ def test_torch_path_parity_with_transformers(arch: str, checkpoint: Callable[[st
     assert not llm.engine.runner._native
     preempted: list[str] = []
     orig = llm.engine.scheduler._preempt
-    monkeypatch.setattr(llm.engine.scheduler, "_preempt", lambda req: (preempted.append(req.request_id), orig(req)))
+
+    def preempt(req: Request) -> None:
+        preempted.append(req.request_id)
+        orig(req)
+
+    monkeypatch.setattr(llm.engine.scheduler, "_preempt", preempt)
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     assert preempted
     for prompt, out in zip(prompts, outs, strict=True):

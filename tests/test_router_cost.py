@@ -73,7 +73,8 @@ def test_zero_prefix_reuse_balances_dispatched_prefill_tokens_within_20_percent(
 def test_concurrent_selectors_fed_identical_reports_do_not_always_pick_the_same_worker() -> None:
     """Two routers sharing nothing but the same load reports spread near-ties instead of herding onto one worker."""
     a, b = make_selector(temperature=0.2, seed=11), make_selector(temperature=0.2, seed=12)
-    picks_a, picks_b = [], []
+    picks_a: list[str] = []
+    picks_b: list[str] = []
     for round_ in range(200):
         for selector in (a, b):
             for i, w in enumerate(WORKERS):

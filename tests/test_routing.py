@@ -18,12 +18,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
 from aiohttp import web
 
+from router.selector import Selector
 from router.server import Router, RouterConfig, build_router
 from worker.launcher import WorkerProcess, start_worker
 
@@ -373,7 +374,7 @@ def test_prefill_worker_dead_at_dispatch_is_retried_on_the_other_with_the_exact_
     decode = start_worker("decode", str(path), "tcp", [*FLAGS, "--worker-id", "dec-r"])
     rt = RouterThread(RouterConfig(model=str(path), workers=(*(w.address for w in prefills), decode.address)))
     try:
-        rt.call(lambda r: r.dispatcher.prefill_selector.load.on_dispatch("pre-1", 50_000, 0))
+        rt.call(lambda r: cast(Selector, r.dispatcher.prefill_selector).load.on_dispatch("pre-1", 50_000, 0))
         rt.call(lambda r: [t.cancel() for t in r.pool.workers[prefills[0].address].tasks])
         prompt = [random.Random(21).randrange(2000) for _ in range(160)]
         prefills[0].kill()

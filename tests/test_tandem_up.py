@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 pytestmark = pytest.mark.slow
 
@@ -123,9 +124,10 @@ def test_completion_streaming_matches_non_streaming_and_reports_usage(client: op
 def test_chat_completion_streaming_and_not(client: openai.OpenAI) -> None:
     """Chat: role delta first, content deltas, a finish reason; same text as the non-streamed answer."""
     model = _model(client)
-    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi"}]
-    full = client.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0)  # type: ignore[arg-type]
-    stream = list(client.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0,  # type: ignore[arg-type]
+    msgs: list[ChatCompletionMessageParam] = [{"role": "system", "content": "You are terse."},
+                                              {"role": "user", "content": "Say hi"}]
+    full = client.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0)
+    stream = list(client.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0,
                                                  stream=True))
     assert stream[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)

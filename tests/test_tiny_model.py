@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -406,7 +406,7 @@ def test_moe_router_topk_selection_has_no_near_ties(
 
     def hook(module: torch.nn.Module, _inputs: Any, output: Any) -> None:
         ordered = output[0].float().sort(dim=-1, descending=True).values
-        k = module.top_k
+        k = cast(int, module.top_k)
         gaps.append(float((ordered[:, k - 1] - ordered[:, k]).min()))
 
     handles = [router.register_forward_hook(hook) for router in routers]

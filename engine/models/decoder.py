@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +89,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split((self.heads, self.kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        qk = self.rotary.apply(qk, meta.cos, meta.sin)
+        qk = self.rotary.rotate(qk, meta.cos, meta.sin)
         q, k = qk.split((self.heads, self.kv_heads), dim=1)
         write_kv(kv[0], kv[1], k, v, meta)
         o = paged_attention(q, kv[0], kv[1], meta, self.scale)
@@ -179,7 +179,7 @@ class CausalLM(nn.Module):
 
     def prepack(self) -> None:
         """Pack the dense matmul weights for oneDNN (CPU); see :func:`prepack_linear_weight`."""
-        for layer in self.layers:
+        for layer in cast("Iterable[DecoderLayer]", self.layers):
             attn = layer.self_attn
             weights = [attn.qkv_proj, attn.o_proj]
             if isinstance(layer.mlp, GatedMLP):
@@ -195,22 +195,22 @@ class CausalLM(nn.Module):
 
     def _attach_loaders(self) -> None:
         sh = self.shard
-        for layer in self.layers:
+        for layer in cast("Iterable[DecoderLayer]", self.layers):
             attn = layer.self_attn
             q, kv = attn.q_size, attn.kv_size
             offsets = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
-            attn.qkv_proj.weight_loader = _column_loader(offsets, sh)
+            _set_loader(attn.qkv_proj, _column_loader(offsets, sh))
             if attn.qkv_bias is not None:
-                attn.qkv_bias.weight_loader = _column_loader(offsets, sh)
-            attn.o_proj.weight_loader = _row_loader(sh)
+                _set_loader(attn.qkv_bias, _column_loader(offsets, sh))
+            _set_loader(attn.o_proj, _row_loader(sh))
             mlp = layer.mlp
             if isinstance(mlp, GatedMLP):
                 i = mlp.intermediate
-                mlp.gate_up_proj.weight_loader = _column_loader({0: (0, i), 1: (i, i)}, sh)
-                mlp.down_proj.weight_loader = _row_loader(sh)
+                _set_loader(mlp.gate_up_proj, _column_loader({0: (0, i), 1: (i, i)}, sh))
+                _set_loader(mlp.down_proj, _row_loader(sh))
             elif isinstance(mlp, SparseMoE):
-                mlp.w13.weight_loader = _expert_loader(mlp)
-                mlp.w2.weight_loader = _expert_loader(mlp)
+                _set_loader(mlp.w13, _expert_loader(mlp))
+                _set_loader(mlp.w2, _expert_loader(mlp))
 
     def hf_to_param(self, name: str) -> tuple[str, str | int | None, int | None] | None:
         """Map an HF checkpoint key to (parameter name, shard id, expert id); None for keys to skip."""
@@ -244,6 +244,7 @@ class CausalLM(nn.Module):
             proj = m.group(1)
             if proj == "down_proj":
                 return (p + "mlp.down_proj", None, None)
+            shard_id: str | int | None
             target, shard_id = self.packed_modules_mapping[proj]
             return (p + f"mlp.{target}", shard_id, None)
         m = re.fullmatch(r"(?:block_sparse_moe|mlp)\.gate\.weight", rest)
@@ -298,6 +299,11 @@ def _expected_pieces(pname: str, param: nn.Parameter) -> int:
     if pname.endswith("mlp.w2"):
         return param.shape[0]
     return 1
+
+
+def _set_loader(param: nn.Parameter, loader: Callable[..., None]) -> None:
+    """Attach ``loader`` as ``param.weight_loader`` (read back by :meth:`CausalLM.load_weights`)."""
+    setattr(param, "weight_loader", loader)  # noqa: B010 (not an attribute nn.Parameter declares)
 
 
 def _default_loader(param: nn.Parameter, w: torch.Tensor, shard_id: object, expert: object) -> None:

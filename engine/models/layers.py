@@ -109,6 +109,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding with a precomputed cos/sin table indexed by absolute position."""
 
+    cos: torch.Tensor  # buffers, registered in __init__
+    sin: torch.Tensor
+
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(rope, head_dim)
@@ -116,13 +119,13 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
-        self.half = head_dim // 2
+        self.half_dim = head_dim // 2  # not `half`: that would shadow nn.Module.half()
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for a step's positions, ``[T, 1, head_dim]``; gathered once per step, used by every layer."""
         return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x``: [T, heads, hd] (q and k may be rotated together, stacked on the head axis).
 
         With the native ops (fp32 CPU) ``x`` is rotated in place and returned; it must be a tensor the caller owns
@@ -134,7 +137,7 @@ class RotaryEmbedding(nn.Module):
             t, heads, hd = x.shape
             ops.rope(x.data_ptr(), x.stride(0), t, heads, hd, cos.data_ptr(), sin.data_ptr())
             return x
-        rot = torch.cat((-x[..., self.half :], x[..., : self.half]), dim=-1)
+        rot = torch.cat((-x[..., self.half_dim :], x[..., : self.half_dim]), dim=-1)
         return x * cos + rot * sin  # not addcmul: keep transformers' rounding in bf16
 
 

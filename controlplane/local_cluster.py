@@ -49,7 +49,10 @@ class UpConfig:
     grpc_port: int | None = None  # the client gRPC API (tandem.v1.Gateway); None: port + 1; negative: not served
     host: str = "127.0.0.1"
     redis: str | None = None
-    kv_backend: str = "auto"  # worker.launcher.resolve_kv_backend: nixl where installed, else tcp
+    # "auto" (worker.launcher.resolve_kv_backend) is nixl where installed; not the default here because creating the
+    # two workers' NIXL agents adds ~1 s to start-up on 2 vCPUs (8.8-9.3 s -> 10.1-10.7 s, alternating), and a
+    # local cluster's short prompts run colocated anyway. `--kv-backend auto|nixl` when long prompts dominate.
+    kv_backend: str = "tcp"
     worker_flags: tuple[str, ...] = ()
     cpus_per_replica: float = 0.5
     min_uncached_tokens: int = 64

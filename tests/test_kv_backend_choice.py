@@ -23,7 +23,8 @@ def test_auto_is_nixl_where_it_is_installed_else_tcp_and_named_backends_pass_thr
         resolve_kv_backend("rdma")
 
 
-def test_up_defaults_to_auto_and_refuses_an_unknown_backend_by_name() -> None:
-    assert UpConfig().kv_backend == "auto"
+def test_up_starts_on_tcp_unless_told_and_refuses_an_unknown_backend_by_name() -> None:
+    assert UpConfig().kv_backend == "tcp"  # the quickest to start (see UpConfig)
+    assert UpConfig(kv_backend="auto").kv_backend == "auto"
     with pytest.raises(ValueError, match="unknown kv_backend 'mooncake'"):
         UpConfig(kv_backend="mooncake")

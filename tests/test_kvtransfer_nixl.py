@@ -58,11 +58,8 @@ def test_idle_agent_progress_thread_does_not_spin_a_core() -> None:
     assert _idle_cpu_of_agent(100) < 0.5
 
 
-def test_receiver_polls_notifications_only_while_a_reservation_is_open() -> None:
-    """The decode side's notification thread takes the decode loop's CPU and GIL each time it wakes: with nothing
-    reserved it does not poll, with a reservation open it polls at the configured tick (2 ms), and it goes quiet
-    again once the reservation is gone. How it paces a transfer's layers: the next test."""
-    r = NixlReceiver()
+def _count_polls(r: NixlReceiver) -> list[int]:
+    """Count the receiver's notification polls: ``calls[0]`` goes up by one per ``get_new_notifs``."""
     calls = [0]
     real = r._agent.get_new_notifs
 
@@ -71,6 +68,15 @@ def test_receiver_polls_notifications_only_while_a_reservation_is_open() -> None
         return real()
 
     r._agent.get_new_notifs = counted
+    return calls
+
+
+def test_receiver_polls_notifications_only_while_a_reservation_is_open() -> None:
+    """The decode side's notification thread takes the decode loop's CPU and GIL each time it wakes: with nothing
+    reserved it does not poll, with a reservation open it polls at the configured tick (2 ms), and it goes quiet
+    again once the reservation is gone. How it paces a transfer's layers: the next test."""
+    r = NixlReceiver()
+    calls = _count_polls(r)
     try:
         r.register(make_caches(LAYOUT, 8, None), LAYOUT)
         time.sleep(0.3)
@@ -91,21 +97,15 @@ def test_receiver_polls_notifications_only_while_a_reservation_is_open() -> None
 def test_receiver_paces_its_polls_by_a_long_prefills_layers_and_still_catches_the_last_one_at_once() -> None:
     """A 16-layer prefill whose layers come 15 ms apart (as a long prompt's do) is polled a few dozen times, not
     every 2 ms tick plus every 250 us while its last layer is due (~160 polls before), because the watcher predicts
-    the last layer from lower bounds on the layer pace; yet the receiver sees that layer land within a few
-    milliseconds of its post (median of 4 transfers; typically ~0.3 ms here, as before)."""
+    the last layer from the layers' hand-over times the DATA notifications carry; yet the receiver sees that layer
+    land within a few milliseconds of its post (median of 4 transfers; typically ~0.3 ms here, as before)."""
     import statistics
 
     layout = KVLayout("paced", "float16", num_layers=16, block_size=4, num_kv_heads=2, head_dim=8)
     r, s = NixlReceiver(), NixlSender()
-    calls = [0]
-    real = r._agent.get_new_notifs
-
-    def counted() -> dict:
-        calls[0] += 1
-        return real()
-
-    r._agent.get_new_notifs = counted
+    calls = _count_polls(r)
     done_at: dict[str, float] = {}
+
     def on_done(rid: str) -> None:
         done_at.setdefault(rid, time.perf_counter())
 

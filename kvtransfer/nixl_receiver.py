@@ -193,29 +193,28 @@ class NixlReceiver(KVReceiver):
         window = False
         layout = self.landing.layout
         layers = layout.num_layers if layout is not None else 1
-        with self.book.lock:
-            for entry in self.landing.in_flight():
-                p = self._pace.get(entry.ctx.transfer_id)
-                if p is None:  # no HELLO yet
-                    best = min(best, tick)
-                    continue
-                timing = p.due(layers)
-                if timing is None and now < p.hello_seen + HELLO_WINDOW_S:
-                    window = True
-                    continue
-                if timing is None:
-                    missing = layers - entry.layers_done
-                    cand = ACTIVE_POLL_S if missing <= 1 else max((now - p.hello_lo) / 2, tick)
+        for entry in self.landing.in_flight():  # a snapshot, taken under the book's lock
+            p = self._pace.get(entry.ctx.transfer_id)
+            if p is None:  # no HELLO yet
+                best = min(best, tick)
+                continue
+            timing = p.due(layers)
+            if timing is None and now < p.hello_seen + HELLO_WINDOW_S:
+                window = True
+                continue
+            if timing is None:
+                missing = layers - entry.layers_done
+                cand = ACTIVE_POLL_S if missing <= 1 else max((now - p.hello_lo) / 2, tick)
+            else:
+                due, lt = timing
+                opens = due - DUE_EARLY * lt
+                if now < opens:
+                    cand = max((opens - now) / 2, ACTIVE_POLL_S)
+                elif now <= due + DUE_LATE * lt or now - p.landed_at < max(lt, HELLO_WINDOW_S):
+                    cand = ACTIVE_POLL_S  # the last layer's window, or the copies still land (compute done)
                 else:
-                    due, lt = timing
-                    opens = due - DUE_EARLY * lt
-                    if now < opens:
-                        cand = max((opens - now) / 2, ACTIVE_POLL_S)
-                    elif now <= due + DUE_LATE * lt or now - p.landed_at < max(lt, HELLO_WINDOW_S):
-                        cand = ACTIVE_POLL_S  # the last layer's window, or the copies still land (compute done)
-                    else:
-                        cand = tick  # later than any prediction and nothing landing: a stalled or slow sender
-                best = min(best, cand)
+                    cand = tick  # later than any prediction and nothing landing: a stalled or slow sender
+            best = min(best, cand)
         if window:
             return min(pace.next_timeout(ACTIVE_POLL_S), best)
         return best

@@ -40,11 +40,15 @@ class _LegPlan:
     nbytes: int  # per layer, K and V
     dlists: tuple[Any, Any] | None = None  # prepared (local, remote) descriptor lists covering every layer
     handles: list[Any] = field(default_factory=list)  # per layer: its prepared WRITE, None once taken to post
-    notifs: list[bytes] = field(default_factory=list)  # per layer: its DATA notification's header
     pending: list[tuple[int, Any]] = field(default_factory=list)  # (layer, xfer handle)
     waiting: list[tuple[int, Any, float]] = field(default_factory=list)  # (layer, CUDA event, handed at) to post
     hello_at: float = 0.0  # monotonic, when this leg's HELLO went out
     finish_sent: bool = False
+
+
+def _data_header(leg: Leg, layer: int) -> bytes:
+    """The frame header of ``layer``'s DATA notification on ``leg`` (its K and V bytes, all runs)."""
+    return Frame(Kind.DATA, leg.dest.transfer_id, layer=layer, payload_len=leg.peer.nbytes).pack()
 
 
 class NixlSender(KVSender):
@@ -198,10 +202,8 @@ class NixlSender(KVSender):
         with self.book.lock:
             lp.dlists = (src, dst)
         handles = [self._make_write(leg, layer) for layer in range(layers)]
-        notifs = [Frame(Kind.DATA, leg.dest.transfer_id, layer=layer, payload_len=lp.nbytes).pack()
-                  for layer in range(layers)]
         with self.book.lock:
-            lp.handles, lp.notifs = handles, notifs
+            lp.handles = handles
 
     def _make_write(self, leg: Leg, layer: int) -> Any:
         lp: _LegPlan = leg.peer
@@ -209,7 +211,7 @@ class NixlSender(KVSender):
             raise RuntimeError("the leg was released")
         n = 2 * len(lp.lens)
         rows = np.arange(layer * n, (layer + 1) * n, dtype=np.int32)
-        notif = Frame(Kind.DATA, leg.dest.transfer_id, layer=layer, payload_len=lp.nbytes).pack()
+        notif = _data_header(leg, layer)
         with self._agent_lock:
             return self._agent.make_prepped_xfer("WRITE", lp.dlists[0], rows, lp.dlists[1], rows, notif)
 
@@ -232,10 +234,9 @@ class NixlSender(KVSender):
             return
         try:
             handle = self._take_write(leg, layer)
-            header = lp.notifs[layer] if layer < len(lp.notifs) else Frame(
-                Kind.DATA, leg.dest.transfer_id, layer=layer, payload_len=lp.nbytes).pack()
+            notif = data_notif(_data_header(leg, layer), handed - lp.hello_at)
             with self._agent_lock:
-                state = self._agent.transfer(handle, data_notif(header, handed - lp.hello_at))
+                state = self._agent.transfer(handle, notif)
         except Exception as e:
             self.book.fail(entry, f"sender: posting layer {layer} to {lp.remote} failed: {e}", notify_peer=True)
             return

@@ -203,9 +203,7 @@ class KVIndex:
             return self._match_python(block_hashes)
         out, pos = lookup.match(block_hashes, self._ids)
         if pos:
-            self._matches += 1
-            if self._touch and not self._matches & _TOUCH_EVERY_MASK and self._entries >= self._touch_from:
-                self._ref.update(islice(block_hashes, pos))
+            self._count_match(block_hashes, pos)
         return out
 
     def match_depths(self, block_hashes: Sequence[int]) -> tuple[np.ndarray, int]:
@@ -225,9 +223,7 @@ class KVIndex:
             return depths, int(depths.max()) if len(depths) else 0
         pos = lookup.match_depths(block_hashes, depths)
         if pos:
-            self._matches += 1
-            if self._touch and not self._matches & _TOUCH_EVERY_MASK and self._entries >= self._touch_from:
-                self._ref.update(islice(block_hashes, pos))
+            self._count_match(block_hashes, pos)
         return depths, pos
 
     def slots_of(self, workers: list[WorkerId]) -> np.ndarray:
@@ -260,10 +256,14 @@ class KVIndex:
             pos += len(list(group))
         if run:
             out.update(dict.fromkeys(ids(run), pos))
+        self._count_match(block_hashes, pos)
+        return out
+
+    def _count_match(self, block_hashes: Sequence[int], pos: int) -> None:
+        """Count a match and, one in eight once the index is 3/4 full, mark its matched prefix as referenced."""
         self._matches += 1
         if self._touch and not self._matches & _TOUCH_EVERY_MASK and self._entries >= self._touch_from:
             self._ref.update(islice(block_hashes, pos))
-        return out
 
     def seq(self, worker_id: WorkerId) -> int | None:
         """Last applied seq of ``worker_id``, None if unknown."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -299,6 +300,87 @@ def test_health_and_metrics_endpoints(cluster: Cluster, client: openai.OpenAI) -
     for name in ("tandem_ttft_seconds", "tandem_e2e_latency_seconds", "tandem_router_decisions_total",
                  "tandem_kv_blocks_used", "tandem_kv_blocks_free", "tandem_requests_total"):
         assert name in text, name
+
+
+class Prometheus:
+    """A real ``prometheus`` server on loopback scraping one target every second; stopped by PID."""
+
+    def __init__(self, target: str, home: Path) -> None:
+        exe = shutil.which("prometheus")
+        if exe is None:
+            pytest.fail("prometheus is not installed (.ci/run installs it)")
+        config = home / "prometheus.yml"
+        config.write_text(json.dumps({  # JSON is YAML
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [{"job_name": "tandem", "static_configs": [{"targets": [target]}]}],
+        }))
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.log = home / "prometheus.log"
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen([exe, f"--config.file={config}", f"--storage.tsdb.path={home / 'tsdb'}",
+                                          f"--web.listen-address={self.url.removeprefix('http://')}"],
+                                         stdout=out, stderr=subprocess.STDOUT)
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        r = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10)
+        r.raise_for_status()
+        body = r.json()
+        assert body["status"] == "success", body
+        return list(body["data"]["result"])
+
+    def wait_for(self, expr: str, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """The non-empty result of ``expr``, waiting for scrapes (and for the server itself) to produce it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc.poll() is None, "prometheus exited:\n" + self.log.read_text()[-3000:]
+            try:
+                result = self.query(expr)
+                if result:
+                    return result
+            except httpx.HTTPError:
+                pass  # not listening yet
+            assert time.monotonic() < deadline, f"no result for {expr!r}:\n" + self.log.read_text()[-3000:]
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def test_a_real_prometheus_scrapes_the_gateway_and_sees_every_worker(cluster: Cluster, client: openai.OpenAI,
+                                                                     tmp_path: Path) -> None:
+    """A real Prometheus (the apt package) scrapes the router's /metrics: the exposition parses, the target is up,
+    request counters rise between scrapes, both workers' KV gauges appear with their roles, and the TTFT
+    histogram answers the ``histogram_quantile`` query a dashboard panel runs."""
+    prom = Prometheus(f"127.0.0.1:{cluster.port}", tmp_path)
+    try:
+        up = prom.wait_for('up{job="tandem"} == 1')
+        assert len(up) == 1
+        before = prom.wait_for('sum(tandem_requests_total{endpoint="/v1/completions"}) or vector(0)')
+        n_before = float(before[0]["value"][1])
+        for i in range(3):  # streamed: TTFT is observed for streams, end-to-end latency for every request
+            stream = client.completions.create(model=_model(client), prompt=f"scrape me {i}", max_tokens=2,
+                                               stream=True)
+            assert "".join(c.choices[0].text for c in stream if c.choices)
+        counted = prom.wait_for(f'sum(tandem_requests_total{{endpoint="/v1/completions"}}) >= {n_before + 3}')
+        assert float(counted[0]["value"][1]) >= n_before + 3
+        free = prom.wait_for("tandem_kv_blocks_free")
+        roles = {s["metric"]["role"] for s in free}
+        assert roles == {"prefill", "decode"}, roles
+        assert all(float(s["value"][1]) > 0 for s in free)
+        healthy = prom.wait_for("tandem_worker_up == 1")
+        assert len(healthy) == 2
+        for hist in ("tandem_ttft_seconds", "tandem_e2e_latency_seconds"):
+            p50 = prom.wait_for(f"histogram_quantile(0.5, sum by (le) ({hist}_bucket)) > 0")
+            assert float(p50[0]["value"][1]) < 60, hist
+    finally:
+        prom.stop()
+    assert prom.proc.returncode is not None
 
 
 def test_a_dead_worker_replica_is_restarted_and_re_registered(cluster: Cluster, client: openai.OpenAI,

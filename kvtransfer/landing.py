@@ -133,6 +133,12 @@ class Landing:
 
     def target(self, entry: Entry, frame: Frame) -> torch.Tensor:
         """The destination view a DATA frame may be written to; ``ValueError`` if it strays outside the lease."""
+        self.check(entry, frame)
+        t = self.kv_caches[frame.layer][frame.kv]
+        return t[frame.dst_start : frame.dst_start + frame.num_blocks, :, frame.head_lo : frame.head_hi]
+
+    def check(self, entry: Entry, frame: Frame) -> None:
+        """``ValueError`` unless the DATA frame lies inside the lease (layer, K/V, heads, blocks, length)."""
         layout = self.require_layout()
         res: Reservation = entry.ctx
         if not 0 <= frame.layer < layout.num_layers or frame.kv not in (0, 1):
@@ -140,14 +146,12 @@ class Landing:
         if not 0 <= frame.head_lo < frame.head_hi <= layout.local_heads:
             raise ValueError(f"DATA heads [{frame.head_lo}, {frame.head_hi}) outside {layout.local_heads}")
         blocks = range(frame.dst_start, frame.dst_start + frame.num_blocks)
-        if frame.num_blocks < 1 or not all(b in res.dst_set for b in blocks):
+        if frame.num_blocks < 1 or not res.dst_set.issuperset(blocks):
             raise ValueError(f"DATA blocks [{blocks.start}, {blocks.stop}) are not all reserved")
         heads = frame.head_hi - frame.head_lo
         want = frame.num_blocks * layout.block_size * heads * layout.head_dim * layout.element_size
         if frame.payload_len != want:
             raise ValueError(f"DATA payload {frame.payload_len} bytes, expected {want}")
-        t = self.kv_caches[frame.layer][frame.kv]
-        return t[blocks.start : blocks.stop, :, frame.head_lo : frame.head_hi]
 
     def byte_range(self, frame: Frame) -> memoryview | None:
         """The destination bytes of an already validated full-head DATA frame on CPU, else None."""

@@ -1,8 +1,8 @@
 """Socket and buffer helpers for the TCP backend: exact reads straight into tensor memory, bounded writes.
 
-No byte is touched by Python code: payloads go through ``recv_into(..., MSG_WAITALL)`` and ``sendall`` on
-memoryviews of the tensors' storage, one syscall-level call per payload. Every wait is bounded: writes by the
-request's deadline, blocking reads by a watchdog or ``close()`` that shuts the socket down.
+No byte is touched by Python code: payloads go through ``recv_into(..., MSG_WAITALL)`` and gathered ``sendmsg`` on
+memoryviews of the tensors' storage, one syscall per payload received and one per batch of frames sent. Every wait is
+bounded: writes by the request's deadline, blocking reads by a watchdog or ``close()`` that shuts the socket down.
 """
 
 from __future__ import annotations
@@ -60,17 +60,35 @@ def discard(sock: socket.socket, n: int, stop: threading.Event, scratch: memoryv
         n -= chunk
 
 
-def send_all(sock: socket.socket, data: bytes | memoryview, deadline: float) -> None:
-    """Send everything before ``deadline`` (monotonic) or raise ``TimeoutError``/``OSError``.
+IOV_CHUNK = 512  # buffers per sendmsg call, under Linux's IOV_MAX of 1024
 
-    ``sendall`` loops in C; its timeout is the total duration. A partial send leaves the stream unusable, so the
-    caller drops the connection on any error. ``close()`` elsewhere interrupts it by shutting the socket down.
+
+def send_vectored(sock: socket.socket, buffers: Sequence[bytes | memoryview], deadline: float) -> int:
+    """Send ``buffers`` back to back, gathered (``sendmsg``: one syscall for many frames), before ``deadline``.
+
+    Returns the bytes sent. Raises ``TimeoutError`` past the deadline and ``OSError`` on a broken connection; a partial
+    send leaves the stream unusable, so the caller drops the connection on any error. ``close()`` elsewhere interrupts
+    it by shutting the socket down.
     """
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise TimeoutError("deadline passed before the send")
-    sock.settimeout(remaining)
-    sock.sendall(data)
+    pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+    total = 0
+    i = 0
+    while i < len(pending):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("deadline passed during the send")
+        sock.settimeout(remaining)
+        sent = sock.sendmsg(pending[i : i + IOV_CHUNK])
+        total += sent
+        while sent and i < len(pending):
+            n = len(pending[i])
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                pending[i] = pending[i][sent:]
+                sent = 0
+    return total
 
 
 def tune(sock: socket.socket, timeout_s: float | None) -> None:

@@ -171,7 +171,7 @@ class TcpReceiver(StreamReceiver):
             return
         try:
             try:
-                view = self.landing.target(entry, frame)
+                self.landing.check(entry, frame)
             except ValueError as e:
                 self.book.fail(entry, f"receiver: refused DATA: {e}", notify_peer=True)
                 discard(conn.sock, frame.payload_len, self._stop, scratch)
@@ -181,6 +181,7 @@ class TcpReceiver(StreamReceiver):
             if direct is not None:
                 recv_exact(conn.sock, direct, self._stop)
             else:
+                view = self.landing.target(entry, frame)
                 staging = torch.empty(view.shape, dtype=view.dtype)
                 recv_exact(conn.sock, byte_view(staging), self._stop)
                 view.copy_(staging)

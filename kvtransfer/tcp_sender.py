@@ -12,12 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
-from kvtransfer.base import DestinationInfo, OnFailed, TransferState
+from kvtransfer.base import DestinationInfo, OnFailed
 from kvtransfer.book import Entry
 from kvtransfer.config import TransferConfig
 from kvtransfer.outgoing import Leg
 from kvtransfer.queued_sender import QueuedSender
-from kvtransfer.sockio import byte_view, close_socket, join_all, recv_exact, send_all, staged, tune
+from kvtransfer.sockio import byte_view, close_socket, join_all, recv_exact, send_vectored, staged, tune
 from kvtransfer.wire import HEADER_SIZE, Frame, Kind, control, hello_payload, unpack
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,31 @@ class _Link:
     sock: socket.socket
     legs: dict[int, tuple[Entry, Leg]] = field(default_factory=dict)
     alive: bool = True
+
+
+_MAX_BATCH = 64  # queued items gathered into one round of writes
+
+
+@dataclass(eq=False)
+class _LinkWrites:
+    deadline: float
+    buffers: list[bytes | memoryview] = field(default_factory=list)
+    sent_layers: list[tuple[Entry, Leg, int]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Writes:
+    """What one round of the worker sends, per connection, in queue order; bounded by the earliest deadline."""
+
+    links: dict[_Link, _LinkWrites] = field(default_factory=dict)
+
+    def add(self, link: _Link, buffers: list[bytes | memoryview], deadline: float) -> _LinkWrites:
+        w = self.links.get(link)
+        if w is None:
+            w = self.links[link] = _LinkWrites(deadline)
+        w.deadline = min(w.deadline, deadline)
+        w.buffers += buffers
+        return w
 
 
 class TcpSender(QueuedSender):
@@ -129,65 +154,72 @@ class TcpSender(QueuedSender):
     def _work(self) -> None:
         while not self._stop.is_set():
             try:
-                op, arg, extra = self._queue.get(timeout=self.config.io_timeout_s)
+                batch = [self._queue.get(timeout=self.config.io_timeout_s)]
             except queue.Empty:
                 continue
+            while len(batch) < _MAX_BATCH:  # whatever else is already queued goes out in the same writes
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            writes = _Writes()
             try:
-                if op == "stop":
-                    return
-                if op == "bytes":
-                    self._send(arg, extra, time.monotonic() + self.config.connect_timeout_s)  # type: ignore[arg-type]
-                elif op == "layer":
-                    rid, layer = cast(tuple[str, int], arg)
-                    if extra is not None:
-                        extra.synchronize()  # type: ignore[attr-defined]
-                    self._send_layer(rid, layer)
-                elif op == "finish":
-                    self._finish(arg)  # type: ignore[arg-type]
+                for op, arg, extra in batch:
+                    if op == "stop":
+                        return
+                    if op == "bytes":
+                        writes.add(arg, [extra], time.monotonic() + self.config.connect_timeout_s)  # type: ignore[arg-type]
+                    elif op == "layer":
+                        rid, layer = cast(tuple[str, int], arg)
+                        if extra is not None:
+                            extra.synchronize()  # type: ignore[attr-defined]
+                        self._gather_layer(writes, rid, layer)
+                    elif op == "finish":
+                        self._gather_finish(writes, arg)  # type: ignore[arg-type]
             except InterruptedError:
                 return
             except Exception:  # never let one request kill the worker
-                log.exception("kv tcp sender: %s failed", op)
+                log.exception("kv tcp sender: building writes failed")
+            finally:
+                self._flush(writes)
 
-    def _send(self, link: _Link, data: bytes | memoryview, deadline: float) -> bool:
-        if not link.alive:
-            return False
-        try:
-            send_all(link.sock, data, deadline)
-            return True
-        except (OSError, TimeoutError) as e:
-            self._drop(link, f"receiver connection lost (peer closed or killed): {e}")
-            return False
+    def _flush(self, writes: _Writes) -> None:
+        """One gathered ``sendmsg`` run per connection, then the per-layer progress of what went out."""
+        for link, w in writes.links.items():
+            if not link.alive:
+                continue
+            try:
+                send_vectored(link.sock, w.buffers, w.deadline)
+            except (OSError, TimeoutError) as e:
+                self._drop(link, f"receiver connection lost (peer closed or killed): {e}")
+                continue
+            for entry, leg, nbytes in w.sent_layers:
+                self.out.leg_sent_layer(entry, leg, nbytes)
 
-    def _send_layer(self, request_id: str, layer: int) -> None:
+    def _gather_layer(self, writes: _Writes, request_id: str, layer: int) -> None:
         entry = self.out.live(request_id)
         if entry is None:
             return
         k, v = self.out.kv_caches[layer]
         for leg in entry.ctx.legs:
-            link: _Link = leg.peer
+            buffers: list[bytes | memoryview] = []
             sent = 0
             for p in leg.pieces:
                 for kv, t in enumerate((k, v)):
-                    if entry.state >= TransferState.DONE:
-                        return
-                    hdr = Frame(Kind.DATA, leg.dest.transfer_id, layer, kv, p.dst_start, p.num_blocks,
-                                p.dst_heads[0], p.dst_heads[1], p.nbytes).pack()
+                    buffers.append(Frame(Kind.DATA, leg.dest.transfer_id, layer, kv, p.dst_start, p.num_blocks,
+                                         p.dst_heads[0], p.dst_heads[1], p.nbytes).pack())
                     src = self.out.source_bytes(layer, kv, p)
-                    if src is None:
-                        src = byte_view(staged(p.src_view(t)))
-                    if not (self._send(link, hdr, entry.deadline) and self._send(link, src, entry.deadline)):
-                        return
+                    buffers.append(src if src is not None else byte_view(staged(p.src_view(t))))
                     sent += p.nbytes
-            self.out.leg_sent_layer(entry, leg, sent)
+            writes.add(leg.peer, buffers, entry.deadline).sent_layers.append((entry, leg, sent))
 
-    def _finish(self, request_id: str) -> None:
+    def _gather_finish(self, writes: _Writes, request_id: str) -> None:
         entry = self.out.live(request_id)
         if entry is None:
             return
         entry.ctx.finish_requested = True
         for leg in entry.ctx.legs:
-            self._send(leg.peer, control(Kind.FINISH, leg.dest.transfer_id), entry.deadline)
+            writes.add(leg.peer, [control(Kind.FINISH, leg.dest.transfer_id)], entry.deadline)
 
     def _notify_peer(self, entry: Entry, message: str) -> None:
         for leg in entry.ctx.legs:

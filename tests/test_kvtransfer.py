@@ -11,6 +11,8 @@ import functools
 import importlib.util
 import json
 import pickle
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -33,6 +35,7 @@ from kvtransfer.book import TransferBook
 from kvtransfer.fake import FakeBehaviour, FakeReceiver, FakeSender
 from kvtransfer.harness import Peer, digest, make_caches
 from kvtransfer.layout import paired_runs
+from kvtransfer.sockio import IOV_CHUNK, send_vectored
 from kvtransfer.tp_mapping import HeadSlice, merge_heads, slice_heads, tp_head_map
 
 HAS_NIXL = importlib.util.find_spec("nixl") is not None
@@ -529,3 +532,46 @@ def test_receiver_killed_mid_transfer_fails_the_sender(procs: tuple[str, Peer, P
         assert state(s, rid)[1]
     finally:
         victim.kill()
+
+
+def test_send_vectored_survives_partial_sends_and_more_buffers_than_one_call_takes() -> None:
+    """Gathered writes (the TCP sender's frames): more buffers than one ``sendmsg`` takes, empty ones among them,
+    through a small send buffer so calls end mid-buffer; the reader gets every byte in order."""
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    gen = torch.Generator().manual_seed(3)
+    sizes = [int(x) for x in torch.randint(0, 3000, (IOV_CHUNK * 2 + 7,), generator=gen)]
+    buffers = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
+    want = b"".join(buffers)
+    got = bytearray()
+
+    def read() -> None:
+        while len(got) < len(want):
+            chunk = b.recv(1 << 16)
+            if not chunk:
+                return
+            got.extend(chunk)
+            time.sleep(0.0005)  # a slow reader: the writer's calls fill the buffer and return partial counts
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        mixed = [*buffers[:5], memoryview(buffers[5]), *buffers[6:]]
+        assert send_vectored(a, mixed, time.monotonic() + 30) == len(want)
+        reader.join(30)
+        assert bytes(got) == want
+    finally:
+        a.close()
+        b.close()
+
+
+def test_send_vectored_to_a_peer_that_never_reads_ends_at_the_deadline() -> None:
+    a, b = socket.socketpair()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            send_vectored(a, [b"x" * (1 << 20)] * 64, time.monotonic() + 0.5)
+        assert time.monotonic() - t0 < 5
+    finally:
+        a.close()
+        b.close()

@@ -556,7 +556,7 @@ def test_send_vectored_survives_partial_sends_and_more_buffers_than_one_call_tak
     reader = threading.Thread(target=read)
     reader.start()
     try:
-        mixed = [*buffers[:5], memoryview(buffers[5]), *buffers[6:]]
+        mixed: list[bytes | memoryview] = [*buffers[:5], memoryview(buffers[5]), *buffers[6:]]
         assert send_vectored(a, mixed, time.monotonic() + 30) == len(want)
         reader.join(30)
         assert bytes(got) == want

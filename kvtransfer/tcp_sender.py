@@ -203,15 +203,15 @@ class TcpSender(QueuedSender):
         k, v = self.out.kv_caches[layer]
         for leg in entry.ctx.legs:
             buffers: list[bytes | memoryview] = []
-            sent = 0
+            nbytes = 0
             for p in leg.pieces:
                 for kv, t in enumerate((k, v)):
                     buffers.append(Frame(Kind.DATA, leg.dest.transfer_id, layer, kv, p.dst_start, p.num_blocks,
                                          p.dst_heads[0], p.dst_heads[1], p.nbytes).pack())
                     src = self.out.source_bytes(layer, kv, p)
                     buffers.append(src if src is not None else byte_view(staged(p.src_view(t))))
-                    sent += p.nbytes
-            writes.add(leg.peer, buffers, entry.deadline).sent_layers.append((entry, leg, sent))
+                    nbytes += p.nbytes
+            writes.add(leg.peer, buffers, entry.deadline).sent_layers.append((entry, leg, nbytes))
 
     def _gather_finish(self, writes: _Writes, request_id: str) -> None:
         entry = self.out.live(request_id)

@@ -134,6 +134,10 @@ class Landing:
     def target(self, entry: Entry, frame: Frame) -> torch.Tensor:
         """The destination view a DATA frame may be written to; ``ValueError`` if it strays outside the lease."""
         self.check(entry, frame)
+        return self.view(frame)
+
+    def view(self, frame: Frame) -> torch.Tensor:
+        """The destination view of an already validated DATA frame (see :meth:`check`)."""
         t = self.kv_caches[frame.layer][frame.kv]
         return t[frame.dst_start : frame.dst_start + frame.num_blocks, :, frame.head_lo : frame.head_hi]
 

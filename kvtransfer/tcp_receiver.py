@@ -181,7 +181,7 @@ class TcpReceiver(StreamReceiver):
             if direct is not None:
                 recv_exact(conn.sock, direct, self._stop)
             else:
-                view = self.landing.target(entry, frame)
+                view = self.landing.view(frame)
                 staging = torch.empty(view.shape, dtype=view.dtype)
                 recv_exact(conn.sock, byte_view(staging), self._stop)
                 view.copy_(staging)

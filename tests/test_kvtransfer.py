@@ -344,29 +344,37 @@ def test_released_receiver_discards_late_bytes(fake_pair: tuple) -> None:
     assert not dst[0][0][1:3].any()
 
 
-def test_fake_tp2_prefill_into_tp1_decode_merges_heads() -> None:
-    """Two prefill ranks (TP=2) each send their head half into one decode rank (TP=1); result equals the full KV."""
+@pytest.mark.parametrize("backend", ["tcp", "fake"])
+def test_tp2_prefill_into_tp1_decode_merges_heads(backend: str) -> None:
+    """Two prefill ranks (TP=2) each send their head half into one decode rank (TP=1); result equals the full KV.
+    On tcp the receiver takes these head-sliced pieces through its staging path."""
+    sender_cls, receiver_cls = get_backend(backend)
     full = make_caches(LAYOUT, NUM_BLOCKS, 3)
-    r = FakeReceiver()
+    r = receiver_cls()
     dst = make_caches(LAYOUT, NUM_BLOCKS, None)
     r.register(dst, LAYOUT)
-    senders = []
-    d = r.reserve("tp", [4, 5, 9], 12, time.time() + 10)
-    for rank in range(2):
-        lay = dataclasses.replace(LAYOUT, tp_size=2, tp_rank=rank)
-        shard = [(k[:, :, rank : rank + 1].contiguous(), v[:, :, rank : rank + 1].contiguous()) for k, v in full]
-        s = FakeSender()
-        s.register(shard, lay)
-        s.start("tp", d, [0, 1, 2], time.time() + 10)
-        senders.append(s)
-    for layer in range(4):
+    senders: list[KVSender] = []
+    try:
+        d = r.reserve("tp", [4, 5, 9], 12, time.time() + 10)
+        for rank in range(2):
+            lay = dataclasses.replace(LAYOUT, tp_size=2, tp_rank=rank)
+            shard = [(k[:, :, rank : rank + 1].contiguous(), v[:, :, rank : rank + 1].contiguous()) for k, v in full]
+            s = sender_cls()
+            s.register(shard, lay)
+            s.start("tp", d, [0, 1, 2], time.time() + 10)
+            senders.append(s)
+        for layer in range(4):
+            for s in senders:
+                s.send_layer("tp", layer)
         for s in senders:
-            s.send_layer("tp", layer)
-    assert r.poll("tp").state == TransferState.DONE
-    assert digest(full, [0, 1, 2]) == digest(dst, [4, 5, 9])
-    sides: list[KVSender | KVReceiver] = [*senders, r]
-    for side in sides:
-        side.close()
+            s.finish("tp")
+        assert wait_until(lambda: r.poll("tp").finished, 10), r.poll("tp")
+        assert r.poll("tp").state == TransferState.DONE
+        assert digest(full, [0, 1, 2]) == digest(dst, [4, 5, 9])
+    finally:
+        sides: list[KVSender | KVReceiver] = [*senders, r]
+        for side in sides:
+            side.close()
 
 
 @pytest.mark.parametrize("backend", ["tcp", "fake"])

@@ -1,20 +1,22 @@
-"""torch.distributed plumbing shared by both ends: the pair's process group, store clients, the ordered store
-queue that carries control frames. Design: :mod:`kvtransfer.torch_dist`."""
+"""torch.distributed plumbing shared by both ends: the pair's process group, store clients, and the control
+connection that carries its wire frames. Design: :mod:`kvtransfer.torch_dist`."""
 
 from __future__ import annotations
 
 import datetime
+import socket
+import struct
 import threading
-import time
 from typing import Any
 
 import torch
 from torch.distributed import TCPStore
 
-from kvtransfer.pacing import Backoff
+from kvtransfer.sockio import close_socket, recv_exact, send_vectored, tune
 from kvtransfer.wire import HEADER_SIZE, Frame, Kind, unpack
 
 PAIRS_KEY = "tandem/pairs"
+CONTROL_KEY = "tandem/control"  # the receiver's control listener, host:port
 TAG = 0
 
 
@@ -57,36 +59,57 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-class StoreQueue:
-    """An ordered message queue in the store: ``put`` from one side, ``get`` in order on the other.
+_LEN = struct.Struct("!I")
+PAIR_INDEX = struct.Struct("!Q")  # a control connection's first message: the pair index its sender claimed
+MAX_MESSAGE = 64 << 20  # a control message is wire frames: a layer's DATA headers at most, far below this
 
-    ``get`` polls with ``check`` instead of a timed ``wait``: a timed-out wait logs a C++ warning every time.
+
+class ControlLink:
+    """A pair's control channel: one TCP connection carrying length-prefixed messages of wire frames both ways.
+
+    Reads block (no polling: a message is seen the moment it lands) and end with :class:`PeerClosed` on EOF, which
+    a killed peer's kernel delivers at once, or ``InterruptedError`` once ``stop`` is set and :meth:`close` shut the
+    socket. One thread reads; any thread may ``put`` (writes are serialised). A write is bounded by ``deadline``; a
+    partial write leaves the stream unusable, so any write error cuts the connection.
     """
 
-    def __init__(self, store: Any, name: str) -> None:
-        self.store, self.name = store, name
-        self._put = 0
-        self._get = 0
-        self._lock = threading.Lock()
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        tune(sock, None)
+        self.sock, self.peer = sock, peer
+        self._send_lock = threading.Lock()
+        self._len = bytearray(_LEN.size)
 
-    def put(self, blob: bytes) -> None:
-        with self._lock:
-            self.store.set(f"{self.name}/{self._put}", blob)
-            self._put += 1
+    def put(self, blob: bytes, deadline: float) -> None:
+        with self._send_lock:
+            try:
+                send_vectored(self.sock, [_LEN.pack(len(blob)), blob], deadline)
+            except OSError:
+                self.close()
+                raise
 
-    def get(self, timeout_s: float, pace: Backoff, stop: threading.Event) -> bytes | None:
-        """The next message, or None after ``timeout_s``. Raises ``DistNetworkError`` when the store is gone."""
-        key = f"{self.name}/{self._get}"
-        end = time.monotonic() + timeout_s
-        with self._lock:
-            while not self.store.check([key]):
-                if time.monotonic() >= end or pace.wait(stop):
-                    return None
-            pace.reset()
-            blob = self.store.get(key)
-            self.store.delete_key(key)
-            self._get += 1
+    def put_nowait(self, blob: bytes) -> None:
+        """A small reply (ACK/FAIL) from a thread that must never block (the receiver, its lease reaper)."""
+        data = _LEN.pack(len(blob)) + blob
+        with self._send_lock:
+            try:
+                sent = self.sock.send(data, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = -1
+            if sent != len(data):
+                self.close()
+                raise ConnectionError(f"control message to {self.peer} would block; connection cut")
+
+    def get(self, stop: threading.Event) -> bytes:
+        recv_exact(self.sock, memoryview(self._len), stop, at_boundary=True)
+        (n,) = _LEN.unpack(self._len)
+        if n > MAX_MESSAGE:
+            raise ValueError(f"control message of {n} bytes from {self.peer} is too large")
+        blob = bytearray(n)
+        recv_exact(self.sock, memoryview(blob), stop)
         return bytes(blob)
+
+    def close(self) -> None:
+        close_socket(self.sock)
 
 
 def store_client(endpoint: str, timeout_s: float) -> TCPStore:

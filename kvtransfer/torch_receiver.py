@@ -1,11 +1,11 @@
-"""torch.distributed receiver: hosts the store, forms a group per sender, ``recv``s payloads into the reserved
-blocks. Design: :mod:`kvtransfer.torch_dist`."""
+"""torch.distributed receiver: hosts the store and a control listener, forms a group per sender,
+``recv``s payloads into the reserved blocks. Design: :mod:`kvtransfer.torch_dist`."""
 
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -17,12 +17,14 @@ from kvtransfer.book import Entry, TransferBook
 from kvtransfer.config import TransferConfig
 from kvtransfer.landing import Landing
 from kvtransfer.layout import KVLayout
-from kvtransfer.pacing import Backoff
+from kvtransfer.sockio import close_socket, join_all
 from kvtransfer.stream_receiver import StreamReceiver
 from kvtransfer.torch_group import (
+    CONTROL_KEY,
+    PAIR_INDEX,
     PAIRS_KEY,
     TAG,
-    StoreQueue,
+    ControlLink,
     as_bytes,
     make_group,
     split_frames,
@@ -35,7 +37,7 @@ from kvtransfer.wire import Frame, Kind, control, parse_hello
 @dataclass(eq=False)
 class _InPair:
     index: int
-    replies: StoreQueue
+    link: ControlLink
     alive: bool = True
 
 
@@ -50,11 +52,16 @@ class TorchReceiver(StreamReceiver):
         self._store: Any = TCPStore(cfg.host, cfg.port, None, True, timedelta_s(cfg.connect_timeout_s),
                                     wait_for_workers=False)
         self.endpoint = f"{cfg.host}:{self._store.port}"
+        self._listener = socket.create_server((cfg.host, 0))
+        self._listener.settimeout(cfg.io_timeout_s)
+        self._store.set(CONTROL_KEY, f"{cfg.host}:{self._listener.getsockname()[1]}")
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._links: set[ControlLink] = set()
         self._threads: list[threading.Thread] = []
         self._cuda = False
-        self._watcher = threading.Thread(target=self._watch, name="kv-torch-pairs", daemon=True)
-        self._watcher.start()
+        self._accepter = threading.Thread(target=self._accept, name="kv-torch-accept", daemon=True)
+        self._accepter.start()
         self.book.start(cfg.poll_interval_s)
 
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
@@ -63,63 +70,78 @@ class TorchReceiver(StreamReceiver):
 
     def close(self) -> None:
         self._stop.set()
-        end = time.monotonic() + self.config.close_timeout_s
-        for t in [self._watcher, *self._threads]:
-            t.join(max(0.0, end - time.monotonic()))
-        self.book.stop(max(0.05, end - time.monotonic()))
+        close_socket(self._listener)
+        with self._lock:
+            links, threads = list(self._links), [self._accepter, *self._threads]
+        for link in links:
+            link.close()
+        join_all(threads, self.config.close_timeout_s)
+        self.book.stop(self.config.close_timeout_s / 4)
         self._store = None  # the last reference to the master: its server shuts down
 
-    def _watch(self) -> None:
-        seen = 0
-        while not self._stop.wait(max(self.config.poll_interval_s, 0.01)):
+    def _accept(self) -> None:
+        while not self._stop.is_set():
             try:
-                claimed = int(self._store.add(PAIRS_KEY, 0))
-            except Exception:  # store gone (closing)
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed
                 return
-            for index in range(seen, claimed):
-                t = threading.Thread(target=self._serve, args=(index,), name=f"kv-torch-pair-{index}", daemon=True)
-                self._threads.append(t)
-                t.start()
-            seen = claimed
+            link = ControlLink(sock, f"{addr[0]}:{addr[1]}")
+            t = threading.Thread(target=self._serve, args=(link,), name=f"kv-torch-pair-{link.peer}", daemon=True)
+            with self._lock:
+                self._links.add(link)
+                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+            t.start()
 
-    def _serve(self, index: int) -> None:
-        # One store client for the group and one for our queues: TCPStore clients are not safe for concurrent use.
+    def _serve(self, link: ControlLink) -> None:
+        """One sender: its first message names the pair it claimed in the store; then its layers, in order."""
         cfg = self.config
-        name = f"tandem/pair/{index}"
-        queues = PrefixStore(name, store_client(self.endpoint, cfg.connect_timeout_s))
-        pair = _InPair(index, StoreQueue(queues, "r2s"))
-        requests = StoreQueue(queues, "s2r")
+        pair: _InPair | None = None
         reason = "sender gone"
-        pace = Backoff(cfg.poll_interval_s)
         try:
-            group_store = PrefixStore(name, store_client(self.endpoint, cfg.connect_timeout_s))
+            first = link.get(self._stop)
+            (index,) = PAIR_INDEX.unpack(first) if len(first) == PAIR_INDEX.size else (-1,)
+            if not 0 <= index < int(self._store.add(PAIRS_KEY, 0)):
+                raise ValueError(f"{link.peer} named no pair it claimed ({first[:16]!r})")
+            pair = _InPair(index, link)
+            # The group gets a store client of its own: TCPStore clients are not safe for concurrent use.
+            group_store = PrefixStore(f"tandem/pair/{index}", store_client(self.endpoint, cfg.connect_timeout_s))
             group = make_group(group_store, 0, self._cuda, cfg.connect_timeout_s)
             while not self._stop.is_set():
-                blob = requests.get(cfg.io_timeout_s, pace, self._stop)
-                if blob is None:
-                    continue
-                frames = split_frames(blob)
-                data = [f for f, _ in frames if f.kind == Kind.DATA]
+                data: list[Frame] = []  # a run of DATA headers: their recvs are posted together
+                for frame, payload in split_frames(link.get(self._stop)):
+                    if frame.kind == Kind.DATA:
+                        data.append(frame)
+                        continue
+                    if data:
+                        self._data(pair, group, data)
+                        data = []
+                    self._dispatch(pair, frame, payload)
                 if data:
                     self._data(pair, group, data)
-                for frame, payload in frames:
-                    if frame.kind != Kind.DATA:
-                        self._dispatch(pair, frame, payload)
             reason = "receiver closed"
-        except Exception as e:
+        except InterruptedError:
+            reason = "receiver closed"
+        except Exception as e:  # PeerClosed (a killed sender's kernel closes its socket), gloo errors, bad frames
             reason = f"sender connection lost (peer closed or killed): {e}".splitlines()[0]
         finally:
-            pair.alive = False
-            for entry in self.book.entries():
-                if pair in entry.ctx.peers:
-                    self.book.fail(entry, f"receiver: {reason} (pair {index})")
+            link.close()
+            with self._lock:
+                self._links.discard(link)
+            if pair is not None:
+                pair.alive = False
+                for entry in self.book.entries():
+                    if pair in entry.ctx.peers:
+                        self.book.fail(entry, f"receiver: {reason} (pair {pair.index})")
 
     def _dispatch(self, pair: _InPair, frame: Frame, payload: bytes) -> None:
         entry = self.landing.live(frame.transfer_id)
         if entry is None:
             if frame.kind == Kind.HELLO:
-                pair.replies.put(control(Kind.FAIL, frame.transfer_id,
-                                         b"receiver: no live reservation (released or lease expired)"))
+                with contextlib.suppress(OSError):
+                    pair.link.put_nowait(control(Kind.FAIL, frame.transfer_id,
+                                                 b"receiver: no live reservation (released or lease expired)"))
             return
         if frame.kind == Kind.HELLO:
             try:
@@ -175,10 +197,11 @@ class TorchReceiver(StreamReceiver):
         for frame, entry, _, _ in slots:
             if entry is not None and self.landing.landed(entry, frame.layer, frame.payload_len):
                 for peer in list(entry.ctx.peers):
-                    with contextlib.suppress(Exception):
-                        peer.replies.put(control(Kind.ACK, frame.transfer_id))
+                    with contextlib.suppress(OSError):
+                        peer.link.put_nowait(control(Kind.ACK, frame.transfer_id))
 
     def _notify_peer(self, entry: Entry, message: str) -> None:
         for peer in list(entry.ctx.peers):
             if peer.alive:
-                peer.replies.put(control(Kind.FAIL, entry.ctx.transfer_id, message.encode()))
+                with contextlib.suppress(OSError):
+                    peer.link.put_nowait(control(Kind.FAIL, entry.ctx.transfer_id, message.encode()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -18,12 +19,14 @@ from kvtransfer.base import DestinationInfo, OnFailed
 from kvtransfer.book import Entry
 from kvtransfer.config import TransferConfig
 from kvtransfer.outgoing import Leg
-from kvtransfer.pacing import Backoff
 from kvtransfer.queued_sender import QueuedSender
+from kvtransfer.sockio import join_all
 from kvtransfer.torch_group import (
+    CONTROL_KEY,
+    PAIR_INDEX,
     PAIRS_KEY,
     TAG,
-    StoreQueue,
+    ControlLink,
     as_bytes,
     make_group,
     split_frames,
@@ -39,10 +42,30 @@ class _OutPair:
     endpoint: str
     store: Any
     group: Any
-    requests: StoreQueue
-    replies: StoreQueue
+    link: ControlLink
     legs: dict[int, tuple[Entry, Leg]] = field(default_factory=dict)
     alive: bool = True
+
+
+_MAX_BATCH = 64  # queued items gathered into one control message per pair
+
+
+@dataclass(eq=False)
+class _PairWrites:
+    """What one round of the worker sends a pair: one control message, then its payloads in the same order."""
+
+    deadline: float  # the earliest of its requests'
+    frames: list[bytes] = field(default_factory=list)
+    payloads: list[torch.Tensor] = field(default_factory=list)
+    layers: list[tuple[Entry, Leg, int]] = field(default_factory=list)  # (entry, leg, bytes) per layer gathered
+
+
+def _writes(writes: dict[_OutPair, _PairWrites], pair: _OutPair, deadline: float) -> _PairWrites:
+    w = writes.get(pair)
+    if w is None:
+        w = writes[pair] = _PairWrites(deadline)
+    w.deadline = min(w.deadline, deadline)
+    return w
 
 
 class TorchSender(QueuedSender):
@@ -51,7 +74,7 @@ class TorchSender(QueuedSender):
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
         super().__init__(config, on_failed)
         self._pairs: dict[str, _OutPair] = {}
-        self._inflight: list[tuple[Entry, Leg, list[Any], list[torch.Tensor]]] = []
+        self._inflight: list[tuple[_OutPair, list[Any], _PairWrites]] = []
         self._worker = threading.Thread(target=self._work, name="kv-torch-send", daemon=True)
         self._worker.start()
         self.book.start(self.config.poll_interval_s)
@@ -79,10 +102,12 @@ class TorchSender(QueuedSender):
     def close(self) -> None:
         self._stop.set()
         self._queue.put(("stop", None, None))
-        end = time.monotonic() + self.config.close_timeout_s
-        for t in [self._worker, *self._threads]:
-            t.join(max(0.0, end - time.monotonic()))
-        self.book.stop(max(0.05, end - time.monotonic()))
+        with self._lock:
+            pairs = list(self._pairs.values())
+        for pair in pairs:
+            pair.link.close()  # ends the ACK readers' blocking reads
+        join_all([self._worker, *self._threads], self.config.close_timeout_s)
+        self.book.stop(self.config.close_timeout_s / 4)
 
     # ---- pairs
     def _pair(self, endpoint: str) -> _OutPair:
@@ -93,14 +118,17 @@ class TorchSender(QueuedSender):
             cfg = self.config
             store = store_client(endpoint, cfg.connect_timeout_s)
             index = int(store.add(PAIRS_KEY, 1)) - 1
-            name = f"tandem/pair/{index}"
-            queues = PrefixStore(name, store)
-            cuda = bool(self.out.kv_caches) and self.out.kv_caches[0][0].is_cuda
-            group = make_group(PrefixStore(name, store_client(endpoint, cfg.connect_timeout_s)), 1, cuda,
-                               cfg.connect_timeout_s)
-            # Requests and replies on separate clients too: the reply reader polls while the worker writes.
-            replies = PrefixStore(name, store_client(endpoint, cfg.connect_timeout_s))
-            pair = _OutPair(endpoint, store, group, StoreQueue(queues, "s2r"), StoreQueue(replies, "r2s"))
+            host, port = bytes(store.get(CONTROL_KEY)).decode().rsplit(":", 1)
+            link = ControlLink(socket.create_connection((host, int(port)), cfg.connect_timeout_s), endpoint)
+            try:
+                link.put(PAIR_INDEX.pack(index), time.monotonic() + cfg.connect_timeout_s)
+                cuda = bool(self.out.kv_caches) and self.out.kv_caches[0][0].is_cuda
+                group = make_group(PrefixStore(f"tandem/pair/{index}", store_client(endpoint, cfg.connect_timeout_s)),
+                                   1, cuda, cfg.connect_timeout_s)
+            except Exception:
+                link.close()
+                raise
+            pair = _OutPair(endpoint, store, group, link)
             self._pairs[endpoint] = pair
         t = threading.Thread(target=self._read, args=(pair,), name=f"kv-torch-ack-{endpoint}", daemon=True)
         self._threads = [x for x in self._threads if x.is_alive()] + [t]
@@ -112,6 +140,7 @@ class TorchSender(QueuedSender):
             pair.alive = False
             if self._pairs.get(pair.endpoint) is pair:
                 del self._pairs[pair.endpoint]
+        pair.link.close()  # the receiver sees EOF and fails its side of these requests at once
         with self.book.lock:
             legs = list(pair.legs.values())
             pair.legs.clear()
@@ -119,16 +148,9 @@ class TorchSender(QueuedSender):
             self.book.fail(entry, f"sender: {reason} ({pair.endpoint})")
 
     def _read(self, pair: _OutPair) -> None:
-        idle = Backoff(self.config.poll_interval_s)
-        busy = Backoff(2e-4, min_s=1e-4)  # an ACK is due: keep its latency low while requests are in flight
         try:
             while not self._stop.is_set() and pair.alive:
-                waiting = bool(pair.legs)
-                blob = pair.replies.get(0.01 if waiting else self.config.io_timeout_s, busy if waiting else idle,
-                                        self._stop)
-                if blob is None:
-                    continue
-                for frame, payload in split_frames(blob):
+                for frame, payload in split_frames(pair.link.get(self._stop)):
                     with self.book.lock:
                         found = pair.legs.get(frame.transfer_id)
                     if found is None:
@@ -140,8 +162,11 @@ class TorchSender(QueuedSender):
                             pair.legs.pop(frame.transfer_id, None)
                     elif frame.kind == Kind.FAIL:
                         self.book.fail(entry, f"sender: receiver reported: {payload.decode(errors='replace')}")
+        except InterruptedError:
+            return
         except Exception as e:
-            self._drop(pair, f"receiver connection lost (peer closed or killed): {e}".splitlines()[0])
+            if not self._stop.is_set():
+                self._drop(pair, f"receiver connection lost (peer closed or killed): {e}".splitlines()[0])
 
     # ---- worker: the only thread that talks to groups
     def _work(self) -> None:
@@ -149,67 +174,80 @@ class TorchSender(QueuedSender):
             if self._queue.empty():
                 self._complete()  # nothing queued behind: wait for the layers in flight
             try:
-                op, arg, extra = self._queue.get(timeout=self.config.io_timeout_s)
+                batch = [self._queue.get(timeout=self.config.io_timeout_s)]
             except queue.Empty:
                 continue
-            if op == "stop":
-                return
-            if op != "layer":
-                self._complete()  # control frames follow the payloads they come after
+            while len(batch) < _MAX_BATCH:  # whatever else is already queued goes out in the same message
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            writes: dict[_OutPair, _PairWrites] = {}
             try:
-                if op == "control":
-                    if arg.alive:
-                        arg.requests.put(extra)
-                elif op == "layer":
-                    if extra is not None:  # pragma: no cover - needs a GPU
-                        extra.synchronize()
-                    self._send_layer(*arg)
-                elif op == "finish":
-                    entry = self.out.live(arg)
-                    if entry is not None:
-                        entry.ctx.finish_requested = True
-                        for leg in entry.ctx.legs:
-                            leg.peer.requests.put(control(Kind.FINISH, leg.dest.transfer_id))
-            except Exception as e:
-                log.debug("kv torch sender: %s failed: %s", op, e)
-                if op == "control":
-                    self._drop(arg, f"receiver connection lost: {e}".splitlines()[0])
+                for op, arg, extra in batch:
+                    if op == "stop":
+                        return
+                    if op == "control":
+                        _writes(writes, arg, time.monotonic() + self.config.connect_timeout_s).frames.append(extra)
+                    elif op == "layer":
+                        if extra is not None:  # pragma: no cover - needs a GPU
+                            extra.synchronize()
+                        self._gather_layer(writes, *arg)
+                    elif op == "finish":
+                        self._gather_finish(writes, arg)
+            except Exception:  # never let one request kill the worker
+                log.exception("kv torch sender: building a message failed")
+            finally:
+                self._flush(writes)
 
-    def _send_layer(self, request_id: str, layer: int) -> None:
+    def _gather_layer(self, writes: dict[_OutPair, _PairWrites], request_id: str, layer: int) -> None:
         entry = self.out.live(request_id)
         if entry is None:
             return
         k, v = self.out.kv_caches[layer]
         for leg in entry.ctx.legs:
-            pair: _OutPair = leg.peer
-            if not pair.alive:
-                return
-            headers, payloads = [], []
+            w = _writes(writes, leg.peer, entry.deadline)
             for p in leg.pieces:
                 for kv, t in enumerate((k, v)):
-                    headers.append(Frame(Kind.DATA, leg.dest.transfer_id, layer, kv, p.dst_start, p.num_blocks,
-                                         p.dst_heads[0], p.dst_heads[1], p.nbytes).pack())
+                    w.frames.append(Frame(Kind.DATA, leg.dest.transfer_id, layer, kv, p.dst_start, p.num_blocks,
+                                          p.dst_heads[0], p.dst_heads[1], p.nbytes).pack())
                     src = p.src_view(t)
-                    payloads.append(as_bytes(src if src.is_contiguous() else src.contiguous()))
+                    w.payloads.append(as_bytes(src if src.is_contiguous() else src.contiguous()))
+            w.layers.append((entry, leg, sum(p.nbytes for p in leg.pieces) * 2))
+
+    def _gather_finish(self, writes: dict[_OutPair, _PairWrites], request_id: str) -> None:
+        entry = self.out.live(request_id)
+        if entry is None:
+            return
+        entry.ctx.finish_requested = True
+        for leg in entry.ctx.legs:
+            _writes(writes, leg.peer, entry.deadline).frames.append(control(Kind.FINISH, leg.dest.transfer_id))
+
+    def _flush(self, writes: dict[_OutPair, _PairWrites]) -> None:
+        """Per pair: one control message (every frame gathered, in queue order), then its payloads' ``send``s."""
+        for pair, w in writes.items():
+            if not pair.alive:
+                continue
             try:
-                pair.requests.put(b"".join(headers))
-                works = [pair.group.send([buf], 0, TAG) for buf in payloads]  # the receiver is rank 0
+                pair.link.put(b"".join(w.frames), w.deadline)
+                works = [pair.group.send([buf], 0, TAG) for buf in w.payloads]  # the receiver is rank 0
             except Exception as e:
                 self._drop(pair, f"receiver connection lost (peer closed or killed): {e}".splitlines()[0])
-                return
-            # Completed later (_complete), so the next layer's header and sends overlap these payloads.
-            self._inflight.append((entry, leg, works, payloads))
+                continue
+            # Completed later (_complete), so the next message and its sends overlap these payloads.
+            self._inflight.append((pair, works, w))
 
     def _complete(self) -> None:
         while self._inflight:
-            entry, leg, works, _payloads = self._inflight.pop(0)
+            pair, works, w = self._inflight.pop(0)
             try:
-                for w in works:
-                    w.wait()
+                for work in works:
+                    work.wait()
             except Exception as e:
-                self._drop(leg.peer, f"receiver connection lost (peer closed or killed): {e}".splitlines()[0])
+                self._drop(pair, f"receiver connection lost (peer closed or killed): {e}".splitlines()[0])
                 continue
-            self.out.leg_sent_layer(entry, leg, sum(p.nbytes for p in leg.pieces) * 2)
+            for entry, leg, nbytes in w.layers:
+                self.out.leg_sent_layer(entry, leg, nbytes)
 
     def _notify_peer(self, entry: Entry, message: str) -> None:
         for leg in entry.ctx.legs:

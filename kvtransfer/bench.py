@@ -13,9 +13,12 @@ Baselines, same bytes:
   between processes on one host); when the config names transports, ``raw_nixl_ucx_default`` is the same on
   UCX's default, for reference;
 - ``raw_socket``: one TCP ``sendall`` / ``recv_into`` over loopback plus a one-byte ack;
+- ``raw_gloo``: one contiguous gloo ``send`` / ``recv`` plus a one-byte ack, on a 2-rank group made as the torch
+  backend makes its groups (the transport that backend is built on, on CPU);
 - ``memcpy``: in-process ``torch.Tensor.copy_`` (the ceiling for anything that copies on the CPU).
 
-Ratios: every backend against ``raw_nixl`` and ``tcp`` against ``raw_socket``. Wired into ``tandem bench kv``.
+Ratios: every backend against ``raw_nixl``, ``tcp`` against ``raw_socket`` and ``torch`` against ``raw_gloo``.
+Wired into ``tandem bench kv``.
 """
 
 from __future__ import annotations
@@ -106,6 +109,53 @@ def bench_raw_socket(nbytes: int, repeats: int) -> float:
             if i:
                 times.append(time.perf_counter() - t0)
         sock.close()
+        return _gbps(nbytes, statistics.median(times))
+    finally:
+        proc.join(10)
+        if proc.is_alive() and proc.pid:
+            os.kill(proc.pid, 9)
+            proc.join(5)
+
+
+def _gloo_sink(conn: Any, port: int, nbytes: int, repeats: int) -> None:
+    from kvtransfer.torch_group import make_group, store_client
+
+    group = make_group(store_client(f"127.0.0.1:{port}", 30.0), 1, False, 30.0)
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    ack = torch.ones(1, dtype=torch.uint8)
+    pending = group.recv([buf], 0, 0)
+    for i in range(repeats + 1):
+        pending.wait()
+        if i < repeats:  # the next recv is posted before the ack, so no send waits for it
+            pending = group.recv([buf], 0, 0)
+        group.send([ack], 0, 1).wait()
+    conn.send(int(buf[0]))
+
+
+def bench_raw_gloo(nbytes: int, repeats: int) -> float:
+    """A plain gloo pair in two processes (the torch backend's transport): one contiguous ``send`` and an ack."""
+    from torch.distributed import TCPStore
+
+    from kvtransfer.torch_group import make_group, timedelta_s
+
+    store = TCPStore("127.0.0.1", 0, None, True, timedelta_s(30.0), wait_for_workers=False)
+    parent, child = _CTX.Pipe()
+    proc = _CTX.Process(target=_gloo_sink, args=(child, store.port, nbytes, repeats), daemon=True)
+    proc.start()
+    try:
+        group = make_group(store, 0, False, 30.0)
+        data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        ack = torch.empty(1, dtype=torch.uint8)
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            acked = group.recv([ack], 1, 1)
+            group.send([data], 1, 0).wait()
+            acked.wait()
+            if i:
+                times.append(time.perf_counter() - t0)
+        if not parent.poll(30) or parent.recv() != int(data[0]):
+            raise RuntimeError("raw gloo sink did not receive the bytes sent")
         return _gbps(nbytes, statistics.median(times))
     finally:
         proc.join(10)
@@ -239,6 +289,8 @@ def run_kv_bench(
         nbytes = max(1, size * MIB // per_block) * per_block
         gbps[size]["memcpy"] = bench_memcpy(nbytes, repeats)
         gbps[size]["raw_socket"] = bench_raw_socket(nbytes, repeats)
+        if "torch" in backends:
+            gbps[size]["raw_gloo"] = bench_raw_gloo(nbytes, repeats)
         # raw NIXL on the transports the nixl backend uses here, and on UCX's default (shared memory on one host)
         gbps[size]["raw_nixl"] = bench_raw_nixl(nbytes, repeats, nixl_tls) if has_nixl else None
         if has_nixl and nixl_tls:
@@ -258,6 +310,8 @@ def run_kv_bench(
                 ratios[size][f"{backend}/raw_nixl"] = row[backend] / row["raw_nixl"]  # type: ignore[operator]
         if row.get("tcp") is not None and row.get("raw_socket"):
             ratios[size]["tcp/raw_socket"] = row["tcp"] / row["raw_socket"]  # type: ignore[operator]
+        if row.get("torch") is not None and row.get("raw_gloo"):
+            ratios[size]["torch/raw_gloo"] = row["torch"] / row["raw_gloo"]  # type: ignore[operator]
     return {"sizes_mib": list(sizes_mib), "gbps": gbps, "ratios": ratios, "layout": BENCH_LAYOUT.to_dict(),
             "repeats": repeats, "nixl_ucx_tls": nixl_tls or "UCX default"}
 

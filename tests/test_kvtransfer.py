@@ -585,3 +585,13 @@ def test_send_vectored_to_a_peer_that_never_reads_ends_at_the_deadline() -> None
     finally:
         a.close()
         b.close()
+
+
+def test_kv_bench_baselines_move_the_bytes_between_processes() -> None:
+    """The raw baselines of ``tandem bench kv`` (a socket and a gloo pair, each a real second process) move the
+    request's bytes and report a positive bandwidth; the gloo sink checks it got the bytes that were sent."""
+    from kvtransfer.bench import bench_raw_gloo, bench_raw_socket
+
+    for bench in (bench_raw_gloo, bench_raw_socket):
+        gbps = bench(1 << 20, 2)
+        assert 0 < gbps < float("inf"), (bench.__name__, gbps)

@@ -58,6 +58,7 @@ class TorchReceiver(StreamReceiver):
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._links: set[ControlLink] = set()
+        self._served: set[int] = set()  # pair indices that connected: each is served once
         self._threads: list[threading.Thread] = []
         self._cuda = False
         self._accepter = threading.Thread(target=self._accept, name="kv-torch-accept", daemon=True)
@@ -102,8 +103,11 @@ class TorchReceiver(StreamReceiver):
         try:
             first = link.get(self._stop)
             (index,) = PAIR_INDEX.unpack(first) if len(first) == PAIR_INDEX.size else (-1,)
-            if not 0 <= index < int(self._store.add(PAIRS_KEY, 0)):
-                raise ValueError(f"{link.peer} named no pair it claimed ({first[:16]!r})")
+            with self._lock:
+                if not 0 <= index < int(self._store.add(PAIRS_KEY, 0)) or index in self._served:
+                    raise ValueError(f"{link.peer} named no pair it claimed, or one already connected "
+                                     f"({first[:16]!r})")
+                self._served.add(index)
             pair = _InPair(index, link)
             # The group gets a store client of its own: TCPStore clients are not safe for concurrent use.
             group_store = PrefixStore(f"tandem/pair/{index}", store_client(self.endpoint, cfg.connect_timeout_s))

@@ -595,3 +595,45 @@ def test_kv_bench_baselines_move_the_bytes_between_processes() -> None:
     for bench in (bench_raw_gloo, bench_raw_socket):
         gbps = bench(1 << 20, 2)
         assert 0 < gbps < float("inf"), (bench.__name__, gbps)
+
+
+def test_torch_receiver_refuses_a_control_connection_for_an_unclaimed_or_taken_pair() -> None:
+    """The torch receiver's control port serves a connection only for a pair index claimed in its store, and each
+    index once: one naming no claim, or one already connected, is cut at once while the first keeps its slot."""
+    from kvtransfer.torch_group import CONTROL_KEY, PAIR_INDEX, PAIRS_KEY, store_client
+    from kvtransfer.torch_receiver import TorchReceiver
+
+    receiver = TorchReceiver(TransferConfig(connect_timeout_s=5.0))
+    store = store_client(receiver.endpoint, 5.0)
+    host, port = store.get(CONTROL_KEY).decode().rsplit(":", 1)
+
+    def connect(index: int) -> socket.socket:
+        sock = socket.create_connection((host, int(port)), timeout=5.0)
+        body = PAIR_INDEX.pack(index)
+        sock.sendall(len(body).to_bytes(4, "big") + body)
+        return sock
+
+    def cut(sock: socket.socket) -> bool:
+        sock.settimeout(3.0)
+        try:
+            return sock.recv(1) == b""
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            return True
+
+    socks: list[socket.socket] = []
+    try:
+        socks.append(connect(7))  # nothing claimed yet
+        assert cut(socks[-1])
+        index = int(store.add(PAIRS_KEY, 1)) - 1
+        socks.append(connect(index))  # claimed: kept open (it now waits to form its group)
+        socks.append(connect(index))  # the same index again
+        assert cut(socks[-1])
+        socks[1].settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            socks[1].recv(1)
+    finally:
+        for s in socks:
+            s.close()
+        receiver.close()

@@ -5,11 +5,13 @@ control listener whose address it publishes in that store. The first ``start`` t
 index with ``store.add``, opens a control connection whose first message is that index, and both sides build a
 2-rank group (gloo on CPU, NCCL on CUDA) over a ``PrefixStore`` for that pair; later requests reuse both.
 
-Control goes through the control connection, payloads through the group. For each layer the sender writes one
-control message listing that layer's DATA headers (wire frames), then ``send``s each piece as a contiguous
-``uint8`` view of the source blocks. The receiver reads the message, validates every header against the
-reservation, and ``recv``s each payload straight into the reserved blocks (head-sliced pieces through a staging
-tensor). ACK/FAIL come back on the same connection.
+Control goes through the control connection, payloads through the group. For everything queued when its worker
+wakes (a layer; or a short request's HELLO, layers and FINISH together) the sender writes one control message of
+wire frames per pair, then ``send``s each DATA frame's piece as a contiguous ``uint8`` view of the source blocks.
+The receiver handles a message's frames in order: it validates each run of DATA headers against the reservation
+and ``recv``s those payloads together, straight into the reserved blocks (head-sliced pieces through a staging
+tensor). ACK/FAIL come back on the same connection. A connection whose first message names a pair index not
+claimed in the store, or one already connected, is cut.
 
 Why a socket for control and not a standing ``recv`` for headers: a gloo ``wait`` that times out closes the pair,
 and a blocked ``wait`` cannot be interrupted, so a thread parked on an idle ``recv`` could never be stopped by

@@ -57,6 +57,14 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
 
 
+def _reap(proc: Any) -> None:
+    """Join a baseline's child process; kill -9 it (ours, by PID) if it has not ended in 10 s."""
+    proc.join(10)
+    if proc.is_alive() and proc.pid:
+        os.kill(proc.pid, 9)
+        proc.join(5)
+
+
 # ------------------------------------------------------------------------------------------------ baselines
 def bench_memcpy(nbytes: int, repeats: int) -> float:
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
@@ -111,10 +119,7 @@ def bench_raw_socket(nbytes: int, repeats: int) -> float:
         sock.close()
         return _gbps(nbytes, statistics.median(times))
     finally:
-        proc.join(10)
-        if proc.is_alive() and proc.pid:
-            os.kill(proc.pid, 9)
-            proc.join(5)
+        _reap(proc)
 
 
 def _gloo_sink(conn: Any, port: int, nbytes: int, repeats: int) -> None:
@@ -158,10 +163,7 @@ def bench_raw_gloo(nbytes: int, repeats: int) -> float:
             raise RuntimeError("raw gloo sink did not receive the bytes sent")
         return _gbps(nbytes, statistics.median(times))
     finally:
-        proc.join(10)
-        if proc.is_alive() and proc.pid:
-            os.kill(proc.pid, 9)
-            proc.join(5)
+        _reap(proc)
 
 
 def _nixl_agent(name: str, tls: str) -> Any:
@@ -232,10 +234,7 @@ def bench_raw_nixl(nbytes: int, repeats: int, tls: str = "") -> float:
             os.environ.pop("UCX_TLS", None)
         else:
             os.environ["UCX_TLS"] = saved
-        proc.join(10)
-        if proc.is_alive() and proc.pid:
-            os.kill(proc.pid, 9)
-            proc.join(5)
+        _reap(proc)
 
 
 # ------------------------------------------------------------------------------------------------- backends

@@ -91,6 +91,18 @@ def send_vectored(sock: socket.socket, buffers: Sequence[bytes | memoryview], de
     return total
 
 
+def send_nowait(sock: socket.socket, data: bytes) -> bool:
+    """Hand ``data`` to the kernel without blocking, even on a blocking socket (``MSG_DONTWAIT``).
+
+    False when it would block or took only part (the stream is then unusable): a peer that does not drain a small
+    control reply is broken, and the caller cuts the connection rather than stall its thread.
+    """
+    try:
+        return sock.send(data, socket.MSG_DONTWAIT) == len(data)
+    except BlockingIOError:
+        return False
+
+
 def tune(sock: socket.socket, timeout_s: float | None) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.settimeout(timeout_s)

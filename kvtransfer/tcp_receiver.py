@@ -18,7 +18,16 @@ from kvtransfer.book import Entry, TransferBook
 from kvtransfer.config import TransferConfig
 from kvtransfer.landing import Landing
 from kvtransfer.layout import KVLayout
-from kvtransfer.sockio import PeerClosed, byte_view, close_socket, discard, join_all, recv_exact, tune
+from kvtransfer.sockio import (
+    PeerClosed,
+    byte_view,
+    close_socket,
+    discard,
+    join_all,
+    recv_exact,
+    send_nowait,
+    tune,
+)
 from kvtransfer.stream_receiver import StreamReceiver
 from kvtransfer.wire import HEADER_SIZE, Frame, Kind, control, parse_hello, unpack
 
@@ -34,17 +43,10 @@ class _Inbound:
     writing: Entry | None = None  # the request whose payload is being received right now
 
     def send_control(self, data: bytes) -> None:
-        """Send a small control frame without ever blocking (the caller may be the lease reaper).
-
-        The socket is blocking for reads, so this uses ``MSG_DONTWAIT``: a peer that does not drain its socket is
-        broken, and the connection is cut instead of stalling this thread.
-        """
+        """Send a small control frame without ever blocking (the caller may be the lease reaper); a peer that
+        does not drain its socket is broken, so the connection is cut instead of stalling this thread."""
         with self.send_lock:
-            try:
-                sent = self.sock.send(data, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                sent = -1
-            if sent != len(data):
+            if not send_nowait(self.sock, data):
                 with contextlib.suppress(OSError):
                     self.sock.shutdown(socket.SHUT_RDWR)
                 raise ConnectionError(f"control frame to {self.peer} would block; connection cut")

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.distributed import TCPStore
 
-from kvtransfer.sockio import close_socket, recv_exact, send_vectored, tune
+from kvtransfer.sockio import close_socket, recv_exact, send_nowait, send_vectored, tune
 from kvtransfer.wire import HEADER_SIZE, Frame, Kind, unpack
 
 PAIRS_KEY = "tandem/pairs"
@@ -91,11 +91,7 @@ class ControlLink:
         """A small reply (ACK/FAIL) from a thread that must never block (the receiver, its lease reaper)."""
         data = _LEN.pack(len(blob)) + blob
         with self._send_lock:
-            try:
-                sent = self.sock.send(data, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                sent = -1
-            if sent != len(data):
+            if not send_nowait(self.sock, data):
                 self.close()
                 raise ConnectionError(f"control message to {self.peer} would block; connection cut")
 

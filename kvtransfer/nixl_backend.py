@@ -21,6 +21,11 @@ microseconds.
 The receiver counts landed bytes per layer from those notifications and is DONE when every layer landed; it then
 sends ACK, which makes the sender DONE.
 
+Waking the receiver: NIXL has no blocking wait for notifications, so the receiver's watcher polls on a schedule
+that spares decode's CPU (sleeps of up to 20 ms). The receiver's endpoint is a UDP doorbell (``host:port``); the
+sender rings it once a leg's last WRITE is complete (and after a FAIL), so the watcher wakes from its sleep at
+once (:mod:`kvtransfer.doorbell`). The ring is a hint only: a lost datagram costs latency, never correctness.
+
 Leases: both ends expire unfinished transfers and notify each other. A one-sided WRITE cannot be stopped by the
 target, so on expiry the sender stops posting and the receiver reports FAILED; the sender's deadline is the earlier
 of its own and the receiver's lease, so it does not post after the receiver gave up on time.

@@ -22,6 +22,7 @@ import torch
 from kvtransfer.base import DestinationInfo, KVCaches, KVSender, OnFailed, TransferState, TransferStatus
 from kvtransfer.book import Entry, TransferBook
 from kvtransfer.config import TransferConfig
+from kvtransfer.doorbell import Ringer, split_endpoint
 from kvtransfer.layout import KVLayout
 from kvtransfer.nixl_agent import data_notif, hello_payload, make_agent, mem_of, piece_offsets
 from kvtransfer.outgoing import Leg, Outbound
@@ -44,6 +45,7 @@ class _LegPlan:
     waiting: list[tuple[int, Any, float]] = field(default_factory=list)  # (layer, CUDA event, handed at) to post
     hello_at: float = 0.0  # monotonic, when this leg's HELLO went out
     finish_sent: bool = False
+    bell: tuple[str, int] | None = None  # the receiver's doorbell (its endpoint), rung when the last layer is written
 
 
 def _data_header(leg: Leg, layer: int) -> bytes:
@@ -64,6 +66,7 @@ class NixlSender(KVSender):
         self._metadata = b""
         self._hello = b""
         self._known: set[str] = set()
+        self._ringer = Ringer()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._progress, name="kv-nixl-progress", daemon=True)
@@ -98,7 +101,8 @@ class NixlSender(KVSender):
             except Exception as e:
                 self.book.fail(entry, f"sender: cannot add NIXL agent {d.agent_name}: {e}")
                 return
-            leg.peer = _LegPlan(d.agent_name, np.empty(0, np.uint64), np.empty(0, np.uint64), np.empty(0, np.uint64), 0)
+            leg.peer = _LegPlan(d.agent_name, np.empty(0, np.uint64), np.empty(0, np.uint64), np.empty(0, np.uint64), 0,
+                                bell=split_endpoint(d.endpoint))
         self.out.plan(entry)  # raises CompatibilityError after notifying the receiver(s)
         hello, layout = self._hello, self.out.layout
         assert layout is not None  # plan() refuses an unregistered sender
@@ -174,6 +178,7 @@ class NixlSender(KVSender):
         self.book.stop(self.config.close_timeout_s * 0.2)
         for entry in self.book.entries():
             self._drain(entry)
+        self._ringer.close()
         with self._agent_lock:
             if self._reg is not None:
                 try:
@@ -363,6 +368,8 @@ class NixlSender(KVSender):
                                "(receiver unreachable or gone)", notify_peer=True)
                 return False
             self.out.leg_sent_layer(entry, leg, lp.nbytes)
+            if leg.layers_sent == len(self._bases):  # its DATA notification went out with this state check
+                self._ringer.ring(lp.bell)
         return True
 
     def _on_notif(self, remote: str, msg: bytes) -> None:
@@ -383,3 +390,4 @@ class NixlSender(KVSender):
             if leg.peer is not None:
                 with self._agent_lock:
                     self._agent.send_notif(leg.peer.remote, control(Kind.FAIL, leg.dest.transfer_id, message.encode()))
+                self._ringer.ring(leg.peer.bell)  # the receiver frees its blocks now, not at its next tick

@@ -288,3 +288,88 @@ def test_data_notifications_carry_the_layer_hand_over_time_and_the_pace_predicts
     assert layer_time == pytest.approx(0.03) and due == pytest.approx(100.0 + 0.061 + 13 * 0.03)
     pace.note(1, 0.031, now=100.5)  # out of order: the first and last reported layers stay the bounds
     assert pace.due(16) == pytest.approx((due, layer_time))
+
+
+def test_doorbell_wakes_a_waiting_watcher_and_is_only_a_hint() -> None:
+    """The bell's ``wait`` ends as soon as a datagram comes and drains a flood in one wake (bounded); rings to no
+    bell, to a closed port, or into a closed bell never raise, so a lost ring only costs the poll it would have
+    saved."""
+    import threading
+
+    from kvtransfer.doorbell import Doorbell, Ringer, split_endpoint
+
+    assert split_endpoint("127.0.0.1:5000") == ("127.0.0.1", 5000)
+    assert split_endpoint("[::1]:7") == ("::1", 7)
+    for bad in ("nixl://agent", "host:", ":80", "h:0", "h:70000", ""):
+        assert split_endpoint(bad) is None, bad
+    bell, ringer = Doorbell("127.0.0.1"), Ringer()
+    try:
+        address = split_endpoint(bell.endpoint)
+        assert bell.wait(0.01) is False and bell.rings == 0
+        timer = threading.Timer(0.05, ringer.ring, args=(address,))
+        t0 = time.monotonic()
+        timer.start()
+        assert bell.wait(5.0) is True
+        assert time.monotonic() - t0 < 2.0 and bell.rings == 1
+        for _ in range(10):
+            ringer.ring(address)
+        time.sleep(0.05)
+        assert bell.wait(1.0) is True  # one wake for the burst, drained
+        assert bell.wait(0.02) is False and bell.rings == 2
+        ringer.ring(None)
+        probe = Doorbell("127.0.0.1")
+        gone = split_endpoint(probe.endpoint)
+        probe.close()
+        ringer.ring(gone)  # nobody listens: still no exception
+    finally:
+        bell.close()
+        ringer.close()
+    assert bell.wait(0.01) is False  # closed: a plain (short) sleep's end
+
+
+def test_the_last_written_layer_rings_the_receivers_doorbell_instead_of_waiting_out_its_sleep() -> None:
+    """NIXL cannot block on notifications, so the receiver sleeps between polls (up to 20 ms by its schedule). A
+    short transfer lands inside such a sleep. The sender rings the receiver's UDP doorbell once its last layer's
+    WRITE is complete, so the receiver sees the transfer DONE within milliseconds. To show that the ring is what
+    wakes it, the watcher's every sleep is made 0.3 s here: with the ring, DONE still comes within milliseconds;
+    with the ring dropped (the same transfers), only when that sleep ends. Medians of 3; the first transfer, which
+    adds the remote agents, is not counted."""
+    import statistics
+
+    r, s = NixlReceiver(), NixlSender()
+    r._next_sleep = lambda now, pace: 0.3  # type: ignore[method-assign]
+    done_at: dict[str, float] = {}
+
+    def on_done(rid: str) -> None:
+        done_at.setdefault(rid, time.perf_counter())
+
+    r.set_on_done(on_done)
+    ring = s._ringer.ring
+    took: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        r.register(make_caches(LAYOUT, 8, None), LAYOUT)
+        s.register(make_caches(LAYOUT, 8, 3), LAYOUT)
+        for i, with_bell in enumerate([True, True, True, True, False, False, False]):
+            s._ringer.ring = ring if with_bell else (lambda address: None)  # type: ignore[method-assign]
+            rid = f"bell-{i}"
+            d = r.reserve(rid, [1, 2], 8, time.time() + 20)
+            time.sleep(0.02)  # the watcher is asleep
+            t0 = time.perf_counter()
+            s.start(rid, d, [4, 5], time.time() + 20)
+            for layer in range(LAYOUT.num_layers):
+                s.send_layer(rid, layer)
+            s.finish(rid)
+            end = time.monotonic() + 10
+            while rid not in done_at and time.monotonic() < end:
+                time.sleep(0.001)
+            assert r.poll(rid).state == TransferState.DONE
+            if i:
+                took[with_bell].append(done_at[rid] - t0)
+            s.release(rid)
+            r.release(rid)
+    finally:
+        s.close()
+        r.close()
+    assert r._bell.rings >= 4
+    assert statistics.median(took[True]) < 0.05, took
+    assert statistics.median(took[False]) > 0.1, took

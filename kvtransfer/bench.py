@@ -11,7 +11,11 @@ Baselines, same bytes:
 - ``raw_nixl``: two plain NIXL agents (no Tandem code), one contiguous descriptor, WRITE + notification, on the
   UCX transports the nixl backend uses (``TransferConfig.ucx_tls``; by default UCX's choice, shared memory
   between processes on one host); when the config names transports, ``raw_nixl_ucx_default`` is the same on
-  UCX's default, for reference;
+  UCX's default, for reference. These agents have NIXL's default progress thread, which spins on a core with no
+  pause; on 2 vCPUs that makes the baseline bimodal (2026-12-04, 1 MiB, five runs of 32: 0.92, 0.92, 6.8, 8.4,
+  9.6 GB/s, as the spinning threads get a core or not). ``raw_nixl_no_progress_thread`` is the same transfer by
+  agents without it (1.6-1.8 GB/s in five runs), for reference: the nixl backend's agents keep a progress thread
+  that pauses ``nixl_progress_delay_us`` between passes, because a spinning one would take a core from decode;
 - ``raw_socket``: one TCP ``sendall`` / ``recv_into`` over loopback plus a one-byte ack;
 - ``raw_gloo``: one contiguous gloo ``send`` / ``recv`` plus a one-byte ack, on a 2-rank group made as the torch
   backend makes its groups (the transport that backend is built on, on CPU);
@@ -51,6 +55,13 @@ def _request_bytes_per_block(layout: KVLayout) -> int:
 def _ids(n: int, run: int, offset: int = 0) -> list[int]:
     """``n`` block ids in runs of ``run`` consecutive ids separated by one-block gaps."""
     return [(i // run) * (run + 1) + i % run + offset for i in range(n)]
+
+
+def repeats_for(size_mib: int, repeats: int) -> int:
+    """Timed requests at ``size_mib``: at least ``repeats``, and at least 64 MiB moved in all. A small request
+    takes a millisecond or two here, where one wake-up delayed by another process on these 2 cores costs as much:
+    five samples gave medians that moved 3x between runs, so small sizes get more (same count for every side)."""
+    return max(repeats, 64 // max(size_mib, 1))
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -166,8 +177,9 @@ def bench_raw_gloo(nbytes: int, repeats: int) -> float:
         _reap(proc)
 
 
-def _nixl_agent(name: str, tls: str) -> Any:
-    """A plain agent on loopback; ``tls`` is applied to ``UCX_TLS`` (``""``: UCX's default transports)."""
+def _nixl_agent(name: str, tls: str, progress_thread: bool = True) -> Any:
+    """A plain agent on loopback; ``tls`` is applied to ``UCX_TLS`` (``""``: UCX's default transports).
+    ``progress_thread``: NIXL's default, a thread that spins on UCX progress with no pause (a whole core)."""
     os.environ["UCX_NET_DEVICES"] = "lo"
     if tls:
         os.environ["UCX_TLS"] = tls
@@ -176,11 +188,11 @@ def _nixl_agent(name: str, tls: str) -> Any:
     from kvtransfer.nixl_agent import import_nixl_api
 
     api = import_nixl_api()
-    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
 
 
-def _nixl_target(conn: Any, nbytes: int, repeats: int, tls: str) -> None:
-    agent = _nixl_agent(f"raw-target-{os.getpid()}", tls)
+def _nixl_target(conn: Any, nbytes: int, repeats: int, tls: str, progress_thread: bool) -> None:
+    agent = _nixl_agent(f"raw-target-{os.getpid()}", tls, progress_thread)
     buf = torch.zeros(nbytes, dtype=torch.uint8)
     agent.register_memory(buf)
     conn.send((agent.get_agent_metadata(), buf.data_ptr()))
@@ -193,17 +205,19 @@ def _nixl_target(conn: Any, nbytes: int, repeats: int, tls: str) -> None:
     conn.send(got)
 
 
-def bench_raw_nixl(nbytes: int, repeats: int, tls: str = "") -> float:
+def bench_raw_nixl(nbytes: int, repeats: int, tls: str = "", progress_thread: bool = True) -> float:
     """Plain NIXL agents in two processes: one contiguous WRITE with a notification, timed to DONE.
 
     ``tls`` is the ``UCX_TLS`` both agents use (``""``: UCX's default). The caller's environment is restored.
+    ``progress_thread=False`` makes both agents without NIXL's spinning progress thread (the initiator's state
+    checks and the target's notification polls drive UCX instead).
     """
     saved = os.environ.get("UCX_TLS")
     parent, child = _CTX.Pipe()
-    proc = _CTX.Process(target=_nixl_target, args=(child, nbytes, repeats, tls), daemon=True)
+    proc = _CTX.Process(target=_nixl_target, args=(child, nbytes, repeats, tls, progress_thread), daemon=True)
     proc.start()
     try:
-        agent = _nixl_agent(f"raw-initiator-{os.getpid()}-{time.monotonic_ns()}", tls)
+        agent = _nixl_agent(f"raw-initiator-{os.getpid()}-{time.monotonic_ns()}", tls, progress_thread)
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
         agent.register_memory(src)
         if not parent.poll(60):
@@ -239,7 +253,8 @@ def bench_raw_nixl(nbytes: int, repeats: int, tls: str = "") -> float:
 
 # ------------------------------------------------------------------------------------------------- backends
 def bench_backend(backend: str, sizes_mib: Sequence[int], repeats: int, layout: KVLayout = BENCH_LAYOUT) -> dict:
-    """GB/s of ``backend`` per size, two child processes, median of ``repeats`` (after one warm-up request)."""
+    """GB/s of ``backend`` per size, two child processes, median of :func:`repeats_for` requests (after one warm-up
+    request)."""
     per_block = _request_bytes_per_block(layout)
     counts = {s: max(1, s * MIB // per_block) for s in sizes_mib}
     most = max(counts.values())
@@ -254,7 +269,7 @@ def bench_backend(backend: str, sizes_mib: Sequence[int], repeats: int, layout: 
             n = counts[size]
             src, dst = _ids(n, 16), _ids(n, 32)
             times = []
-            for i in range(repeats + 1):
+            for i in range(repeats_for(size, repeats) + 1):
                 rid = f"bench-{size}-{i}"
                 dest = r.call("reserve", rid, dst, n * layout.block_size, time.time() + 60)
                 st, err, elapsed = s.call("transfer", rid, [dest], src, time.time() + 60, 60.0, timeout_s=90)
@@ -286,14 +301,18 @@ def run_kv_bench(
     per_block = _request_bytes_per_block(BENCH_LAYOUT)
     for size in sizes_mib:
         nbytes = max(1, size * MIB // per_block) * per_block
-        gbps[size]["memcpy"] = bench_memcpy(nbytes, repeats)
-        gbps[size]["raw_socket"] = bench_raw_socket(nbytes, repeats)
+        n = repeats_for(size, repeats)
+        gbps[size]["memcpy"] = bench_memcpy(nbytes, n)
+        gbps[size]["raw_socket"] = bench_raw_socket(nbytes, n)
         if "torch" in backends:
-            gbps[size]["raw_gloo"] = bench_raw_gloo(nbytes, repeats)
+            gbps[size]["raw_gloo"] = bench_raw_gloo(nbytes, n)
         # raw NIXL on the transports the nixl backend uses here, and on UCX's default (shared memory on one host)
-        gbps[size]["raw_nixl"] = bench_raw_nixl(nbytes, repeats, nixl_tls) if has_nixl else None
+        gbps[size]["raw_nixl"] = bench_raw_nixl(nbytes, n, nixl_tls) if has_nixl else None
         if has_nixl and nixl_tls:
-            gbps[size]["raw_nixl_ucx_default"] = bench_raw_nixl(nbytes, repeats, "")
+            gbps[size]["raw_nixl_ucx_default"] = bench_raw_nixl(nbytes, n, "")
+        # the same without NIXL's progress threads, which spin a core each (two of these 2), see the module doc
+        gbps[size]["raw_nixl_no_progress_thread"] = (bench_raw_nixl(nbytes, n, nixl_tls, progress_thread=False)
+                                                      if has_nixl else None)
     for backend in backends:
         if backend == "nixl" and not has_nixl:
             for size in sizes_mib:
@@ -307,12 +326,15 @@ def run_kv_bench(
         for backend in backends:
             if row.get(backend) is not None and row.get("raw_nixl"):
                 ratios[size][f"{backend}/raw_nixl"] = row[backend] / row["raw_nixl"]  # type: ignore[operator]
+        if row.get("nixl") is not None and row.get("raw_nixl_no_progress_thread"):
+            ratios[size]["nixl/raw_nixl_no_progress_thread"] = row["nixl"] / row["raw_nixl_no_progress_thread"]  # type: ignore[operator]
         if row.get("tcp") is not None and row.get("raw_socket"):
             ratios[size]["tcp/raw_socket"] = row["tcp"] / row["raw_socket"]  # type: ignore[operator]
         if row.get("torch") is not None and row.get("raw_gloo"):
             ratios[size]["torch/raw_gloo"] = row["torch"] / row["raw_gloo"]  # type: ignore[operator]
     return {"sizes_mib": list(sizes_mib), "gbps": gbps, "ratios": ratios, "layout": BENCH_LAYOUT.to_dict(),
-            "repeats": repeats, "nixl_ucx_tls": nixl_tls or "UCX default"}
+            "repeats": repeats, "repeats_per_size": {s: repeats_for(s, repeats) for s in sizes_mib},
+            "nixl_ucx_tls": nixl_tls or "UCX default"}
 
 
 def format_kv_bench(result: dict[str, Any]) -> str:

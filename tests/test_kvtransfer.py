@@ -597,6 +597,15 @@ def test_kv_bench_baselines_move_the_bytes_between_processes() -> None:
         assert 0 < gbps < float("inf"), (bench.__name__, gbps)
 
 
+def test_kv_bench_takes_more_samples_of_small_requests() -> None:
+    """A millisecond request's median is at the mercy of one late wake-up on 2 cores, so every side of the bench
+    times at least 64 MiB per size: 64 requests of 1 MiB, 8 of 8 MiB, ``--repeats`` of 64 MiB."""
+    from kvtransfer.bench import repeats_for
+
+    assert [repeats_for(s, 5) for s in (1, 8, 64, 256)] == [64, 8, 5, 5]
+    assert repeats_for(1, 100) == 100
+
+
 def test_torch_receiver_refuses_a_control_connection_for_an_unclaimed_or_taken_pair() -> None:
     """The torch receiver's control port serves a connection only for a pair index claimed in its store, and each
     index once: one naming no claim, or one already connected, is cut at once while the first keeps its slot."""

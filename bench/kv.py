@@ -264,3 +264,30 @@ def run_kv(args: argparse.Namespace) -> dict[str, Any]:
                              for b in backends]
         report["decode_itl"] = [measure_itl(args.model, b, args.prompt_len // 2) for b in backends]
     return report
+
+
+def format_kv_report(report: dict[str, Any]) -> str:
+    """:func:`run_kv`'s report as text (``tandem bench kv`` without ``--json``): the bandwidth table and ratios,
+    then one line per backend for overlap and for decode ITL, each next to the issue's goal."""
+    from kvtransfer.bench import format_kv_bench
+
+    lines = ["bandwidth, GB/s (goal: each backend >= 0.90 of raw NIXL; tcp of a raw socket)",
+             format_kv_bench(report["bandwidth"])]
+    if report.get("overlap"):
+        lines.append("overlap (goal >= 80% of the transfer hidden behind prefill compute):")
+        for o in report["overlap"]:
+            runs = ", ".join(f"{100 * r['overlap']:.1f}" for r in o.get("runs", []))
+            lines.append(f"  {o['backend']:>6}: {100 * o['overlap']:5.1f}% median ({runs}); "
+                         f"serial {1e3 * o['serial_transfer_s']:.1f} ms, "
+                         f"exposed after compute {1e3 * o['exposed_after_compute_s']:.2f} ms, "
+                         f"{o['kv_bytes'] / (1 << 20):.0f} MiB of KV for {o['prompt_len']} tokens")
+    if report.get("decode_itl"):
+        lines.append("decode ITL, p50 / p99 ms (goal: unaffected while transfers land):")
+        for r in report["decode_itl"]:
+            q, c, w = r["itl_ms_quiet"], r["itl_ms_prefill_compute_only"], r["itl_ms_with_transfers"]
+            costs = ", ".join(f"{100 * x:+.1f}" for x in r.get("transfer_cost_p50_runs", []))
+            lines.append(f"  {r['backend']:>6}: quiet {q['p50']:.1f} / {q['p99']:.1f}, "
+                         f"control {c['p50']:.1f} / {c['p99']:.1f}, with transfers {w['p50']:.1f} / {w['p99']:.1f}; "
+                         f"cost {100 * r['transfer_cost_p50']:+.1f}% p50 ({costs}), "
+                         f"{r['transfers_during_loaded_run']} transfers")
+    return "\n".join(lines)

@@ -192,9 +192,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=None if args.json else 2, default=str))
         return 0
     if args.bench_command == "kv":
-        from bench.kv import run_kv
+        from bench.kv import format_kv_report, run_kv
 
-        print(json.dumps(run_kv(args), indent=None if args.json else 2, default=str))
+        report = run_kv(args)
+        print(json.dumps(report, default=str) if args.json else format_kv_report(report))
         return 0
     if args.bench_command == "gateway":
         from bench.gateway import run_from_args

@@ -269,7 +269,7 @@ def run_kv(args: argparse.Namespace) -> dict[str, Any]:
 def format_kv_report(report: dict[str, Any]) -> str:
     """:func:`run_kv`'s report as text (``tandem bench kv`` without ``--json``): the bandwidth table and ratios,
     then one line per backend for overlap and for decode ITL, each next to the issue's goal."""
-    from kvtransfer.bench import format_kv_bench
+    from kvtransfer.bench import MIB, format_kv_bench
 
     lines = ["bandwidth, GB/s (goal: each backend >= 0.90 of raw NIXL; tcp of a raw socket)",
              format_kv_bench(report["bandwidth"])]
@@ -280,7 +280,7 @@ def format_kv_report(report: dict[str, Any]) -> str:
             lines.append(f"  {o['backend']:>6}: {100 * o['overlap']:5.1f}% median ({runs}); "
                          f"serial {1e3 * o['serial_transfer_s']:.1f} ms, "
                          f"exposed after compute {1e3 * o['exposed_after_compute_s']:.2f} ms, "
-                         f"{o['kv_bytes'] / (1 << 20):.0f} MiB of KV for {o['prompt_len']} tokens")
+                         f"{o['kv_bytes'] / MIB:.0f} MiB of KV for {o['prompt_len']} tokens")
     if report.get("decode_itl"):
         lines.append("decode ITL, p50 / p99 ms (goal: unaffected while transfers land):")
         for r in report["decode_itl"]:

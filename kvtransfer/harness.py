@@ -25,7 +25,7 @@ from kvtransfer.destination import DestinationInfo
 from kvtransfer.layout import KVLayout
 
 _CTX = mp.get_context("spawn")
-FAILURE_CHECK_S = 0.005  # how often a timed transfer checks its status for a failure while it waits for DONE
+FAILURE_CHECK_S = 0.005  # how often _wait_finished checks the status for a failure while it waits for DONE
 
 
 def make_caches(layout: KVLayout, num_blocks: int, seed: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -67,6 +67,35 @@ def test_layer_ops_match_torch(rows: int, monkeypatch: pytest.MonkeyPatch) -> No
     assert torch.equal(native[2], ref[2])  # rotary: the same roundings, bit for bit
 
 
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_bf16_layer_ops_round_where_transformers_rounds(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bf16 twins against the torch expressions they replace, run in bf16 as transformers runs them."""
+    if layer_ops() is None:
+        pytest.skip("native layer ops unavailable")
+    bf = torch.bfloat16
+    g = torch.Generator().manual_seed(100 + rows)
+    norm = layers.RMSNorm(96, 1e-5, bf)
+    norm.weight.data = torch.randn(96, generator=g).to(bf)
+    wide = (torch.randn(rows, 200, generator=g) * 3).to(bf)
+    x = wide[:, 10:106]  # strided rows
+    gu = (torch.randn(rows, 2 * 77, generator=g) * 4).to(bf)  # 77: a scalar tail after the 16-lane loop
+    rope = layers.RotaryEmbedding(RopeConfig(theta=10000.0), 64, 512, bf)
+    cos, sin = rope.tables(torch.randint(0, 512, (rows,), generator=g))
+    qkv = torch.randn(rows, 6, 64, generator=g).to(bf)
+
+    native = (norm(x), layers.silu_mul(gu, 77), rope.rotate(qkv.clone()[:, :4], cos, sin))
+    assert all(t.dtype is bf for t in native)
+    _no_layer_ops(monkeypatch)
+    ref = (norm(x), layers.silu_mul(gu, 77), rope.rotate(qkv[:, :4], cos, sin))
+    assert torch.equal(native[0], ref[0])  # RMSNorm: torch's own mean square, then the same roundings
+    assert torch.equal(native[2], ref[2])  # rotary: every product and the sum rounded to bf16, as torch does
+    # silu: expf may move the pre-rounding value by an fp32 ulp, so at most one bf16 ulp apart, and only where
+    # torch's value sat on a rounding boundary.
+    ulp = torch.finfo(bf).eps * ref[1].float().abs().clamp_min(torch.finfo(bf).tiny)
+    assert bool(((native[1].float() - ref[1].float()).abs() <= ulp).all())
+    assert (native[1] != ref[1]).float().mean().item() <= 0.01
+
+
 def _case(q_lens: list[int], ctx: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
           seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor]:
     rng = np.random.default_rng(seed)

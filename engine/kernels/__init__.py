@@ -212,11 +212,14 @@ _f32 = ctypes.c_float
 
 @dataclass(frozen=True, slots=True)
 class LayerOps:
-    """The functions of ``layer_ops.c`` (fp32; see its header for each contract)."""
+    """The functions of ``layer_ops.c`` (see its header for each contract): fp32, and the ``*_bf16`` twins."""
 
     rms_norm: Any
     silu_mul: Any
     rope: Any
+    rms_norm_bf16: Any
+    silu_mul_bf16: Any
+    rope_bf16: Any
 
 
 @functools.cache
@@ -226,6 +229,8 @@ def layer_ops() -> LayerOps | None:
         "silu_mul": [_ptr, _i64, _ptr, _i64, _i64],
         "rope": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr],
     }
+    sigs.update({f"{name}_bf16": argtypes for name, argtypes in sigs.items()})
+    sigs["rms_norm_bf16"] = [*sigs["rms_norm"], _ptr]  # + each row's fp32 mean square, computed by torch
     if _load("layer_ops") is None:
         return None
     return LayerOps(**{name: _bind("layer_ops", name, argtypes, None) for name, argtypes in sigs.items()})

@@ -1,4 +1,4 @@
-/* Fused fp32 element-wise layer ops for CPU: each replaces a chain of torch ops (and their temporaries) with one
+/* Fused element-wise layer ops for CPU (fp32, and bf16 below): each replaces a chain of torch ops (and their temporaries) with one
  * pass over the rows. Decode steps are a few rows, where torch's per-op dispatch costs more than the arithmetic;
  * prefills are thousands of rows, where the temporaries cost memory bandwidth.
  *
@@ -94,6 +94,129 @@ void tandem_rope(float *x, int64_t tok_stride, int64_t tokens, int64_t heads, in
                 /* torch: x * cos + cat(-x2, x1) * sin, each product and the sum rounded separately */
                 v[i] = x1 * c[i] + (-x2) * s[i];
                 v[half + i] = x2 * c[half + i] + x1 * s[half + i];
+            }
+        }
+    }
+}
+
+/* ---- bfloat16 ----------------------------------------------------------------------------------------------
+ * The same three ops on bf16 rows, rounding where transformers' bf16 modules round: each torch op on bf16 tensors
+ * widens to fp32, computes, and rounds the result to nearest even, so every intermediate that torch materialises
+ * as a bf16 tensor is rounded here too.
+ *
+ *   tandem_rms_norm_bf16  out = bf16(w * bf16(x * rsqrt(var + eps)))  (LlamaRMSNorm: fp32 inside, cast back, then
+ *                         scaled in bf16). ``var`` is each row's mean(x^2) in fp32, computed by the caller with torch:
+ *                         the sum's order is torch's own, and a one-ulp difference there does flip greedy tokens
+ *                         of bf16 models.
+ *   tandem_silu_mul_bf16  out = bf16(bf16(silu(g)) * u)
+ *   tandem_rope_bf16      x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), in place; cos/sin are bf16 tables
+ *
+ * rope and rms_norm are bit-identical to the torch expressions (products of two bf16 values are exact in fp32;
+ * 1/sqrtf is torch's rsqrt, both correctly rounded). silu_mul's expf can differ from torch's in the last fp32 bit,
+ * so rarely by one bf16 ulp after rounding. */
+
+static inline float bf16f(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16f(f32_bf16(f)); }
+
+#if defined(__AVX512F__)
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* Round 16 fp32 lanes to bf16, nearest even (inputs are finite here: activations of a working model). */
+static inline __m256i to_bf16x16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+static inline __m512 round_bf16x16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(x)), 16));
+}
+#endif
+
+void tandem_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int64_t rows,
+                          int64_t dim, float eps, const float *var) {
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * x_stride;
+        uint16_t *o = out + r * dim;
+        const float inv = 1.0f / sqrtf(var[r] + eps);
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (; i + 16 <= dim; i += 16) {
+            const __m512 y = round_bf16x16(_mm512_mul_ps(load_bf16x16(xr + i), vinv));
+            _mm256_storeu_si256((__m256i *)(o + i), to_bf16x16(_mm512_mul_ps(load_bf16x16(w + i), y)));
+        }
+#endif
+        for (; i < dim; i++) o[i] = f32_bf16(bf16f(w[i]) * round_bf16(bf16f(xr[i]) * inv));
+    }
+}
+
+void tandem_silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, uint16_t *out, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows * inter >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gu + r * gu_stride, *u = g + inter;
+        uint16_t *o = out + r * inter;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= inter; i += 16) {
+            const __m512 x = load_bf16x16(g + i);
+            const __m512 sig = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+            const __m512 s = round_bf16x16(_mm512_div_ps(x, sig));
+            _mm256_storeu_si256((__m256i *)(o + i), to_bf16x16(_mm512_mul_ps(s, load_bf16x16(u + i))));
+        }
+#endif
+        for (; i < inter; i++) {
+            const float x = bf16f(g[i]);
+            o[i] = f32_bf16(round_bf16(x / (1.0f + tandem_expf(-x))) * bf16f(u[i]));
+        }
+    }
+}
+
+void tandem_rope_bf16(uint16_t *x, int64_t tok_stride, int64_t tokens, int64_t heads, int64_t head_dim,
+                      const uint16_t *cos, const uint16_t *sin) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= PARALLEL_MIN)
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *c = cos + t * head_dim, *s = sin + t * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *v = x + t * tok_stride + h * head_dim;
+            int64_t i = 0;
+#if defined(__AVX512F__)
+            for (; i + 16 <= half; i += 16) {
+                const __m512 x1 = load_bf16x16(v + i), x2 = load_bf16x16(v + half + i);
+                const __m512 a1 = round_bf16x16(_mm512_mul_ps(x1, load_bf16x16(c + i)));
+                const __m512 b1 = round_bf16x16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2),
+                                                              load_bf16x16(s + i)));
+                const __m512 a2 = round_bf16x16(_mm512_mul_ps(x2, load_bf16x16(c + half + i)));
+                const __m512 b2 = round_bf16x16(_mm512_mul_ps(x1, load_bf16x16(s + half + i)));
+                _mm256_storeu_si256((__m256i *)(v + i), to_bf16x16(_mm512_add_ps(a1, b1)));
+                _mm256_storeu_si256((__m256i *)(v + half + i), to_bf16x16(_mm512_add_ps(a2, b2)));
+            }
+#endif
+            for (; i < half; i++) {
+                const float x1 = bf16f(v[i]), x2 = bf16f(v[half + i]);
+                const float a1 = round_bf16(x1 * bf16f(c[i])), b1 = round_bf16(-x2 * bf16f(s[i]));
+                const float a2 = round_bf16(x2 * bf16f(c[half + i])), b2 = round_bf16(x1 * bf16f(s[half + i]));
+                v[i] = f32_bf16(a1 + b1);
+                v[half + i] = f32_bf16(a2 + b2);
             }
         }
     }

@@ -18,10 +18,16 @@ from engine.model_config import MoEConfig, RopeConfig
 
 
 def native_layer_ops(x: torch.Tensor) -> LayerOps | None:
-    """The fused C ops of ``engine/kernels/layer_ops.c`` when they apply to ``x`` (fp32 on CPU), else None."""
-    if x.dtype is not torch.float32 or x.device.type != "cpu":
+    """The fused C ops of ``engine/kernels/layer_ops.c`` when they apply to ``x`` (fp32 or bf16 on CPU), else None.
+
+    Callers pick the fp32 function or its ``*_bf16`` twin by ``x.dtype``.
+    """
+    if x.dtype not in _NATIVE_DTYPES or x.device.type != "cpu":
         return None
     return layer_ops()
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _onednn_available() -> bool:
@@ -79,10 +85,18 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # transformers: normalise in float32, cast back, then scale by the weight in the activation dtype.
         ops = native_layer_ops(x)
-        if ops is not None and x.dim() == 2 and x.stride(1) == 1:
+        if ops is not None and x.dim() == 2 and x.stride(1) == 1 and self.weight.dtype is x.dtype:
             rows, dim = x.shape
-            out = torch.empty(rows, dim)
-            ops.rms_norm(x.data_ptr(), x.stride(0), self.weight.data_ptr(), out.data_ptr(), rows, dim, self.eps)
+            out = torch.empty(rows, dim, dtype=x.dtype)
+            if x.dtype is torch.float32:
+                ops.rms_norm(x.data_ptr(), x.stride(0), self.weight.data_ptr(), out.data_ptr(), rows, dim, self.eps)
+            else:
+                # The mean square comes from torch so that its summation order, and so every bf16 rounding after
+                # it, is transformers' own; the scale, the cast and the weight are one native pass.
+                xf = x.float()
+                var = xf.mul_(xf).mean(-1)
+                ops.rms_norm_bf16(x.data_ptr(), x.stride(0), self.weight.data_ptr(), out.data_ptr(), rows, dim,
+                                  self.eps, var.data_ptr())
             return out
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -128,14 +142,16 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x``: [T, heads, hd] (q and k may be rotated together, stacked on the head axis).
 
-        With the native ops (fp32 CPU) ``x`` is rotated in place and returned; it must be a tensor the caller owns
-        (here: a slice of the fresh qkv projection). The result is bit-identical to the torch expression below.
+        With the native ops (fp32 or bf16 on CPU) ``x`` is rotated in place and returned; it must be a tensor the
+        caller owns (here: a slice of the fresh qkv projection). The result is bit-identical to the torch
+        expression below.
         """
         ops = native_layer_ops(x)
         if ops is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous() \
-                and sin.is_contiguous() and cos.dtype is torch.float32:
+                and sin.is_contiguous() and cos.dtype is x.dtype:
             t, heads, hd = x.shape
-            ops.rope(x.data_ptr(), x.stride(0), t, heads, hd, cos.data_ptr(), sin.data_ptr())
+            fn = ops.rope if x.dtype is torch.float32 else ops.rope_bf16
+            fn(x.data_ptr(), x.stride(0), t, heads, hd, cos.data_ptr(), sin.data_ptr())
             return x
         rot = torch.cat((-x[..., self.half_dim :], x[..., : self.half_dim]), dim=-1)
         return x * cos + rot * sin  # not addcmul: keep transformers' rounding in bf16
@@ -158,8 +174,9 @@ def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
     """``silu(gate) * up`` for ``gu = [gate | up]`` of shape [T, 2 * inter]."""
     ops = native_layer_ops(gu)
     if ops is not None and gu.dim() == 2 and gu.stride(1) == 1:
-        out = torch.empty(gu.shape[0], inter)
-        ops.silu_mul(gu.data_ptr(), gu.stride(0), out.data_ptr(), gu.shape[0], inter)
+        out = torch.empty(gu.shape[0], inter, dtype=gu.dtype)
+        fn = ops.silu_mul if gu.dtype is torch.float32 else ops.silu_mul_bf16
+        fn(gu.data_ptr(), gu.stride(0), out.data_ptr(), gu.shape[0], inter)
         return out
     gate, up = gu.split(inter, dim=-1)
     return F.silu(gate) * up

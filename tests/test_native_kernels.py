@@ -62,7 +62,7 @@ def test_layer_ops_match_torch(rows: int, monkeypatch: pytest.MonkeyPatch) -> No
     native = (norm(x), layers.silu_mul(gu, 77), rope.rotate(qkv.clone()[:, :4], cos, sin))
     _no_layer_ops(monkeypatch)
     ref = (norm(x), layers.silu_mul(gu, 77), rope.rotate(qkv[:, :4], cos, sin))
-    torch.testing.assert_close(native[0], ref[0], rtol=2e-6, atol=2e-6)
+    assert torch.equal(native[0], ref[0])  # RMSNorm: torch's summation order, then the same roundings
     torch.testing.assert_close(native[1], ref[1], rtol=4e-6, atol=1e-6)
     assert torch.equal(native[2], ref[2])  # rotary: the same roundings, bit for bit
 
@@ -87,13 +87,28 @@ def test_bf16_layer_ops_round_where_transformers_rounds(rows: int, monkeypatch: 
     assert all(t.dtype is bf for t in native)
     _no_layer_ops(monkeypatch)
     ref = (norm(x), layers.silu_mul(gu, 77), rope.rotate(qkv[:, :4], cos, sin))
-    assert torch.equal(native[0], ref[0])  # RMSNorm: torch's own mean square, then the same roundings
+    assert torch.equal(native[0], ref[0])  # RMSNorm: torch's summation order, then the same roundings
     assert torch.equal(native[2], ref[2])  # rotary: every product and the sum rounded to bf16, as torch does
     # silu: expf may move the pre-rounding value by an fp32 ulp, so at most one bf16 ulp apart, and only where
     # torch's value sat on a rounding boundary.
     ulp = torch.finfo(bf).eps * ref[1].float().abs().clamp_min(torch.finfo(bf).tiny)
     assert bool(((native[1].float() - ref[1].float()).abs() <= ulp).all())
     assert (native[1] != ref[1]).float().mean().item() <= 0.01
+
+
+@pytest.mark.parametrize("dim", [8, 64, 100, 256, 768, 1000, 4096, 5120, 16384])
+def test_native_mean_square_replays_torchs_summation_order(dim: int) -> None:
+    """Short rows, leftovers past the 8-lane vectors and the 4 accumulators, and rows long enough for the
+    cascade's levels: each row's mean square equals torch's bit for bit, in fp32 and from bf16."""
+    ops = layer_ops()
+    if ops is None:
+        pytest.skip("native layer ops unavailable")
+    assert layers.native_mean_square_exact(dim)
+    g = torch.Generator().manual_seed(dim)
+    for x in (torch.randn(9, dim + 3, generator=g)[:, 3:], (torch.randn(9, dim, generator=g) * 50).bfloat16()):
+        got = torch.empty(9)
+        ops.mean_square(x.data_ptr(), x.stride(0), int(x.dtype is torch.bfloat16), 9, dim, got.data_ptr())
+        assert torch.equal(got, x.float().pow(2).mean(-1))
 
 
 def _case(q_lens: list[int], ctx: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,

@@ -220,6 +220,7 @@ class LayerOps:
     rms_norm_bf16: Any
     silu_mul_bf16: Any
     rope_bf16: Any
+    mean_square: Any
 
 
 @functools.cache
@@ -230,7 +231,8 @@ def layer_ops() -> LayerOps | None:
         "rope": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr],
     }
     sigs.update({f"{name}_bf16": argtypes for name, argtypes in sigs.items()})
-    sigs["rms_norm_bf16"] = [*sigs["rms_norm"], _ptr]  # + each row's fp32 mean square, computed by torch
+    sigs["rms_norm_bf16"] = [*sigs["rms_norm"], _ptr]  # + each row's fp32 mean square, or NULL
+    sigs["mean_square"] = [_ptr, _i64, ctypes.c_int, _i64, _i64, _ptr]
     if _load("layer_ops") is None:
         return None
     return LayerOps(**{name: _bind("layer_ops", name, argtypes, None) for name, argtypes in sigs.items()})

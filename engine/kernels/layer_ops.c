@@ -5,7 +5,7 @@
  * Built with -ffp-contract=off: every product and sum is rounded on its own, as torch's separate ops round them,
  * so rotary embedding is bit-identical to the torch expression it replaces.
  *
- *   tandem_rms_norm      out = x * rsqrt(mean(x^2) + eps) * w
+ *   tandem_rms_norm      out = w * (x * rsqrt(mean(x^2) + eps)), mean(x^2) in torch's summation order (below)
  *   tandem_silu_mul      out[:, i] = silu(gu[:, i]) * gu[:, inter + i]
  *   tandem_rope          neox rotary embedding, in place, on the first `heads` heads of each token row
  *
@@ -23,11 +23,83 @@
 
 #define PARALLEL_MIN 65536 /* elements */
 
+/* mean(x^2) of one row, summed in exactly the order of torch's CPU float sum over a contiguous dimension
+ * (ATen's cascade_sum: 8-lane vectors, 4 independent accumulators, a 4-level cascade for long rows, then the
+ * accumulators, the leftover elements and the lanes in sequence), and divided as torch's mean divides. So
+ * RMSNorm's inverse RMS equals transformers' bit for bit; engine/models/layers.py checks that against torch once
+ * per row length and uses torch's own reduction if it ever differs (another torch build, another dispatch). */
+#define SUM_VL 8
+#define SUM_ILP 4
+#define SUM_LEVELS 4
+
+static inline float bf16f(uint16_t x);
+
+static inline void squares(const void *x, int bf16, int64_t at, float *sq) {
+    for (int l = 0; l < SUM_VL; l++) {
+        const float v = bf16 ? bf16f(((const uint16_t *)x)[at + l]) : ((const float *)x)[at + l];
+        sq[l] = v * v;
+    }
+}
+
+static float torch_mean_square(const void *x, int bf16, int64_t n) {
+    const int64_t nvec = n / SUM_VL, size = nvec / SUM_ILP;
+    int64_t cl = 1;
+    if (size > 2)
+        for (cl = 0; ((size - 1) >> cl) != 0; cl++) {
+        }
+    const int64_t level_power = cl / SUM_LEVELS > 4 ? cl / SUM_LEVELS : 4;
+    const int64_t level_step = (int64_t)1 << level_power, level_mask = level_step - 1;
+    float acc[SUM_LEVELS][SUM_ILP][SUM_VL];
+    memset(acc, 0, sizeof acc);
+    float sq[SUM_VL];
+    int64_t i = 0;
+    while (i + level_step <= size) {
+        for (int64_t j = 0; j < level_step; j++, i++)
+            for (int k = 0; k < SUM_ILP; k++) {
+                squares(x, bf16, (i * SUM_ILP + k) * SUM_VL, sq);
+                for (int l = 0; l < SUM_VL; l++) acc[0][k][l] += sq[l];
+            }
+        for (int j = 1; j < SUM_LEVELS; j++) {
+            for (int k = 0; k < SUM_ILP; k++)
+                for (int l = 0; l < SUM_VL; l++) {
+                    acc[j][k][l] += acc[j - 1][k][l];
+                    acc[j - 1][k][l] = 0.0f;
+                }
+            if ((i & (level_mask << (j * level_power))) != 0) break;
+        }
+    }
+    for (; i < size; i++)
+        for (int k = 0; k < SUM_ILP; k++) {
+            squares(x, bf16, (i * SUM_ILP + k) * SUM_VL, sq);
+            for (int l = 0; l < SUM_VL; l++) acc[0][k][l] += sq[l];
+        }
+    for (int j = 1; j < SUM_LEVELS; j++)
+        for (int k = 0; k < SUM_ILP; k++)
+            for (int l = 0; l < SUM_VL; l++) acc[0][k][l] += acc[j][k][l];
+    for (int64_t t = size * SUM_ILP; t < nvec; t++) {
+        squares(x, bf16, t * SUM_VL, sq);
+        for (int l = 0; l < SUM_VL; l++) acc[0][0][l] += sq[l];
+    }
+    for (int k = 1; k < SUM_ILP; k++)
+        for (int l = 0; l < SUM_VL; l++) acc[0][0][l] += acc[0][k][l];
+    float total = 0.0f;
+    for (int64_t e = nvec * SUM_VL; e < n; e++) {
+        const float v = bf16 ? bf16f(((const uint16_t *)x)[e]) : ((const float *)x)[e];
+        total += v * v;
+    }
+    for (int l = 0; l < SUM_VL; l++) total += acc[0][0][l];
+    return total / (float)n;
+}
+
+/* Each row's mean(x^2) as above, for the check against torch (rows ``stride`` elements apart). */
+void tandem_mean_square(const void *x, int64_t stride, int bf16, int64_t rows, int64_t dim, float *out) {
+    for (int64_t r = 0; r < rows; r++)
+        out[r] = torch_mean_square(bf16 ? (const void *)((const uint16_t *)x + r * stride)
+                                        : (const void *)((const float *)x + r * stride), bf16, dim);
+}
+
 static inline float row_inv_rms(const float *x, int64_t dim, float eps) {
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < dim; i++) ss += x[i] * x[i];
-    return 1.0f / sqrtf(ss / (float)dim + eps);
+    return 1.0f / sqrtf(torch_mean_square(x, 0, dim) + eps);
 }
 
 void tandem_rms_norm(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows, int64_t dim,
@@ -105,9 +177,9 @@ void tandem_rope(float *x, int64_t tok_stride, int64_t tokens, int64_t heads, in
  * as a bf16 tensor is rounded here too.
  *
  *   tandem_rms_norm_bf16  out = bf16(w * bf16(x * rsqrt(var + eps)))  (LlamaRMSNorm: fp32 inside, cast back, then
- *                         scaled in bf16). ``var`` is each row's mean(x^2) in fp32, computed by the caller with torch:
- *                         the sum's order is torch's own, and a one-ulp difference there does flip greedy tokens
- *                         of bf16 models.
+ *                         scaled in bf16). ``var`` is each row's mean(x^2) in fp32: given by the caller (torch's own
+ *                         reduction), or NULL for the torch-order sum above. A one-ulp difference there does flip
+ *                         greedy tokens of bf16 models.
  *   tandem_silu_mul_bf16  out = bf16(bf16(silu(g)) * u)
  *   tandem_rope_bf16      x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), in place; cos/sin are bf16 tables
  *
@@ -156,7 +228,7 @@ void tandem_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *xr = x + r * x_stride;
         uint16_t *o = out + r * dim;
-        const float inv = 1.0f / sqrtf(var[r] + eps);
+        const float inv = 1.0f / sqrtf((var ? var[r] : torch_mean_square(xr, 1, dim)) + eps);
         int64_t i = 0;
 #if defined(__AVX512F__)
         const __m512 vinv = _mm512_set1_ps(inv);

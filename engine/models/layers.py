@@ -7,6 +7,8 @@ routing softmax in float32.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 
 import torch
@@ -15,6 +17,8 @@ from torch import nn
 
 from engine.kernels import LayerOps, layer_ops
 from engine.model_config import MoEConfig, RopeConfig
+
+log = logging.getLogger(__name__)
 
 
 def native_layer_ops(x: torch.Tensor) -> LayerOps | None:
@@ -40,6 +44,7 @@ def _onednn_available() -> bool:
 _ONEDNN = _onednn_available()
 _ONEDNN_MIN_ROWS = 8
 _ONEDNN_MIN_WEIGHT = 1 << 19  # elements: 2 MiB of fp32
+_MKL_MAX_ROWS = 2  # fp32 GEMVs of at most this many rows take MKL (see linear())
 _PACK_ROWS = 32  # the batch size oneDNN's blocked weight layout is chosen for (a decode batch)
 
 
@@ -56,19 +61,25 @@ def prepack_linear_weight(weight: torch.Tensor) -> None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, routed to oneDNN's matmul on CPU for batches of rows or for large weights.
+    """``F.linear``, routed on CPU to whichever GEMM is fastest for the shape and dtype.
 
-    On x86 CPUs torch's default fp32 GEMM (MKL) reaches about half of what oneDNN does for the skinny-K shapes of
-    small models (measured 75 vs 170 GFLOP/s at 4096x256x1376 on one core). For a handful of rows the work is a
-    matrix-vector product bound by reading the weight: MKL's GEMV streams it at ~15 GB/s here where oneDNN's
-    reaches ~27 GB/s (the 113M small model's decode step: 26.6 vs 15.6 ms of matmuls at one row). For small
-    weights at few rows (the tiny model's decode) MKL's lower per-call overhead wins, so the plain path is kept.
-    Weights packed at load (:func:`prepack_linear_weight`) always take oneDNN in its blocked layout: packed, it
-    beats MKL at every size here, one row included (the tiny model's single-sequence decode: 2.0 -> 1.0 ms per
-    token). The rules above remain for weights that are not packed (MoE experts, which are sliced per call).
+    - **fp32, one or two rows** (single-sequence decode): torch's default GEMM (MKL's GEMV). oneDNN's packed call
+      has a ~20 us floor per call that MKL does not (tiny model, 256x512 at one row: 9 vs 22 us), and at the
+      small model's sizes MKL streams the weight faster too. In-engine A/B (torch 2.13, 2026-12-04): tiny fp32
+      single-sequence decode 1.55 -> 1.03 ms per token, small fp32 25.0-26.0 -> 20.8-21.9 ms; greedy tokens
+      unchanged. It is also transformers' own fp32 path.
+    - **Packed weights** (:func:`prepack_linear_weight`), everything else: oneDNN in its blocked layout, with no
+      per-call re-blocking. For decode batches and prefills it beats MKL here (fp32 32 rows at 768x4096: 804 vs
+      1035 us), and in bf16 it is the AMX kernel at every row count (unpacked bf16 re-blocks per call: 23 vs
+      30 us at one row on the tiny model). Bit-identical to the unpacked oneDNN call for 8 or more rows.
+    - **Unpacked weights** (MoE experts, sliced per call): oneDNN for 8 or more rows or a large weight, where MKL
+      reaches about half of oneDNN on the skinny-K shapes of small models (75 vs 170 GFLOP/s at 4096x256x1376 on
+      one core); MKL otherwise.
     """
     if _ONEDNN and x.device.type == "cpu" and x.dim() == 2:
         packed = getattr(weight, "packed", None)
+        if x.shape[0] <= _MKL_MAX_ROWS and x.dtype is torch.float32:
+            return F.linear(x, weight, bias)
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         if x.shape[0] >= _ONEDNN_MIN_ROWS or weight.numel() >= _ONEDNN_MIN_WEIGHT:
@@ -90,9 +101,11 @@ class RMSNorm(nn.Module):
             out = torch.empty(rows, dim, dtype=x.dtype)
             if x.dtype is torch.float32:
                 ops.rms_norm(x.data_ptr(), x.stride(0), self.weight.data_ptr(), out.data_ptr(), rows, dim, self.eps)
+            elif native_mean_square_exact(dim):
+                ops.rms_norm_bf16(x.data_ptr(), x.stride(0), self.weight.data_ptr(), out.data_ptr(), rows, dim,
+                                  self.eps, None)
             else:
-                # The mean square comes from torch so that its summation order, and so every bf16 rounding after
-                # it, is transformers' own; the scale, the cast and the weight are one native pass.
+                # torch's own reduction: its summation order, and so every bf16 rounding after it, is transformers'
                 xf = x.float()
                 var = xf.mul_(xf).mean(-1)
                 ops.rms_norm_bf16(x.data_ptr(), x.stride(0), self.weight.data_ptr(), out.data_ptr(), rows, dim,
@@ -101,6 +114,26 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+
+@functools.cache
+def native_mean_square_exact(dim: int) -> bool:
+    """Whether the native mean square of ``layer_ops.c`` equals torch's ``x.float().pow(2).mean(-1)`` bit for bit
+    at this row length: it replays the summation order of torch's CPU sum kernel, which another torch build or
+    dispatch could change. Checked once per length on rows that span many magnitudes; where it differs, RMSNorm
+    takes torch's reduction (bf16 greedy output depends on that last bit)."""
+    ops = layer_ops()
+    if ops is None:
+        return False
+    g = torch.Generator().manual_seed(dim)
+    probe = torch.randn(64, dim, generator=g) * torch.logspace(-3, 3, 64).unsqueeze(1)
+    for x in (probe, probe.to(torch.bfloat16)):
+        got = torch.empty(64)
+        ops.mean_square(x.data_ptr(), x.stride(0), int(x.dtype is torch.bfloat16), 64, dim, got.data_ptr())
+        if not torch.equal(got, x.float().pow(2).mean(-1)):
+            log.warning("native mean square differs from torch's at dim %d: RMSNorm uses torch's reduction", dim)
+            return False
+    return True
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:

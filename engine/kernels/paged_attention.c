@@ -16,6 +16,8 @@
  * head go together, so each key row is loaded once for G*QT dot products. Scores for a chunk of up to KC keys are
  * kept in a small buffer; softmax is online across chunks (exact two-pass within a chunk, which is every decode
  * shorter than KC). Arithmetic is fp32; bf16 inputs are widened on load and the output rounded to nearest even.
+ * Where the compiler targets AVX512-BF16, bf16 scores are VDPBF16PS dot products of the raw bf16 query and key
+ * (exact products, fp32 sums) scaled afterwards, as torch's SDPA scales q.k, and values are widened in registers.
  *
  * Threads: OpenMP, the same runtime torch uses (libgomp.so.1 is already loaded by torch when this is dlopen'ed),
  * so torch.set_num_threads governs it too.
@@ -51,6 +53,82 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 
+#if defined(__AVX512F__)
+/* Lane j of the result is the sum of v[j]'s 16 lanes: a shuffle tree (45 shuffles/adds for 16 vectors instead of a
+ * horizontal reduction each). */
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++)
+        y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+#if defined(__AVX512BF16__)
+#define BF16_DOT 1
+/* bf16 scores straight from the cache: one (unscaled) bf16 query row against ``cnt`` <= 16 bf16 key rows ``ks``
+ * elements apart, with VDPBF16PS (exact bf16 products, summed in fp32), then scaled in fp32 as torch's SDPA
+ * scales q.k. No widened copy of the keys. D % 32 == 0. */
+static inline __attribute__((always_inline)) void score_run_bf16(const uint16_t *q, const uint16_t *k, int64_t ks,
+                                                                 int cnt, int64_t D, float scale, float *out) {
+    __m512 v[16];
+    for (int j = 0; j < 16; j++) {
+        __m512 acc = _mm512_setzero_ps();
+        if (j < cnt)
+            for (int64_t d = 0; d < D; d += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d),
+                                       (__m512bh)_mm512_loadu_si512(k + j * ks + d));
+        v[j] = acc;
+    }
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << cnt) - 1u), _mm512_mul_ps(sum16(v), _mm512_set1_ps(scale)));
+}
+
+/* o[0:D] += sum_j w[j] * v_j over ``cnt`` bf16 value rows ``vs`` elements apart, widened in registers. */
+static inline __attribute__((always_inline)) void value_run_bf16(float *o, const float *w, const uint16_t *v,
+                                                                 int64_t vs, int64_t cnt, int64_t D) {
+    enum { U = 4 };
+    const int64_t nv = D / 16;
+    __m512 acc[U][MAX_D / 16];
+    for (int64_t i = 0; i < nv; i++) {
+        acc[0][i] = _mm512_loadu_ps(o + 16 * i);
+        for (int u = 1; u < U; u++) acc[u][i] = _mm512_setzero_ps();
+    }
+    int64_t j = 0;
+    for (; j + U <= cnt; j += U)
+        for (int u = 0; u < U; u++) {
+            const __m512 wj = _mm512_set1_ps(w[j + u]);
+            const uint16_t *row = v + (j + u) * vs;
+            for (int64_t i = 0; i < nv; i++) {
+                const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 16 * i))), 16));
+                acc[u][i] = _mm512_fmadd_ps(wj, x, acc[u][i]);
+            }
+        }
+    for (; j < cnt; j++) {
+        const __m512 wj = _mm512_set1_ps(w[j]);
+        const uint16_t *row = v + j * vs;
+        for (int64_t i = 0; i < nv; i++) {
+            const __m512 x = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 16 * i))), 16));
+            acc[0][i] = _mm512_fmadd_ps(wj, x, acc[0][i]);
+        }
+    }
+    for (int64_t i = 0; i < nv; i++)
+        _mm512_storeu_ps(o + 16 * i, _mm512_add_ps(_mm512_add_ps(acc[0][i], acc[1][i]),
+                                                   _mm512_add_ps(acc[2][i], acc[3][i])));
+}
+#else
+#define BF16_DOT 0
+#endif
+
 /* Dot products of one (pre-scaled) query row with ``cnt`` <= 16 key rows ``ks`` floats apart. */
 static inline __attribute__((always_inline)) void score_run(const float *q, const float *k, int64_t ks, int cnt,
                                                             int64_t D, float *out) {
@@ -66,19 +144,7 @@ static inline __attribute__((always_inline)) void score_run(const float *q, cons
                     acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + j * ks + d), acc);
             v[j] = acc;
         }
-        __m512 w[8], x[4], y[2];
-        for (int i = 0; i < 8; i++)
-            w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-        for (int i = 0; i < 4; i++) {
-            __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-            x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-        }
-        for (int i = 0; i < 2; i++)
-            y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-        __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
-        _mm512_mask_storeu_ps(out, (__mmask16)((1u << cnt) - 1u), z);
+        _mm512_mask_storeu_ps(out, (__mmask16)((1u << cnt) - 1u), sum16(v));
         return;
     }
 #endif
@@ -214,10 +280,14 @@ static inline __attribute__((always_inline)) void attend_tile(const args_t *a, i
     if (rows <= 0) return;
     const int64_t *table = a->tables + b * a->table_stride;
     const int bf16 = a->bf16;
+    /* bf16 with AVX512-BF16: scores by VDPBF16PS on the cached keys and values widened in registers, with no
+     * widened copies of either (``qh`` keeps the raw bf16 queries). */
+    const int direct = BF16_DOT && bf16 && (D % 32) == 0 && D <= MAX_D;
 
     /* Sized by the actual shape (at most QT*MAX_G rows of MAX_D): well inside a worker thread's stack. */
     float qv[rows * D], acc[rows * D], sc[rows * KC];
-    float m[rows], l[rows], kbuf[D], ktile[16 * D], vbuf[bf16 ? KC * D : 1];
+    float m[rows], l[rows], kbuf[D], ktile[16 * D], vbuf[bf16 && !direct ? KC * D : 1];
+    uint16_t qh[direct ? rows * D : 1];
     int64_t lo[rows], hi[rows]; /* allowed key range [lo, hi) per row */
 
     for (int64_t i = 0; i < nq; i++) {
@@ -225,7 +295,9 @@ static inline __attribute__((always_inline)) void attend_tile(const args_t *a, i
         int64_t start = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
         for (int64_t g = 0; g < G; g++) {
             int64_t r = i * G + g, h = kvh * G + g;
-            const float *src = row_f32(a->q, (first_row + q0 + i) * a->q_stride + h * D, D, bf16, kbuf);
+            const int64_t q_off = (first_row + q0 + i) * a->q_stride + h * D;
+            if (direct) memcpy(qh + r * D, (const uint16_t *)a->q + q_off, (size_t)D * sizeof(uint16_t));
+            const float *src = row_f32(a->q, q_off, D, bf16, kbuf);
             for (int64_t d = 0; d < D; d++) qv[r * D + d] = src[d] * a->scale;
             for (int64_t d = 0; d < D; d++) acc[r * D + d] = 0.0f;
             lo[r] = start;
@@ -251,6 +323,14 @@ static inline __attribute__((always_inline)) void attend_tile(const args_t *a, i
             prefetch_rows(a->v, off, row_stride, t1 - t0, D, bf16);
             for (int64_t t = t0; t < t1; t += 16, off += 16 * row_stride) {
                 const int cnt = t1 - t < 16 ? (int)(t1 - t) : 16;
+#if BF16_DOT
+                if (direct) {
+                    for (int64_t r = 0; r < rows; r++)
+                        score_run_bf16(qh + r * D, (const uint16_t *)a->k + off, row_stride, cnt, D, a->scale,
+                                       sc + r * KC + (t - c0));
+                    continue;
+                }
+#endif
                 const float *kp = (const float *)a->k + off;
                 int64_t ks = row_stride;
                 if (bf16) {
@@ -279,7 +359,7 @@ static inline __attribute__((always_inline)) void attend_tile(const args_t *a, i
                 for (int64_t d = 0; d < D; d++) acc[r * D + d] *= corr;
         }
         /* weighted values, row by row so that a row's accumulator stays in registers */
-        if (bf16)
+        if (bf16 && !direct)
             for (int64_t bi = c0 / BS; bi * BS < c1; bi++) {
                 const int64_t t0 = bi * BS > c0 ? bi * BS : c0, t1 = (bi + 1) * BS < c1 ? (bi + 1) * BS : c1;
                 int64_t off = ((table[bi] * BS + (t0 - bi * BS)) * a->KVH + kvh) * D;
@@ -289,6 +369,14 @@ static inline __attribute__((always_inline)) void attend_tile(const args_t *a, i
             const int64_t u0 = lo[r] > c0 ? lo[r] : c0, u1 = hi[r] < c1 ? hi[r] : c1;
             for (int64_t bi = u0 / BS; bi * BS < u1; bi++) {
                 const int64_t t0 = bi * BS > u0 ? bi * BS : u0, t1 = (bi + 1) * BS < u1 ? (bi + 1) * BS : u1;
+#if BF16_DOT
+                if (direct) {
+                    value_run_bf16(acc + r * D, sc + r * KC + (t0 - c0),
+                                   (const uint16_t *)a->v + ((table[bi] * BS + (t0 - bi * BS)) * a->KVH + kvh) * D,
+                                   row_stride, t1 - t0, D);
+                    continue;
+                }
+#endif
                 const float *vp = bf16 ? vbuf + (t0 - c0) * D
                                        : (const float *)a->v + ((table[bi] * BS + (t0 - bi * BS)) * a->KVH + kvh) * D;
                 value_run(acc + r * D, sc + r * KC + (t0 - c0), vp, bf16 ? D : row_stride, t1 - t0, D);

@@ -180,9 +180,10 @@ def write_kv(
     """Scatter new tokens' K/V ([T, kv_heads, head_dim]) into their cache slots (``meta.slot_mapping``)."""
     nb, bs, h, d = k_cache.shape
     slot_mapping = meta.slot_mapping
-    if meta.native is not None and _rows_contiguous(k) and _rows_contiguous(v):
-        write = kv_writer()
-        assert write is not None and k_cache.is_contiguous() and v_cache.is_contiguous()
+    write = kv_writer() if k.device.type == "cpu" else None
+    if write is not None and _rows_contiguous(k) and _rows_contiguous(v) and k_cache.is_contiguous() \
+            and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous():
+        # A plain byte copy per row, whichever attention path reads the cache afterwards.
         es = k.element_size()
         write(k.data_ptr(), k.stride(0) * es, v.data_ptr(), v.stride(0) * es, k_cache.data_ptr(), v_cache.data_ptr(),
               slot_mapping.data_ptr(), k.shape[0], h * d * es)
@@ -220,24 +221,29 @@ def paged_attention(
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttentionGroup,
             scale: float) -> torch.Tensor:
     heads, hd = q.shape[1], q.shape[2]
-    nb, bs, kvh, _ = k_cache.shape
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
     if g.key_run is not None:
+        # One strided view per cache, [1, kvh, length, hd] over the run's slots (the strides of the view /
+        # narrow / unsqueeze / transpose chain it replaces, so SDPA takes the same path): a lone sequence's decode
+        # pays this once per layer.
         first, length = g.key_run
-        kb = k_cache.view(nb * bs, kvh, hd).narrow(0, first, length).unsqueeze(0)
-        vb = v_cache.view(nb * bs, kvh, hd).narrow(0, first, length).unsqueeze(0)
+        shape, stride = (1, kvh, length, hd), (length * kvh * hd, hd, kvh * hd, 1)
+        kb = k_cache.as_strided(shape, stride, k_cache.storage_offset() + first * kvh * hd)
+        vb = v_cache.as_strided(shape, stride, v_cache.storage_offset() + first * kvh * hd)
     else:
         assert g.key_blocks is not None
         padded = g.key_blocks.shape[0] // g.batch * bs
         kb = k_cache.index_select(0, g.key_blocks).view(g.batch, padded, kvh, hd).narrow(1, 0, g.max_ctx)
         vb = v_cache.index_select(0, g.key_blocks).view(g.batch, padded, kvh, hd).narrow(1, 0, g.max_ctx)
+        kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)  # [B, kvh, ctx, hd]
     qb = q.view(g.batch, g.max_q, heads, hd).transpose(1, 2)
-    kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)  # [B, kvh, ctx, hd]
     dtype = q.dtype
     if g.max_q == 1 and g.batch > 1 and dtype == torch.bfloat16 and q.device.type == "cpu":
         qb, kb, vb = qb.float(), kb.float(), vb.float()
     o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, is_causal=g.causal, scale=scale,
                                        enable_gqa=heads != kvh)
-    return o.transpose(1, 2).to(dtype)  # [B, max_q, heads, hd]
+    o = o.transpose(1, 2)  # [B, max_q, heads, hd]
+    return o if o.dtype == dtype else o.to(dtype)
 
 
 def _rows_contiguous(x: torch.Tensor) -> bool:

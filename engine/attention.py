@@ -89,6 +89,10 @@ def build_metadata(
     padded on the right. ``native``: plan for the native kernel (CPU only) instead of building torch groups.
     """
     n = len(q_lens)
+    if n == 1 and not native and q_lens[0] == 1:
+        lone = _lone_decode(int(ctx_lens[0]), tables[0], block_size, sliding_window, device)
+        if lone is not None:
+            return lone
     starts = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(q_lens, out=starts[1:])
     num_tokens = int(starts[-1])
@@ -113,6 +117,26 @@ def build_metadata(
                                  sliding_window, device))
     return AttentionMetadata(slot_mapping=torch.from_numpy(slot_mapping).to(device), groups=groups,
                              num_tokens=num_tokens)
+
+
+def _lone_decode(ctx: int, table: np.ndarray, block_size: int, sliding_window: int | None,
+                 device: torch.device) -> AttentionMetadata | None:
+    """The metadata :func:`_group` builds for one sequence decoding one token over a contiguous run of blocks,
+    without its array arithmetic (a lone sequence's step is short enough for that to show), or None when the case
+    needs more: a sliding window that hides keys, or blocks that are not one run."""
+    if sliding_window is not None and sliding_window < ctx:
+        return None
+    num_blocks = -(-ctx // block_size)
+    ids = table[:num_blocks].tolist()
+    first = ids[0]
+    if ids != list(range(first, first + num_blocks)):
+        return None
+    pos = ctx - 1
+    slot = ids[pos // block_size] * block_size + pos % block_size
+    group = AttentionGroup(token_index=None, key_blocks=None, key_run=(first * block_size, ctx), mask=None,
+                           causal=False, batch=1, max_q=1, max_ctx=ctx, out_index=None, rows=None)
+    return AttentionMetadata(slot_mapping=torch.tensor([slot], dtype=torch.int64, device=device), groups=[group],
+                             num_tokens=1)
 
 
 def _contiguous_run(table: np.ndarray, num_blocks: int) -> bool:

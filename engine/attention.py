@@ -246,14 +246,19 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: At
             scale: float) -> torch.Tensor:
     heads, hd = q.shape[1], q.shape[2]
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
-    if g.key_run is not None:
+    if g.key_run is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
         # One strided view per cache, [1, kvh, length, hd] over the run's slots (the strides of the view /
-        # narrow / unsqueeze / transpose chain it replaces, so SDPA takes the same path): a lone sequence's decode
+        # narrow / unsqueeze / transpose chain below, so SDPA takes the same path): a lone sequence's decode
         # pays this once per layer.
         first, length = g.key_run
         shape, stride = (1, kvh, length, hd), (length * kvh * hd, hd, kvh * hd, 1)
         kb = k_cache.as_strided(shape, stride, k_cache.storage_offset() + first * kvh * hd)
         vb = v_cache.as_strided(shape, stride, v_cache.storage_offset() + first * kvh * hd)
+    elif g.key_run is not None:
+        first, length = g.key_run
+        nb = k_cache.shape[0]
+        kb = k_cache.view(nb * bs, kvh, hd).narrow(0, first, length).unsqueeze(0).transpose(1, 2)
+        vb = v_cache.view(nb * bs, kvh, hd).narrow(0, first, length).unsqueeze(0).transpose(1, 2)
     else:
         assert g.key_blocks is not None
         padded = g.key_blocks.shape[0] // g.batch * bs

@@ -73,7 +73,7 @@ class ModelRunner:
             else:
                 all_decodes = False
                 ids[t : t + q] = req.all_token_ids[start:end]
-                pos[t : t + q] = self._arange[start:end]
+                pos[t : t + q] = self._arange[start:end] if end < len(self._arange) else np.arange(start, end)
             ctx[i] = end
             ctx_max = max(ctx_max, end)
             row = self.block_ids(req.request_id)

@@ -52,3 +52,18 @@ def test_lone_decode_whose_window_hides_keys_gets_a_mask() -> None:
     (group,) = meta.groups
     assert group.mask is not None
     assert group.mask[0, 0, 0].tolist() == [False] * 7 + [True] * 5
+
+
+def test_lone_decode_reads_a_cache_that_starts_inside_its_storage() -> None:
+    """Per-layer caches can be slices of one allocation: the key run's view must honour the storage offset."""
+    g = torch.Generator().manual_seed(0)
+    whole_k = torch.randn(40, BS, 2, 8, generator=g)
+    whole_v = torch.randn(40, BS, 2, 8, generator=g)
+    k, v = whole_k[20:36], whole_v[20:36]  # contiguous, storage offset 20 blocks
+    q = torch.randn(1, 4, 8, generator=g)
+    meta = build_metadata(np.array([1]), np.array([10]), np.array([[5, 6, 7]]), BS, None, CPU)
+    assert meta.groups[0].key_run == (5 * BS, 10)
+    keys = k.reshape(-1, 2, 8)[5 * BS : 5 * BS + 10].repeat_interleave(2, dim=1).transpose(0, 1)  # [4, 10, 8]
+    values = v.reshape(-1, 2, 8)[5 * BS : 5 * BS + 10].repeat_interleave(2, dim=1).transpose(0, 1)
+    ref = torch.softmax(q[0].unsqueeze(1) @ keys.transpose(1, 2) * 0.3, dim=-1) @ values  # [4, 1, 8]
+    torch.testing.assert_close(paged_attention(q, k, v, meta, 0.3), ref.reshape(1, 32))

@@ -25,7 +25,12 @@ Native path. On CPU, when the C kernel in ``engine/kernels`` builds, a step inst
 (the flat batch's query offsets, context lengths and block tables) and one kernel call per layer reads every
 sequence's keys in place through its block table: no gathers, no masks, no padding, decodes and prefills in one
 call. The groups above are then not built. The torch path stays for CUDA, for hosts without a compiler, and for
-bf16 steps that the bf16 rule above keeps on SDPA (prefills and lone sequences).
+bf16 steps that the bf16 rule above keeps on SDPA (prefills and lone sequences). In bf16 on CPUs with AVX512-BF16
+the kernel scores with VDPBF16PS on the cached keys (exact products, fp32 sums, scaled afterwards as SDPA scales).
+
+A lone sequence's decode over one contiguous run of blocks (the common case: blocks are handed out in order) gets
+its metadata from :func:`_lone_decode`, which builds the same group as the general path without its array
+arithmetic; at batch 1 the step is short enough for that to show.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "expf.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -32,11 +33,9 @@
 #define SUM_ILP 4
 #define SUM_LEVELS 4
 
-static inline float bf16f(uint16_t x);
-
 static inline void squares(const void *x, int bf16, int64_t at, float *sq) {
     for (int l = 0; l < SUM_VL; l++) {
-        const float v = bf16 ? bf16f(((const uint16_t *)x)[at + l]) : ((const float *)x)[at + l];
+        const float v = bf16 ? bf16_to_f32(((const uint16_t *)x)[at + l]) : ((const float *)x)[at + l];
         sq[l] = v * v;
     }
 }
@@ -84,7 +83,7 @@ static float torch_mean_square(const void *x, int bf16, int64_t n) {
         for (int l = 0; l < SUM_VL; l++) acc[0][0][l] += acc[0][k][l];
     float total = 0.0f;
     for (int64_t e = nvec * SUM_VL; e < n; e++) {
-        const float v = bf16 ? bf16f(((const uint16_t *)x)[e]) : ((const float *)x)[e];
+        const float v = bf16 ? bf16_to_f32(((const uint16_t *)x)[e]) : ((const float *)x)[e];
         total += v * v;
     }
     for (int l = 0; l < SUM_VL; l++) total += acc[0][0][l];
@@ -187,28 +186,9 @@ void tandem_rope(float *x, int64_t tok_stride, int64_t tokens, int64_t heads, in
  * 1/sqrtf is torch's rsqrt, both correctly rounded). silu_mul's expf can differ from torch's in the last fp32 bit,
  * so rarely by one bf16 ulp after rounding. */
 
-static inline float bf16f(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float round_bf16(float f) { return bf16f(f32_bf16(f)); }
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 #if defined(__AVX512F__)
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 /* Round 16 fp32 lanes to bf16, nearest even (inputs are finite here: activations of a working model). */
 static inline __m256i to_bf16x16(__m512 x) {
     const __m512i u = _mm512_castps_si512(x);
@@ -237,7 +217,7 @@ void tandem_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w
             _mm256_storeu_si256((__m256i *)(o + i), to_bf16x16(_mm512_mul_ps(load_bf16x16(w + i), y)));
         }
 #endif
-        for (; i < dim; i++) o[i] = f32_bf16(bf16f(w[i]) * round_bf16(bf16f(xr[i]) * inv));
+        for (; i < dim; i++) o[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(xr[i]) * inv));
     }
 }
 
@@ -256,8 +236,8 @@ void tandem_silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, uint16_t *out, 
         }
 #endif
         for (; i < inter; i++) {
-            const float x = bf16f(g[i]);
-            o[i] = f32_bf16(round_bf16(x / (1.0f + tandem_expf(-x))) * bf16f(u[i]));
+            const float x = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(round_bf16(x / (1.0f + tandem_expf(-x))) * bf16_to_f32(u[i]));
         }
     }
 }
@@ -284,11 +264,11 @@ void tandem_rope_bf16(uint16_t *x, int64_t tok_stride, int64_t tokens, int64_t h
             }
 #endif
             for (; i < half; i++) {
-                const float x1 = bf16f(v[i]), x2 = bf16f(v[half + i]);
-                const float a1 = round_bf16(x1 * bf16f(c[i])), b1 = round_bf16(-x2 * bf16f(s[i]));
-                const float a2 = round_bf16(x2 * bf16f(c[half + i])), b2 = round_bf16(x1 * bf16f(s[half + i]));
-                v[i] = f32_bf16(a1 + b1);
-                v[half + i] = f32_bf16(a2 + b2);
+                const float x1 = bf16_to_f32(v[i]), x2 = bf16_to_f32(v[half + i]);
+                const float a1 = round_bf16(x1 * bf16_to_f32(c[i])), b1 = round_bf16(-x2 * bf16_to_f32(s[i]));
+                const float a2 = round_bf16(x2 * bf16_to_f32(c[half + i])), b2 = round_bf16(x1 * bf16_to_f32(s[half + i]));
+                v[i] = f32_to_bf16(a1 + b1);
+                v[half + i] = f32_to_bf16(a2 + b2);
             }
         }
     }

@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "expf.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -36,21 +37,6 @@
 #define KC 256   /* keys per score chunk */
 #define MAX_G 16 /* query heads per KV head */
 #define MAX_D 256
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 
 #if defined(__AVX512F__)

@@ -77,40 +77,6 @@ static inline __attribute__((always_inline)) void score_run_bf16(const uint16_t 
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << cnt) - 1u), _mm512_mul_ps(sum16(v), _mm512_set1_ps(scale)));
 }
 
-/* o[0:D] += sum_j w[j] * v_j over ``cnt`` bf16 value rows ``vs`` elements apart, widened in registers. */
-static inline __attribute__((always_inline)) void value_run_bf16(float *o, const float *w, const uint16_t *v,
-                                                                 int64_t vs, int64_t cnt, int64_t D) {
-    enum { U = 4 };
-    const int64_t nv = D / 16;
-    __m512 acc[U][MAX_D / 16];
-    for (int64_t i = 0; i < nv; i++) {
-        acc[0][i] = _mm512_loadu_ps(o + 16 * i);
-        for (int u = 1; u < U; u++) acc[u][i] = _mm512_setzero_ps();
-    }
-    int64_t j = 0;
-    for (; j + U <= cnt; j += U)
-        for (int u = 0; u < U; u++) {
-            const __m512 wj = _mm512_set1_ps(w[j + u]);
-            const uint16_t *row = v + (j + u) * vs;
-            for (int64_t i = 0; i < nv; i++) {
-                const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 16 * i))), 16));
-                acc[u][i] = _mm512_fmadd_ps(wj, x, acc[u][i]);
-            }
-        }
-    for (; j < cnt; j++) {
-        const __m512 wj = _mm512_set1_ps(w[j]);
-        const uint16_t *row = v + j * vs;
-        for (int64_t i = 0; i < nv; i++) {
-            const __m512 x = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 16 * i))), 16));
-            acc[0][i] = _mm512_fmadd_ps(wj, x, acc[0][i]);
-        }
-    }
-    for (int64_t i = 0; i < nv; i++)
-        _mm512_storeu_ps(o + 16 * i, _mm512_add_ps(_mm512_add_ps(acc[0][i], acc[1][i]),
-                                                   _mm512_add_ps(acc[2][i], acc[3][i])));
-}
 #else
 #define BF16_DOT 0
 #endif
@@ -192,9 +158,16 @@ static inline void softmax_run(float *p, int64_t j0, int64_t j1, float prev_max,
 #endif
 }
 
-/* o[0:D] += sum_j w[j] * v[j*vs : j*vs+D] over ``cnt`` value rows. */
-static inline __attribute__((always_inline)) void value_run(float *o, const float *w, const float *v, int64_t vs,
-                                                            int64_t cnt, int64_t D) {
+/* One value row's 16 lanes from ``i`` on, fp32 or widened from bf16 (exact): the cache is read in place. */
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) __m512 value16(const void *v, int64_t i, int bf16) {
+    return bf16 ? load_bf16x16((const uint16_t *)v + i) : _mm512_loadu_ps((const float *)v + i);
+}
+#endif
+
+/* o[0:D] += sum_j w[j] * v[j*vs : j*vs+D] over ``cnt`` value rows, fp32 or bf16 (``bf16``). */
+static inline __attribute__((always_inline)) void value_run(float *o, const float *w, const void *v, int64_t vs,
+                                                            int64_t cnt, int64_t D, int bf16) {
 #if defined(__AVX512F__)
     if ((D & 15) == 0 && D <= MAX_D) {
         /* U independent accumulator sets (keys j, j+1, ... round robin): one set's FMAs would wait on each
@@ -211,12 +184,12 @@ static inline __attribute__((always_inline)) void value_run(float *o, const floa
             for (int u = 0; u < U; u++) {
                 const __m512 wj = _mm512_set1_ps(w[j + u]);
                 for (int64_t i = 0; i < nv; i++)
-                    acc[u][i] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + (j + u) * vs + 16 * i), acc[u][i]);
+                    acc[u][i] = _mm512_fmadd_ps(wj, value16(v, (j + u) * vs + 16 * i, bf16), acc[u][i]);
             }
         for (; j < cnt; j++) {
             const __m512 wj = _mm512_set1_ps(w[j]);
             for (int64_t i = 0; i < nv; i++)
-                acc[0][i] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + j * vs + 16 * i), acc[0][i]);
+                acc[0][i] = _mm512_fmadd_ps(wj, value16(v, j * vs + 16 * i, bf16), acc[0][i]);
         }
         for (int64_t i = 0; i < nv; i++)
             _mm512_storeu_ps(o + 16 * i, _mm512_add_ps(_mm512_add_ps(acc[0][i], acc[1][i]),
@@ -226,8 +199,14 @@ static inline __attribute__((always_inline)) void value_run(float *o, const floa
 #endif
     for (int64_t j = 0; j < cnt; j++) {
         const float wj = w[j];
+        if (bf16) {
+            const uint16_t *row = (const uint16_t *)v + j * vs;
+            for (int64_t d = 0; d < D; d++) o[d] += wj * bf16_to_f32(row[d]);
+        } else {
+            const float *row = (const float *)v + j * vs;
 #pragma omp simd
-        for (int64_t d = 0; d < D; d++) o[d] += wj * v[j * vs + d];
+            for (int64_t d = 0; d < D; d++) o[d] += wj * row[d];
+        }
     }
 }
 
@@ -266,13 +245,13 @@ static inline __attribute__((always_inline)) void attend_tile(const args_t *a, i
     if (rows <= 0) return;
     const int64_t *table = a->tables + b * a->table_stride;
     const int bf16 = a->bf16;
-    /* bf16 with AVX512-BF16: scores by VDPBF16PS on the cached keys and values widened in registers, with no
-     * widened copies of either (``qh`` keeps the raw bf16 queries). */
+    /* bf16 with AVX512-BF16: scores by VDPBF16PS on the cached keys, with no widened copy of them (``qh`` keeps
+     * the raw bf16 queries). Values are read in place for every dtype (value_run). */
     const int direct = BF16_DOT && bf16 && (D % 32) == 0 && D <= MAX_D;
 
     /* Sized by the actual shape (at most QT*MAX_G rows of MAX_D): well inside a worker thread's stack. */
     float qv[rows * D], acc[rows * D], sc[rows * KC];
-    float m[rows], l[rows], kbuf[D], ktile[16 * D], vbuf[bf16 && !direct ? KC * D : 1];
+    float m[rows], l[rows], kbuf[D], ktile[16 * D];
     uint16_t qh[direct ? rows * D : 1];
     int64_t lo[rows], hi[rows]; /* allowed key range [lo, hi) per row */
 
@@ -345,27 +324,14 @@ static inline __attribute__((always_inline)) void attend_tile(const args_t *a, i
                 for (int64_t d = 0; d < D; d++) acc[r * D + d] *= corr;
         }
         /* weighted values, row by row so that a row's accumulator stays in registers */
-        if (bf16 && !direct)
-            for (int64_t bi = c0 / BS; bi * BS < c1; bi++) {
-                const int64_t t0 = bi * BS > c0 ? bi * BS : c0, t1 = (bi + 1) * BS < c1 ? (bi + 1) * BS : c1;
-                int64_t off = ((table[bi] * BS + (t0 - bi * BS)) * a->KVH + kvh) * D;
-                for (int64_t t = t0; t < t1; t++, off += row_stride) row_f32(a->v, off, D, 1, vbuf + (t - c0) * D);
-            }
         for (int64_t r = 0; r < rows; r++) {
             const int64_t u0 = lo[r] > c0 ? lo[r] : c0, u1 = hi[r] < c1 ? hi[r] : c1;
             for (int64_t bi = u0 / BS; bi * BS < u1; bi++) {
                 const int64_t t0 = bi * BS > u0 ? bi * BS : u0, t1 = (bi + 1) * BS < u1 ? (bi + 1) * BS : u1;
-#if BF16_DOT
-                if (direct) {
-                    value_run_bf16(acc + r * D, sc + r * KC + (t0 - c0),
-                                   (const uint16_t *)a->v + ((table[bi] * BS + (t0 - bi * BS)) * a->KVH + kvh) * D,
-                                   row_stride, t1 - t0, D);
-                    continue;
-                }
-#endif
-                const float *vp = bf16 ? vbuf + (t0 - c0) * D
-                                       : (const float *)a->v + ((table[bi] * BS + (t0 - bi * BS)) * a->KVH + kvh) * D;
-                value_run(acc + r * D, sc + r * KC + (t0 - c0), vp, bf16 ? D : row_stride, t1 - t0, D);
+                const int64_t off = ((table[bi] * BS + (t0 - bi * BS)) * a->KVH + kvh) * D;
+                const void *vp = bf16 ? (const void *)((const uint16_t *)a->v + off)
+                                      : (const void *)((const float *)a->v + off);
+                value_run(acc + r * D, sc + r * KC + (t0 - c0), vp, row_stride, t1 - t0, D, bf16);
             }
         }
     }

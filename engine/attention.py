@@ -132,12 +132,11 @@ def _lone_decode(ctx: int, table: np.ndarray, block_size: int, sliding_window: i
     if sliding_window is not None and sliding_window < ctx:
         return None
     num_blocks = -(-ctx // block_size)
-    ids = table[:num_blocks].tolist()
-    first = ids[0]
-    if ids != list(range(first, first + num_blocks)):
+    if not _contiguous_run(table, num_blocks):
         return None
+    first = int(table[0])
     pos = ctx - 1
-    slot = ids[pos // block_size] * block_size + pos % block_size
+    slot = (first + pos // block_size) * block_size + pos % block_size
     group = AttentionGroup(token_index=None, key_blocks=None, key_run=(first * block_size, ctx), mask=None,
                            causal=False, batch=1, max_q=1, max_ctx=ctx, out_index=None, rows=None)
     return AttentionMetadata(slot_mapping=torch.tensor([slot], dtype=torch.int64, device=device), groups=[group],
@@ -145,7 +144,10 @@ def _lone_decode(ctx: int, table: np.ndarray, block_size: int, sliding_window: i
 
 
 def _contiguous_run(table: np.ndarray, num_blocks: int) -> bool:
-    return num_blocks <= 1 or bool((np.diff(table[:num_blocks]) == 1).all())
+    """Whether the first ``num_blocks`` ids of ``table`` are consecutive (a Python list compare: a lone sequence's
+    table is short, and array ops cost more than they save there)."""
+    ids = table[:num_blocks].tolist()
+    return num_blocks <= 1 or ids == list(range(ids[0], ids[0] + num_blocks))
 
 
 def _group(

@@ -40,12 +40,17 @@ static inline void squares(const void *x, int bf16, int64_t at, float *sq) {
     }
 }
 
+/* ATen's CeilLog2: 1 for x <= 2, else the bit width of x - 1. */
+static inline int64_t ceil_log2(int64_t x) {
+    int64_t bits = 0;
+    if (x <= 2) return 1;
+    for (x -= 1; x; x >>= 1) bits++;
+    return bits;
+}
+
 static float torch_mean_square(const void *x, int bf16, int64_t n) {
     const int64_t nvec = n / SUM_VL, size = nvec / SUM_ILP;
-    int64_t cl = 1;
-    if (size > 2)
-        for (cl = 0; ((size - 1) >> cl) != 0; cl++) {
-        }
+    const int64_t cl = ceil_log2(size);
     const int64_t level_power = cl / SUM_LEVELS > 4 ? cl / SUM_LEVELS : 4;
     const int64_t level_step = (int64_t)1 << level_power, level_mask = level_step - 1;
     float acc[SUM_LEVELS][SUM_ILP][SUM_VL];

@@ -1,6 +1,6 @@
-/* Fused element-wise layer ops for CPU (fp32, and bf16 below): each replaces a chain of torch ops (and their temporaries) with one
- * pass over the rows. Decode steps are a few rows, where torch's per-op dispatch costs more than the arithmetic;
- * prefills are thousands of rows, where the temporaries cost memory bandwidth.
+/* Fused element-wise layer ops for CPU (fp32, and bf16 below): each replaces a chain of torch ops (and their
+ * temporaries) with one pass over the rows. Decode steps are a few rows, where torch's per-op dispatch costs more
+ * than the arithmetic; prefills are thousands of rows, where the temporaries cost memory bandwidth.
  *
  * Built with -ffp-contract=off: every product and sum is rounded on its own, as torch's separate ops round them,
  * so rotary embedding is bit-identical to the torch expression it replaces.
@@ -271,7 +271,8 @@ void tandem_rope_bf16(uint16_t *x, int64_t tok_stride, int64_t tokens, int64_t h
             for (; i < half; i++) {
                 const float x1 = bf16_to_f32(v[i]), x2 = bf16_to_f32(v[half + i]);
                 const float a1 = round_bf16(x1 * bf16_to_f32(c[i])), b1 = round_bf16(-x2 * bf16_to_f32(s[i]));
-                const float a2 = round_bf16(x2 * bf16_to_f32(c[half + i])), b2 = round_bf16(x1 * bf16_to_f32(s[half + i]));
+                const float a2 = round_bf16(x2 * bf16_to_f32(c[half + i]));
+                const float b2 = round_bf16(x1 * bf16_to_f32(s[half + i]));
                 v[i] = f32_to_bf16(a1 + b1);
                 v[half + i] = f32_to_bf16(a2 + b2);
             }

@@ -7,9 +7,10 @@ request's ``max_tokens`` is smaller), ``--tokens-per-chunk`` per streamed chunk 
 finishing with ``length``. Nothing is computed, cached or checked, so whatever time a client sees beyond a direct
 ``Generate`` on this process is the router's.
 
-What the router's pool needs is answered too: ``Health`` (SERVING, role ``both``), ``Load`` (all zeros),
-``Snapshot`` (an empty cache at sequence 0) and ``KVEvents`` (a stream that stays open and sends nothing). ``Abort``
-finds nothing; ``Drain`` marks the worker draining. ``Reserve``, ``Prefill`` and ``Decode`` are UNIMPLEMENTED: with
+``Session`` answers the same way, every request of a message in one reply. What the router's pool needs is
+answered too: ``Health`` (SERVING, role ``both``), ``Load`` (all zeros), ``Snapshot`` (an empty cache at sequence
+0) and ``KVEvents`` (a stream that stays open and sends nothing). ``Abort`` finds nothing; ``Drain`` marks the
+worker draining. ``Reserve``, ``Prefill`` and ``Decode`` are UNIMPLEMENTED: with
 no prefill worker every request runs colocated.
 
 Run: ``python -m bench.fake_worker --port 0 --tokens 8``; prints ``READY <port>`` once it serves, stops on
@@ -31,6 +32,8 @@ import grpc
 
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
+
+_UNAVAILABLE: int = grpc.StatusCode.UNAVAILABLE.value[0]
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,6 +84,23 @@ class FakeWorker(pb_grpc.WorkerServicer):
         n = min(want, self.config.tokens) if want else self.config.tokens
         for chunk in self.chunks(n, request.min_chunk_tokens):
             yield chunk
+
+    async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionReply]:
+        # Every request of a message answered in one reply, as Generate answers at once.
+        async for msg in request_iterator:
+            out: list[pb.SessionChunk] = []
+            for g in msg.generate:
+                if self.draining:
+                    out.append(pb.SessionChunk(request_id=g.request_id, error_code=_UNAVAILABLE,
+                                               error=f"worker {self.worker_id} is draining"))
+                    continue
+                want = g.params.max_tokens
+                n = min(want, self.config.tokens) if want else self.config.tokens
+                rid = g.request_id
+                out.extend(pb.SessionChunk(request_id=rid, chunk=c) for c in self.chunks(n, g.min_chunk_tokens))
+            if out:
+                yield pb.SessionReply(chunks=out)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=False)

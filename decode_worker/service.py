@@ -30,6 +30,7 @@ A 2 ms tick here cost ~5 ms of decode CPU per 1k-token transfer (500 empty passe
 from __future__ import annotations
 
 import logging
+import queue
 import time
 import uuid
 from collections import OrderedDict
@@ -128,7 +129,7 @@ class DecodeService(WorkerService):
         def deliver(eng: LLMEngine) -> Any:
             p = self.pending.get(rid)
             q = self.loop.stream(rid)
-            if p is None or q is None:
+            if p is None or not isinstance(q, queue.SimpleQueue):  # Reserve opened it with open_stream
                 return self.failed.get(rid, "no reservation here (expired, aborted or never reserved)")
             p.first_token, p.first_logprob = request.first_token_id, first_lp
             if p.kv_done:

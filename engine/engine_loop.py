@@ -14,7 +14,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from engine.llm_engine import LLMEngine, RequestOutput
 
@@ -24,13 +24,19 @@ T = TypeVar("T")
 END = None  # sentinel put on a request's queue after its final output
 
 
+class OutputSink(Protocol):
+    """Where a request's outputs go (``queue.SimpleQueue`` is one): ``put`` is called on the loop thread."""
+
+    def put(self, item: RequestOutput | None) -> None: ...
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, idle_interval_s: float = 0.005) -> None:
         self.engine = engine
         self.idle_interval_s = idle_interval_s
         self._cmds: deque[tuple[Callable[[LLMEngine], Any], Future[Any]]] = deque()
         self._wake = threading.Condition()
-        self._streams: dict[str, queue.SimpleQueue[RequestOutput | None]] = {}
+        self._streams: dict[str, OutputSink] = {}
         self._hooks: list[Callable[[], None]] = []
         self.after_layer: Callable[[int], None] | None = None
         self._stop = False
@@ -76,7 +82,15 @@ class EngineLoop:
         self._streams[request_id] = q
         return q
 
-    def stream(self, request_id: str) -> queue.SimpleQueue[RequestOutput | None] | None:
+    def attach(self, request_id: str, sink: OutputSink) -> None:
+        """Like :meth:`open_stream`, into a caller's sink (a session relays many requests through one queue)."""
+        self._streams[request_id] = sink
+
+    def detach(self, request_id: str) -> None:
+        """Forget ``request_id``'s sink without an ``END`` (its owner already knows it will get nothing)."""
+        self._streams.pop(request_id, None)
+
+    def stream(self, request_id: str) -> OutputSink | None:
         return self._streams.get(request_id)
 
     def publish(self, out: RequestOutput) -> None:

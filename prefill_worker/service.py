@@ -26,7 +26,6 @@ import queue
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -78,6 +77,7 @@ class TransferTiming:
 
 class PrefillService(WorkerService):
     role = "prefill"
+    refuse_colocated = "a prefill worker does not decode; use a decode or colocated (--role both) worker"
 
     def __init__(self, engine: LLMEngine, sender: KVSender, layout: KVLayout, kv_backend: str,
                  worker_id: str | None = None) -> None:
@@ -102,11 +102,6 @@ class PrefillService(WorkerService):
     def stop(self) -> None:
         super().stop()
         self.sender.close()
-
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.TokenChunk]:
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a prefill worker does not decode; use a decode or "
-                      "colocated (--role both) worker")
-        yield pb.TokenChunk()  # pragma: no cover - abort raises
 
     def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
         self._reject_if_draining(context)

@@ -28,6 +28,7 @@ import grpc
 
 from proto.tandem.v1 import worker_pb2 as pb
 from router.pool import Worker, WorkerPool
+from router.session import SessionError
 
 log = logging.getLogger(__name__)
 
@@ -209,20 +210,22 @@ class Dispatcher:
 
     async def _execute(self, plan: Plan, rid: str, prompt: list[int], params: pb.SamplingParams,
                        min_chunk_tokens: int) -> AsyncGenerator[pb.TokenChunk, None]:
+        if plan.mode == "colocated":
+            # On the worker's session: a request that stops early is aborted through it (WorkerSession.generate).
+            session = plan.decode.session
+            assert session is not None
+            req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params,
+                                     min_chunk_tokens=min_chunk_tokens)
+            try:
+                async with contextlib.aclosing(session.generate(req, self.config.rpc_timeout_s)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+            except SessionError as e:
+                raise _WorkerFailed(plan.decode, "Generate", e.code, e.details) from None
+            return
         touched: list[Worker] = [plan.decode] + ([plan.prefill] if plan.prefill else [])
         finished = False
         try:
-            if plan.mode == "colocated":
-                stub = plan.decode.stub
-                assert stub is not None
-                call = stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params,
-                                                        min_chunk_tokens=min_chunk_tokens),
-                                     timeout=self.config.rpc_timeout_s)
-                async with contextlib.aclosing(_stream(call, plan.decode, "Generate")) as chunks:
-                    async for chunk in chunks:
-                        finished = bool(chunk.finish_reason)
-                        yield chunk
-                return
             async with contextlib.aclosing(self._disaggregated(plan, rid, prompt, params,
                                                                min_chunk_tokens)) as chunks:
                 async for chunk in chunks:

@@ -20,6 +20,7 @@ import grpc
 
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
+from router.session import WorkerSession
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class Worker:
     worker_id: str = ""
     channel: grpc.aio.Channel | None = None
     stub: pb_grpc.WorkerStub | None = None
+    session: WorkerSession | None = None  # colocated requests, multiplexed (router/session.py)
     healthy: bool = False
     draining: bool = False
     compat_hash: str = ""
@@ -108,6 +110,8 @@ class WorkerPool:
             t.cancel()
         if self.index is not None and w.worker_id:
             self.index.remove_worker(w.worker_id)
+        if w.session is not None:
+            await w.session.close()
         if w.channel is not None:
             await w.channel.close()
 
@@ -119,6 +123,7 @@ class WorkerPool:
     def _connect(self, w: Worker) -> None:
         w.channel = grpc.aio.insecure_channel(w.address, options=[("grpc.max_receive_message_length", 64 << 20)])
         w.stub = pb_grpc.WorkerStub(w.channel)
+        w.session = WorkerSession(w.stub, w.address)
 
     def available(self, role: str) -> list[Worker]:
         """Healthy, non-draining workers that serve ``role`` (``prefill`` or ``decode``)."""

@@ -24,12 +24,14 @@ from engine.request import RequestStatus
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from worker.convert import chunk_from_outputs, params_from_proto
+from worker.session import WorkerSession
 
 EVENT_RING = 4096
 
 
 class WorkerService(pb_grpc.WorkerServicer):
     role = "both"
+    refuse_colocated = ""  # why this role serves no colocated generation (Generate, Session), or ""
 
     def __init__(self, engine: LLMEngine, kv_backend: str = "none", worker_id: str | None = None,
                  request_timeout_s: float = 600.0) -> None:
@@ -67,6 +69,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     # ---- generation (colocated) ------------------------------------------------------------------------------
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.TokenChunk]:
+        if self.refuse_colocated:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.refuse_colocated)
         self._reject_if_draining(context)
         params = self._params(request.params, context)
         rid = request.request_id or uuid.uuid4().hex
@@ -86,6 +90,15 @@ class WorkerService(pb_grpc.WorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         yield from self.stream_outputs(rid, q, context, min_chunk_tokens=request.min_chunk_tokens)
 
+    def Session(self, request_iterator: Iterator[pb.SessionRequest],
+                context: grpc.ServicerContext) -> Iterator[pb.SessionReply]:
+        """Many ``Generate`` requests over one stream (see worker/session.py): a reader thread takes the router's
+        messages, this handler thread writes the replies."""
+        session = WorkerSession(self)
+        context.add_callback(session.close)
+        threading.Thread(target=session.read, args=(request_iterator,), name="session-reader", daemon=True).start()
+        yield from session.replies()
+
     def stream_outputs(self, rid: str, q: queue.SimpleQueue[RequestOutput | None],
                        context: grpc.ServicerContext, min_chunk_tokens: int = 0) -> Iterator[pb.TokenChunk]:
         """Relay a request's outputs; abort it on the engine if the client goes away.
@@ -95,7 +108,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         ``min_chunk_tokens`` > 1 (a caller that does not stream to its own client) tokens are held until that
         many are ready or the request finished, so an 8-token answer is one message instead of eight.
         """
-        context.add_callback(lambda: self.loop.call(lambda eng: self._abort_quietly(eng, rid)))
+        context.add_callback(lambda: self.loop.call(lambda eng: self.abort_quietly(eng, rid)))
         batch: list[RequestOutput] = []
         held = 0
         sent = 0
@@ -129,12 +142,12 @@ class WorkerService(pb_grpc.WorkerServicer):
         try:
             return q.get(timeout=self.request_timeout_s)
         except queue.Empty:
-            self.loop.call(lambda eng: self._abort_quietly(eng, rid))
+            self.loop.call(lambda eng: self.abort_quietly(eng, rid))
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} produced nothing for "
                           f"{self.request_timeout_s:.0f} s")
             raise  # pragma: no cover - abort raises
 
-    def _abort_quietly(self, eng: LLMEngine, rid: str) -> None:
+    def abort_quietly(self, eng: LLMEngine, rid: str) -> None:
         if rid in eng.scheduler.requests:
             for out in eng.abort([rid]):
                 self.loop.publish(out)

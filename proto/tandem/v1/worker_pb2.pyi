@@ -250,6 +250,32 @@ class SnapshotResponse(_message.Message):
     hashes: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class SessionRequest(_message.Message):
+    __slots__ = ("generate", "abort")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    generate: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    abort: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, generate: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., abort: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SessionChunk(_message.Message):
+    __slots__ = ("request_id", "chunk", "error_code", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    chunk: TokenChunk
+    error_code: int
+    error: str
+    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., error_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class SessionReply(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[SessionChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[SessionChunk, _Mapping]]] = ...) -> None: ...
+
 class DrainRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

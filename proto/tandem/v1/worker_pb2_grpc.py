@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=proto_dot_tandem_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=proto_dot_tandem_dot_v1_dot_worker__pb2.TokenChunk.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/tandem.v1.Worker/Session',
+                request_serializer=proto_dot_tandem_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
+                response_deserializer=proto_dot_tandem_dot_v1_dot_worker__pb2.SessionReply.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.Worker/Abort',
                 request_serializer=proto_dot_tandem_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -108,6 +113,12 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -171,6 +182,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_tandem_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=proto_dot_tandem_dot_v1_dot_worker__pb2.TokenChunk.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=proto_dot_tandem_dot_v1_dot_worker__pb2.SessionRequest.FromString,
+                    response_serializer=proto_dot_tandem_dot_v1_dot_worker__pb2.SessionReply.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -311,6 +327,33 @@ class Worker:
             '/tandem.v1.Worker/Generate',
             proto_dot_tandem_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
             proto_dot_tandem_dot_v1_dot_worker__pb2.TokenChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.Worker/Session',
+            proto_dot_tandem_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
+            proto_dot_tandem_dot_v1_dot_worker__pb2.SessionReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,227 @@
+"""The multiplexed ``Session`` stream between the router and a worker (router/session.py, worker/session.py).
+
+Real ``tandem worker`` processes on loopback, driven by the router's real ``WorkerSession`` over ``grpc.aio``: many
+requests share one stream, yet each gets exactly what its own ``Generate`` call would (and transformers' greedy
+tokens); a request given up, a session closed with requests running and a worker killed mid-stream each end
+every request explicitly and leave every KV block free. The restart test uses the bench's fake worker (no engine)
+because only the stream matters there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from proto.tandem.v1 import worker_pb2 as pb
+from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
+from router.session import SessionError, WorkerSession
+from worker.launcher import WorkerProcess, start_worker
+
+FLAGS = ["--num-kv-blocks", "128", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def worker(checkpoint: Callable[[str], Path]) -> Iterator[WorkerProcess]:
+    w = start_worker("both", str(checkpoint("llama")), "tcp", FLAGS)
+    yield w
+    w.stop()
+
+
+def _greedy(rid: str, prompt: list[int], max_tokens: int, min_chunk_tokens: int = 0,
+            **kw: object) -> pb.GenerateRequest:
+    params = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)  # type: ignore[arg-type]
+    return pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params,
+                              min_chunk_tokens=min_chunk_tokens)
+
+
+async def _collect(session: WorkerSession, req: pb.GenerateRequest) -> list[pb.TokenChunk]:
+    return [c async for c in session.generate(req, timeout_s=60.0)]
+
+
+def _wait_idle(address: str, timeout_s: float = 15.0) -> pb.LoadResponse:
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.WorkerStub(ch)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ld = stub.Load(pb.LoadRequest(), timeout=5)
+            if (ld.used_blocks == 0 and ld.running == 0 and ld.waiting == 0) or time.monotonic() > deadline:
+                return ld
+            time.sleep(0.05)
+
+
+def _assert_all_free(address: str) -> None:
+    ld = _wait_idle(address)
+    assert ld.used_blocks == 0 and ld.running == 0 and ld.waiting == 0, f"requests or blocks left over: {ld}"
+    assert ld.free_blocks == ld.total_blocks == 128, f"leaked blocks: {ld}"
+
+
+def _generate_call(address: str, req: pb.GenerateRequest) -> list[int]:
+    with grpc.insecure_channel(address) as ch:
+        return [t for c in pb_grpc.WorkerStub(ch).Generate(req, timeout=60) for t in c.token_ids]
+
+
+def test_requests_on_one_session_equal_their_own_generate_calls_and_transformers(
+        worker: WorkerProcess, checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]]) -> None:
+    """Ten prompts of mixed lengths written at once (one batched message), streamed and paced."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2000) for _ in range(rng.randrange(1, 70))] for _ in range(10)]
+
+    async def run() -> list[list[pb.TokenChunk]]:
+        async with grpc.aio.insecure_channel(worker.address) as ch:
+            session = WorkerSession(pb_grpc.WorkerStub(ch), worker.address)
+            reqs = [_greedy(f"s{i}", p, 12, min_chunk_tokens=0 if i % 2 else 5) for i, p in enumerate(prompts)]
+            out = await asyncio.gather(*(_collect(session, r) for r in reqs))
+            assert session.opened == 1 and session.in_flight == 0
+            await session.close()
+            return out
+
+    results = asyncio.run(run())
+    path = checkpoint("llama")
+    for i, (prompt, chunks) in enumerate(zip(prompts, results, strict=True)):
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert tokens == hf_greedy(path, prompt, 12), f"prompt {i} diverged from transformers"
+        assert tokens == _generate_call(worker.address, _greedy(f"g{i}", prompt, 12))
+        assert chunks[-1].finish_reason == "length" and all(not c.finish_reason for c in chunks[:-1])
+        assert chunks[-1].num_prompt_tokens == len(prompt)
+        if i % 2 == 0:  # paced: every chunk but the last holds at least 5 tokens
+            assert all(len(c.token_ids) >= 5 for c in chunks[:-1])
+    _assert_all_free(worker.address)
+
+
+def test_bad_requests_fail_alone_with_their_status(worker: WorkerProcess) -> None:
+    good = [3, 4, 5, 6]
+
+    async def run() -> tuple[list[list[pb.TokenChunk] | BaseException], list[pb.TokenChunk]]:
+        async with grpc.aio.insecure_channel(worker.address) as ch:
+            session = WorkerSession(pb_grpc.WorkerStub(ch), worker.address)
+            bad = [_greedy("bad-temp", good, 4, top_p=1.5),
+                   _greedy("bad-token", [3, 10**6], 4),
+                   _greedy("too-long", [5] * 5000, 4)]
+            errs = await asyncio.gather(*(_collect(session, r) for r in bad), return_exceptions=True)
+            ok = await _collect(session, _greedy("fine", good, 4))
+            await session.close()
+            return errs, ok
+
+    errs, ok = asyncio.run(run())
+    for e in errs:
+        assert isinstance(e, SessionError) and e.code == grpc.StatusCode.INVALID_ARGUMENT, e
+    assert "top_p" in str(errs[0]) and "out of range" in str(errs[1])
+    assert sum(len(c.token_ids) for c in ok) == 4 and ok[-1].finish_reason == "length"
+    _assert_all_free(worker.address)
+
+
+def test_given_up_requests_and_a_closed_session_free_every_block(worker: WorkerProcess) -> None:
+    """Two requests are given up after their first chunk (aborted through the session), two are still running
+    when the session closes (the worker aborts them): nothing is left on the worker."""
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(worker.address) as ch:
+            session = WorkerSession(pb_grpc.WorkerStub(ch), worker.address)
+            gens = [session.generate(_greedy(f"long{i}", [7 + i] * 40, 400), timeout_s=60.0) for i in range(4)]
+            for g in gens:
+                first = await g.__anext__()
+                assert first.token_ids and not first.finish_reason
+            for g in gens[:2]:
+                await g.aclose()
+            ld = pb_grpc.WorkerStub(ch).Load(pb.LoadRequest())
+            assert (await ld).used_blocks > 0
+            await session.close()
+            for g in gens[2:]:
+                with pytest.raises(SessionError) as e:
+                    async for _ in g:
+                        pass
+                assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(run())
+    _assert_all_free(worker.address)
+
+
+def test_prefill_worker_refuses_colocated_requests(checkpoint: Callable[[str], Path]) -> None:
+    prefill = start_worker("prefill", str(checkpoint("llama")), "tcp", FLAGS)
+    try:
+        async def run() -> None:
+            async with grpc.aio.insecure_channel(prefill.address) as ch:
+                session = WorkerSession(pb_grpc.WorkerStub(ch), prefill.address)
+                with pytest.raises(SessionError) as e:
+                    await _collect(session, _greedy("p", [1, 2, 3], 4))
+                assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "prefill" in e.value.details
+                await session.close()
+
+        asyncio.run(run())
+    finally:
+        prefill.stop()
+
+
+def test_worker_killed_mid_stream_fails_every_request_on_the_session_at_once(
+        checkpoint: Callable[[str], Path]) -> None:
+    victim = start_worker("both", str(checkpoint("llama")), "tcp", FLAGS)
+    try:
+        async def run() -> float:
+            async with grpc.aio.insecure_channel(victim.address) as ch:
+                session = WorkerSession(pb_grpc.WorkerStub(ch), victim.address)
+                gens = [session.generate(_greedy(f"k{i}", [9 + i] * 20, 2000), timeout_s=60.0) for i in range(3)]
+                for g in gens:
+                    await g.__anext__()
+                victim.kill()
+                t0 = time.monotonic()
+                for g in gens:
+                    with pytest.raises(SessionError) as e:
+                        async for _ in g:
+                            pass
+                    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+                assert session.in_flight == 0
+                await session.close()
+                return time.monotonic() - t0
+
+        assert asyncio.run(run()) < 5.0
+    finally:
+        victim.stop()
+
+
+def _fake(port: int) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen([sys.executable, "-m", "bench.fake_worker", "--port", str(port), "--tokens", "3"],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("READY "), line
+    return proc, int(line.split()[1])
+
+
+def test_a_broken_session_is_replaced_by_the_next_request() -> None:
+    proc, port = _fake(0)
+    try:
+        async def run() -> None:
+            nonlocal proc
+            address = f"127.0.0.1:{port}"
+            async with grpc.aio.insecure_channel(address) as ch:
+                session = WorkerSession(pb_grpc.WorkerStub(ch), address)
+                assert len([c async for c in session.generate(_greedy("a", [1], 3), 10.0)]) == 3
+                proc.kill()
+                proc.wait(5)
+                with pytest.raises(SessionError) as e:
+                    await _collect(session, _greedy("b", [1], 3))
+                assert e.value.code == grpc.StatusCode.UNAVAILABLE
+                proc, _ = _fake(port)
+                deadline = time.monotonic() + 10
+                while True:  # the channel reconnects with backoff; each failed try fails that request only
+                    try:
+                        chunks = await _collect(session, _greedy(f"c{session.opened}", [1], 3))
+                        break
+                    except SessionError:
+                        assert time.monotonic() < deadline
+                        await asyncio.sleep(0.2)
+                assert [t for c in chunks for t in c.token_ids] == [300, 301, 302]
+                assert session.opened >= 2
+                await session.close()
+
+        asyncio.run(run())
+    finally:
+        proc.kill()
+        proc.wait(5)

@@ -1,0 +1,263 @@
+"""A router's ``Session`` stream on a worker: many colocated requests multiplexed over one gRPC stream.
+
+Lifecycle, as queues::
+
+    reader thread   SessionRequest ─► refuse (draining, bad params) ──────────────► error ─┐
+                                   └► engine loop: add_request, outputs routed ─► ┐        │
+    engine loop     each step's outputs of this session's requests ────────────► outputs ─┴─► reply thread:
+                                                                                 merged per request, paced,
+                                                                                 one SessionReply per wake-up
+
+A request ends with its finished chunk or with an error entry (the status a ``Generate`` call would have ended
+with). When the stream ends (the router closed it, went away, or the connection dropped), every request of the
+session that is still running is aborted on the engine, so its blocks are freed: nothing outlives its session.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from engine.engine_loop import END
+from engine.llm_engine import LLMEngine, RequestOutput
+from proto.tandem.v1 import worker_pb2 as pb
+from worker.convert import chunk_from_outputs, params_from_proto
+
+if TYPE_CHECKING:
+    from worker.service import WorkerService
+
+_CLOSE = object()  # put on the outputs queue when the session ends
+_TICK_S = 1.0  # how often an idle reply thread looks for requests that have produced nothing for too long
+
+
+@dataclass(slots=True, frozen=True)
+class _Failed:
+    code: grpc.StatusCode
+    message: str
+    ends: bool = True  # False for a refused duplicate id: the live request of that id goes on
+
+
+class _Route:
+    """A request's sink on the engine loop: its outputs join the session's queue, tagged with its id."""
+
+    __slots__ = ("q", "rid")
+
+    def __init__(self, rid: str, q: queue.SimpleQueue[Any]) -> None:
+        self.rid = rid
+        self.q = q
+
+    def put(self, item: RequestOutput | None) -> None:
+        self.q.put((self.rid, item))
+
+
+@dataclass(slots=True)
+class _Relay:
+    """Reply-thread state of one live request: outputs held for pacing and what was already sent."""
+
+    min_chunk_tokens: int
+    last_s: float
+    batch: list[RequestOutput] = field(default_factory=list)
+    held: int = 0
+    sent: int = 0
+
+
+class WorkerSession:
+    def __init__(self, service: WorkerService) -> None:
+        self.service = service
+        self.q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._live: dict[str, int] = {}  # request id -> min_chunk_tokens, for every request not yet ended
+        self._closed = False
+
+    # ---- reader thread -------------------------------------------------------------------------------------
+
+    def read(self, requests: Iterable[pb.SessionRequest]) -> None:
+        """Consume the router's side of the stream until it ends; then close the session."""
+        try:
+            for msg in requests:
+                if msg.generate:
+                    self._submit(msg.generate)
+                if msg.abort:
+                    self._abort(list(msg.abort))
+        except grpc.RpcError:
+            pass  # the stream broke: same as the router closing it
+        finally:
+            self.close()
+
+    def _submit(self, reqs: Iterable[pb.GenerateRequest]) -> None:
+        svc = self.service
+        accepted: list[tuple[str, list[int], Any]] = []
+        for g in reqs:
+            rid = g.request_id
+            if not rid:
+                continue  # nothing to answer to: a router always names its requests
+            refusal = svc.refuse_colocated
+            if svc.draining:
+                self._fail(rid, grpc.StatusCode.UNAVAILABLE, f"worker {svc.worker_id} is draining")
+                continue
+            if refusal:
+                self._fail(rid, grpc.StatusCode.FAILED_PRECONDITION, refusal)
+                continue
+            try:
+                params = params_from_proto(g.params)
+            except ValueError as e:
+                self._fail(rid, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                continue
+            with self._lock:
+                if self._closed:
+                    return
+                if rid in self._live:
+                    dup = True
+                else:
+                    dup = False
+                    self._live[rid] = g.min_chunk_tokens
+            if dup:
+                self.q.put((rid, _Failed(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid} is already live",
+                                         ends=False)))
+                continue
+            accepted.append((rid, list(g.prompt_token_ids), params))
+        if not accepted:
+            return
+
+        def add(eng: LLMEngine) -> None:
+            for rid, prompt, params in accepted:
+                svc.loop.attach(rid, _Route(rid, self.q))
+                try:
+                    eng.add_request(prompt, params, rid, stream_text=True)
+                except ValueError as e:
+                    svc.loop.detach(rid)
+                    self.q.put((rid, _Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e))))
+
+        fut = svc.loop.call(add)
+        fut.add_done_callback(lambda f: self._lost(f, [rid for rid, _, _ in accepted]))
+
+    def _lost(self, fut: Any, rids: list[str]) -> None:
+        """The engine loop could not take the requests (it stopped): each one fails instead of waiting."""
+        if fut.cancelled() or fut.exception() is not None:
+            for rid in rids:
+                self.q.put((rid, _Failed(grpc.StatusCode.UNAVAILABLE, "engine loop stopped")))
+
+    def _fail(self, rid: str, code: grpc.StatusCode, message: str) -> None:
+        self.q.put((rid, _Failed(code, message)))
+
+    def _abort(self, rids: list[str]) -> None:
+        svc = self.service
+
+        def abort(eng: LLMEngine) -> None:
+            for rid in rids:
+                svc.abort_quietly(eng, rid)
+
+        svc.loop.call(abort)
+
+    def close(self) -> None:
+        """End the session (idempotent, any thread): abort what is still running, then end the replies."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            live = list(self._live)
+            self._live.clear()
+        if live:
+            self._abort(live)
+        self.q.put(_CLOSE)
+
+    # ---- reply thread --------------------------------------------------------------------------------------
+
+    def replies(self) -> Iterator[pb.SessionReply]:
+        relays: dict[str, _Relay] = {}
+        timeout_s = self.service.request_timeout_s
+        next_check = time.monotonic() + _TICK_S
+        while True:
+            try:
+                item = self.q.get(timeout=_TICK_S)
+            except queue.Empty:
+                item = None
+            chunks: list[pb.SessionChunk] = []
+            touched: set[str] = set()
+            closing = False
+            while item is not None:
+                if item is _CLOSE:
+                    closing = True
+                    break
+                self._take(item, relays, touched, chunks)
+                try:
+                    item = self.q.get_nowait()
+                except queue.Empty:
+                    item = None
+            for rid in touched:
+                r = relays.get(rid)
+                if r is not None and r.batch and (r.batch[-1].finished or r.held >= r.min_chunk_tokens):
+                    chunks.append(self._chunk(rid, r, relays))
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _TICK_S
+                for rid in [rid for rid, r in relays.items() if now - r.last_s > timeout_s]:
+                    del relays[rid]
+                    self._ended(rid)
+                    self._abort([rid])
+                    chunks.append(pb.SessionChunk(request_id=rid, error_code=_code(grpc.StatusCode.DEADLINE_EXCEEDED),
+                                                  error=f"request {rid} produced nothing for {timeout_s:.0f} s"))
+            if chunks:
+                yield pb.SessionReply(chunks=chunks)
+            if closing:
+                return
+
+    def _take(self, item: tuple[str, Any], relays: dict[str, _Relay], touched: set[str],
+              chunks: list[pb.SessionChunk]) -> None:
+        rid, out = item
+        if isinstance(out, _Failed):
+            if out.ends:
+                relays.pop(rid, None)
+                self._ended(rid)
+            chunks.append(pb.SessionChunk(request_id=rid, error_code=_code(out.code), error=out.message))
+            return
+        r = relays.get(rid)
+        if out is END:
+            if r is not None and not (r.batch and r.batch[-1].finished):  # no final output: the loop died under it
+                del relays[rid]
+                self._ended(rid)
+                err = self.service.loop.error
+                chunks.append(pb.SessionChunk(request_id=rid, error_code=_code(grpc.StatusCode.INTERNAL),
+                                              error=f"engine failed: {err}" if err else f"request {rid} was dropped"))
+            return
+        if r is None:
+            with self._lock:
+                min_chunk = self._live.get(rid)
+            if min_chunk is None:
+                return  # the session was closed under it; the abort is on its way
+            r = relays[rid] = _Relay(min_chunk, time.monotonic())
+        if out.finish_reason == "error":
+            del relays[rid]
+            self._ended(rid)
+            chunks.append(pb.SessionChunk(request_id=rid, error_code=_code(grpc.StatusCode.UNAVAILABLE),
+                                          error=out.new_text or f"request {rid} failed"))
+            return
+        r.batch.append(out)
+        r.held += len(out.new_token_ids)
+        r.last_s = time.monotonic()
+        touched.add(rid)
+
+    def _chunk(self, rid: str, r: _Relay, relays: dict[str, _Relay]) -> pb.SessionChunk:
+        chunk = chunk_from_outputs(r.batch, r.sent)
+        r.sent += r.held
+        r.held = 0
+        if r.batch[-1].finished:
+            del relays[rid]
+            self._ended(rid)
+        r.batch = []
+        return pb.SessionChunk(request_id=rid, chunk=chunk)
+
+    def _ended(self, rid: str) -> None:
+        with self._lock:
+            self._live.pop(rid, None)
+
+
+def _code(code: grpc.StatusCode) -> int:
+    value: int = code.value[0]
+    return value

@@ -9,7 +9,7 @@ Start-up, printed as it goes, each line stamped with the seconds since this proc
 4. the router in this process, once every worker answers health checks; then the URL.
 
 Steps 1 and 2 overlap: while ``ray.init`` waits for its processes, a thread generates the tiny model if needed,
-imports the router (aiohttp, the tokenizer, the gRPC stubs) and compiles the engine's native kernels (a cold cache
+imports the router (HTTP server, tokenizer, gRPC stubs) and compiles the engine's native kernels (a cold cache
 only). This process never imports torch.
 
 A supervisor task asks each replica to ``ensure()`` its worker every second; a replica whose worker died restarts
@@ -116,7 +116,7 @@ def ensure_model(model: str | None) -> Path:
 
 
 class _Prepare(threading.Thread):
-    """Runs beside ``ray.init``: makes sure the model exists, imports the router (aiohttp, the tokenizer, the gRPC
+    """Runs beside ``ray.init``: makes sure the model exists, imports the router (HTTP server, tokenizer, gRPC
     stubs) so that ``_serve`` finds it loaded, then builds the engine's native kernels into their cache so that
     the workers do not each compile them. An import error is left for ``_serve``'s own import to raise."""
 
@@ -215,17 +215,12 @@ def _flag_int(flags: tuple[str, ...], name: str, default: int) -> int:
 
 
 async def _serve(cfg: UpConfig, model: Path, replicas: list[Any], addresses: list[str]) -> int:
-    from aiohttp import web
-
     from router.server import RouterConfig, build_router
 
     router = await build_router(RouterConfig(model=str(model), workers=tuple(addresses), redis=cfg.redis,
                                              min_uncached_tokens=cfg.min_uncached_tokens,
                                              block_size=_flag_int(cfg.worker_flags, "--block-size", 16)))
-    runner = web.AppRunner(router.app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
-    await site.start()
+    await router.serve_http(cfg.host, cfg.port)
     grpc_server = None
     grpc_port = cfg.port + 1 if cfg.grpc_port is None else cfg.grpc_port
     if grpc_port >= 0:
@@ -265,7 +260,6 @@ async def _serve(cfg: UpConfig, model: Path, replicas: list[Any], addresses: lis
     sup.cancel()
     if grpc_server is not None:
         await grpc_server.stop(1.0)
-    await runner.cleanup()
     await router.close()
     return 0
 

@@ -54,6 +54,27 @@ class IncrementalDetokenizer:
             self.prefix_offset = max(self.read_offset - _CONTEXT, 0)
         return self._release(match_stops)
 
+    def add_many(self, token_ids: list[int]) -> str:
+        """Append several tokens with one decode instead of one per token; only without stop strings (which must be
+        matched token by token, to know which token completed one).
+
+        The text released by the end is the same as :meth:`add` token by token: only when it is released differs
+        (a character completed mid-list but followed by an incomplete one waits for the next call).
+        """
+        if self.stop:
+            raise ValueError("add_many is for detokenizers without stop strings; use add")
+        if self.stopped_on is not None or not token_ids:
+            return ""
+        self.tokens.extend(token_ids)
+        prefix = self.tokenizer.decode(self._ids(self.tokens[self.prefix_offset : self.read_offset]),
+                                       skip_special_tokens=False)
+        full = self.tokenizer.decode(self._ids(self.tokens[self.prefix_offset :]), skip_special_tokens=False)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self.read_offset = len(self.tokens)
+            self.prefix_offset = max(self.read_offset - _CONTEXT, 0)
+        return self._release(False)
+
     def _release(self, match_stops: bool) -> str:
         if self.stop and match_stops:
             # Search only where a new match can start: stop strings overlapping the unreleased tail.

@@ -168,26 +168,40 @@ class Dispatcher:
         exclude: set[str] = set()
         attempt = 0
         while True:
-            cont = pb.SamplingParams()
-            cont.CopyFrom(params)
-            cont.max_tokens = params.max_tokens - len(generated)
-            cont.min_tokens = max(0, params.min_tokens - len(generated))
-            full = prompt + generated
+            if generated:  # a migration: the prompt grows by what was generated, the budget shrinks by it
+                cont = pb.SamplingParams()
+                cont.CopyFrom(params)
+                cont.max_tokens = params.max_tokens - len(generated)
+                cont.min_tokens = max(0, params.min_tokens - len(generated))
+                full = prompt + generated
+            else:
+                cont, full = params, prompt
             plan = self.plan(full, exclude)
             if plan_out is not None:
                 plan_out.append(plan)
             rid = f"{request_id}.{attempt}"
+            if plan.mode == "colocated":
+                # On the worker's session; a request that stops early is aborted through it (WorkerSession).
+                session = plan.decode.session
+                assert session is not None
+                source = session.generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=full, params=cont,
+                                                             min_chunk_tokens=min_chunk_tokens),
+                                          self.config.rpc_timeout_s)
+            else:
+                source = self._disaggregated_run(plan, rid, full, cont, min_chunk_tokens)
             try:
                 # aclosing (here and below): an inner generator is closed as soon as its consumer stops, not later
                 # by the event loop's async-generator finalizer (a task and a self-pipe wake-up each).
-                async with contextlib.aclosing(self._execute(plan, rid, full, cont, min_chunk_tokens)) as chunks:
+                async with contextlib.aclosing(source) as chunks:
                     async for chunk in chunks:
                         generated.extend(chunk.token_ids)
                         yield chunk
                         if chunk.finish_reason:
                             return
                 raise _WorkerFailed(plan.decode, "Decode", grpc.StatusCode.UNAVAILABLE, "stream ended early")
-            except _WorkerFailed as e:
+            except (_WorkerFailed, SessionError) as err:
+                e = (err if isinstance(err, _WorkerFailed)
+                     else _WorkerFailed(plan.decode, "Generate", err.code, err.details))
                 if e.code not in _RETRYABLE:
                     raise DispatchError(400 if e.code == grpc.StatusCode.INVALID_ARGUMENT else 500,
                                         e.details) from None
@@ -208,21 +222,9 @@ class Dispatcher:
             finally:
                 self._release(plan)
 
-    async def _execute(self, plan: Plan, rid: str, prompt: list[int], params: pb.SamplingParams,
-                       min_chunk_tokens: int) -> AsyncGenerator[pb.TokenChunk, None]:
-        if plan.mode == "colocated":
-            # On the worker's session: a request that stops early is aborted through it (WorkerSession.generate).
-            session = plan.decode.session
-            assert session is not None
-            req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params,
-                                     min_chunk_tokens=min_chunk_tokens)
-            try:
-                async with contextlib.aclosing(session.generate(req, self.config.rpc_timeout_s)) as chunks:
-                    async for chunk in chunks:
-                        yield chunk
-            except SessionError as e:
-                raise _WorkerFailed(plan.decode, "Generate", e.code, e.details) from None
-            return
+    async def _disaggregated_run(self, plan: Plan, rid: str, prompt: list[int], params: pb.SamplingParams,
+                                 min_chunk_tokens: int) -> AsyncGenerator[pb.TokenChunk, None]:
+        """Reserve → Prefill → Decode; a request that does not finish is aborted on both workers."""
         touched: list[Worker] = [plan.decode] + ([plan.prefill] if plan.prefill else [])
         finished = False
         try:

@@ -7,8 +7,8 @@ offending parameter, so the gateway can answer ``{"error": {...}}`` exactly as O
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,11 +51,14 @@ class GenerationRequest:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+_NUMBER = (int, float)  # a tuple: ``int | float`` would build a union object on every call
+
+
 def _num(body: dict[str, Any], name: str, default: float, lo: float, hi: float, integer: bool = False) -> Any:
-    v = body.get(name, default)
-    if v is None:
+    v = body.get(name)
+    if v is None:  # absent or null: the default (most fields of most requests)
         return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or (integer and not isinstance(v, int)):
+    if isinstance(v, bool) or not isinstance(v, _NUMBER) or (integer and not isinstance(v, int)):
         raise APIError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {v!r}", name)
     if not lo <= v <= hi:
         raise APIError(400, f"'{name}' must be between {lo} and {hi}, got {v}", name)
@@ -143,7 +146,7 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str
         raise APIError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options")
     echo = bool(body.get("echo", False)) and not chat
     prefix = "chatcmpl" if chat else "cmpl"
-    return GenerationRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", model=model, chat=chat,
+    return GenerationRequest(request_id=f"{prefix}-{os.urandom(16).hex()}", model=model, chat=chat,
                              prompt_token_ids=ids, params=params, n=n, stream=stream,
                              include_usage=bool(opts.get("include_usage", False)), echo=echo,
                              logprobs=logprobs, want_logprobs=logprobs is not None)

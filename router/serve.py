@@ -105,8 +105,6 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 
 
 async def _serve_one(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
     from router.server import RouterConfig, build_router
 
     workers = tuple(a for a in args.workers.split(",") if a)
@@ -114,13 +112,7 @@ async def _serve_one(args: argparse.Namespace) -> int:
                                              served_model_name=args.served_model_name,
                                              min_uncached_tokens=args.min_uncached_tokens,
                                              block_size=args.block_size))
-    runner = web.AppRunner(router.app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port, reuse_port=bool(args.reuse_port) or None)
-    await site.start()
-    server = site._server
-    assert server is not None and server.sockets  # type: ignore[attr-defined]
-    port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    port = await router.serve_http(args.host, args.port, reuse_port=bool(args.reuse_port))
     grpc_server = None
     if args.grpc_port is not None:
         from router.grpc_gateway import start_grpc_gateway
@@ -128,7 +120,7 @@ async def _serve_one(args: argparse.Namespace) -> int:
         grpc_server, grpc_port = await start_grpc_gateway(router.gateway, args.host, args.grpc_port)
         print(f"GRPC {grpc_port}", flush=True)
     gc.collect()
-    gc.freeze()  # the start-up heap (tokenizer, protobuf, aiohttp) never becomes garbage: keep it out of GC passes
+    gc.freeze()  # the start-up heap (tokenizer, protobuf, gRPC) never becomes garbage: keep it out of GC passes
     print(f"READY {port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -137,7 +129,6 @@ async def _serve_one(args: argparse.Namespace) -> int:
     await stop.wait()
     if grpc_server is not None:
         await grpc_server.stop(1.0)
-    await runner.cleanup()
     await router.close()
     return 0
 

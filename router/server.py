@@ -10,14 +10,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiohttp import web
-
 from engine.block_hash import extra_keys_for
 from engine.tokenizer import Tokenizer
 from proto.tandem.v1 import worker_pb2 as pb
 from router.cost import CostConfig
 from router.dispatch import DisaggConfig, Dispatcher
-from router.gateway import Gateway, GatewayConfig
+from router.gateway import MAX_BODY, Gateway, GatewayConfig
+from router.http import HTTPServer
 from router.kv_index import KVIndex
 from router.load import LoadTracker
 from router.metrics import RouterMetrics
@@ -45,15 +44,23 @@ class RouterConfig:
 
 @dataclass(slots=True)
 class Router:
-    app: web.Application
     pool: WorkerPool
     index: KVIndex
     dispatcher: Dispatcher
     gateway: Gateway
 
     bus: RedisBus | None = None
+    http: HTTPServer | None = None
+
+    async def serve_http(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Serve the OpenAI gateway on ``host:port`` (0: a free port; ``reuse_port``: share it with other router
+        processes through SO_REUSEPORT); return the bound port."""
+        self.http = HTTPServer(self.gateway.handle, max_body=MAX_BODY)
+        return await self.http.start(host, port, reuse_port=reuse_port)
 
     async def close(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
         if self.bus is not None:
             await self.bus.close()
         await self.pool.close()
@@ -99,4 +106,4 @@ async def build_router(cfg: RouterConfig) -> Router:
     metrics = RouterMetrics(pool)
     gateway = Gateway(GatewayConfig(cfg.served_model_name or model.name, max_len, vocab), tokenizer, dispatcher,
                       metrics)
-    return Router(gateway.app(), pool, index, dispatcher, gateway, bus)
+    return Router(pool, index, dispatcher, gateway, bus)

@@ -10,10 +10,10 @@ Queues (all on the router's event loop)::
 
 Requests written while a write is in flight, or in the same loop iteration, share the next message. Each request
 ends with its finished chunk, an error entry from the worker (raised as :class:`SessionError` with the status a
-``Generate`` call would have ended with), its deadline, or the session breaking: then every request on it fails
-with ``UNAVAILABLE`` and the next request opens a fresh stream. A request given up early (its consumer closed the
-generator: client gone, deadline) is aborted through the session. The worker aborts whatever is still running
-when the stream ends, so a router that crashes leaks no blocks.
+``Generate`` call would have ended with), its deadline (checked every ``_SWEEP_S``), or the session breaking:
+then every request on it fails with ``UNAVAILABLE`` and the next request opens a fresh stream. A request given up
+early (its consumer closed the generator: client gone, deadline) is aborted through the session. The worker
+aborts whatever is still running when the stream ends, so a router that crashes leaks no blocks.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from proto.tandem.v1 import worker_pb2 as pb
 log = logging.getLogger(__name__)
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+_SWEEP_S = 0.25  # how often deadlines are checked while requests are in flight: a deadline is late by at most this
 
 
 class SessionError(Exception):
@@ -44,12 +45,13 @@ class SessionError(Exception):
 class _Pending:
     """One request's chunks as they arrive, and the future its consumer is parked on (if it is)."""
 
-    __slots__ = ("chunks", "error", "waiter")
+    __slots__ = ("chunks", "deadline", "error", "waiter")
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: float) -> None:
         self.chunks: deque[pb.TokenChunk] = deque()
         self.error: SessionError | None = None
         self.waiter: asyncio.Future[None] | None = None
+        self.deadline = deadline  # loop.time() after which it fails with DEADLINE_EXCEEDED
 
     def wake(self) -> None:
         w = self.waiter
@@ -68,6 +70,7 @@ class WorkerSession:
         self._out_abort: list[str] = []
         self._writing = False
         self._closed = False
+        self._sweeper: asyncio.TimerHandle | None = None
         self.opened = 0  # streams opened so far (a broken one is replaced on the next request)
 
     @property
@@ -82,12 +85,13 @@ class WorkerSession:
         if rid in self._pending:
             raise SessionError(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid} is already in flight")
         loop = asyncio.get_running_loop()
-        p = _Pending()
+        p = _Pending(loop.time() + timeout_s)
         self._pending[rid] = p
         self._ensure_open()
         self._out_generate.append(request)
         self._kick()
-        expiry = loop.call_later(timeout_s, self._expire, rid, p, timeout_s)
+        if self._sweeper is None:
+            self._sweeper = loop.call_later(_SWEEP_S, self._sweep)
         try:
             while True:
                 if p.chunks:
@@ -102,20 +106,27 @@ class WorkerSession:
                 await p.waiter
                 p.waiter = None
         finally:
-            expiry.cancel()
             if self._pending.get(rid) is p:  # given up before its end: stop it on the worker
                 del self._pending[rid]
                 if not self._closed and self._call is not None:
                     self._out_abort.append(rid)
                     self._kick()
 
-    def _expire(self, rid: str, p: _Pending, timeout_s: float) -> None:
-        if self._pending.get(rid) is p:
-            del self._pending[rid]
+    def _sweep(self) -> None:
+        """Fail (and abort) requests past their deadline: one timer per session, not one per request."""
+        self._sweeper = None
+        if not self._pending:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for rid in [rid for rid, p in self._pending.items() if p.deadline <= now]:
+            p = self._pending.pop(rid)
             self._out_abort.append(rid)
-            self._kick()
-            p.error = SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:.0f} s")
+            p.error = SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer before the request's deadline")
             p.wake()
+        self._kick()
+        if self._pending and not self._closed:
+            self._sweeper = loop.call_later(_SWEEP_S, self._sweep)
 
     def _ensure_open(self) -> None:
         if self._call is None:
@@ -189,6 +200,9 @@ class WorkerSession:
     async def close(self) -> None:
         """End the stream: the worker aborts every request still on it."""
         self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         call, reader = self._call, self._reader
         if call is not None:
             self._broken(call, grpc.StatusCode.UNAVAILABLE, f"session to {self.name} is closed")

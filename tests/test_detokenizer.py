@@ -153,3 +153,16 @@ def test_encode_chat_matches_transformers_apply_chat_template(checkpoint: Callab
     assert ours == list(expected)
     assert ours[0] == tok.bos_token_id
     assert ours.count(tok.bos_token_id) == 1
+
+
+def test_add_many_releases_the_same_text_as_add_token_by_token(tok: Tokenizer, ids: list[int]) -> None:
+    """Chunks of 1-5 tokens, split inside multi-byte characters too: the same text in the end, never more early."""
+    one = IncrementalDetokenizer(tok)
+    ref = "".join(one.add(t) for t in ids) + one.flush()
+    for size in (1, 2, 3, 5):
+        many = IncrementalDetokenizer(tok)
+        parts = [many.add_many(ids[i:i + size]) for i in range(0, len(ids), size)]
+        assert "".join(parts) + many.flush() == ref == TEXT
+        assert many.tokens == ids
+    with pytest.raises(ValueError, match="stop strings"):
+        IncrementalDetokenizer(tok, stop=("x",)).add_many(ids)

@@ -22,7 +22,6 @@ from typing import Any, cast
 
 import httpx
 import pytest
-from aiohttp import web
 
 from router.selector import Selector
 from router.server import Router, RouterConfig, build_router
@@ -43,11 +42,7 @@ class RouterThread:
         async def main() -> None:
             try:
                 self.router = await build_router(cfg)
-                self.runner = web.AppRunner(self.router.app, handler_cancellation=True)
-                await self.runner.setup()
-                site = web.TCPSite(self.runner, "127.0.0.1", 0)
-                await site.start()
-                self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+                self.port = await self.router.serve_http("127.0.0.1", 0)
             except BaseException as e:
                 self.error = e
             ready.set()
@@ -73,7 +68,6 @@ class RouterThread:
 
     def stop(self) -> None:
         async def down() -> None:
-            await self.runner.cleanup()
             assert self.router is not None
             await self.router.close()
 

@@ -292,6 +292,18 @@ def test_bad_chat_input_and_invalid_json_get_400(cluster: Cluster, client: opena
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
+def test_unknown_endpoint_wrong_method_and_oversized_body_get_4xx(cluster: Cluster) -> None:
+    """404 for a path the gateway does not serve, 405 for a served path with the wrong method, 413 for a body over
+    the 8 MiB limit (refused from its Content-Length, before it is read); each with an OpenAI error body."""
+    r = httpx.get(cluster.url + "/v1/engines", timeout=10)
+    assert r.status_code == 404 and "/v1/engines" in r.json()["error"]["message"]
+    r = httpx.get(cluster.url + "/v1/completions", timeout=10)
+    assert r.status_code == 405 and "GET" in r.json()["error"]["message"]
+    r = httpx.post(cluster.url + "/v1/completions", content=b"x" * (9 << 20), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["message"]
+
+
 def test_health_and_metrics_endpoints(cluster: Cluster, client: openai.OpenAI) -> None:
     """/health is ok with workers up; /metrics exports the tandem_ series the dashboards query."""
     assert httpx.get(cluster.url + "/health", timeout=10).json()["status"] == "ok"

@@ -4,30 +4,33 @@ Processes, all on loopback and each started and stopped here by PID::
 
     fake backends (bench.fake_worker, K of them)  ◄──gRPC──  router (router.serve, 1..N processes, SO_REUSEPORT)
          ▲                                                         ▲
-         └──────── gRPC Generate ── load client ── HTTP/1.1 ───────┘      (the client is its own process)
+         └──────── gRPC Session ─── load client ── HTTP/1.1 ───────┘      (the client is its own process)
 
 The backends are fakes (every ``Generate`` answered at once with ``tokens`` canned tokens, ``tokens_per_chunk`` per
 streamed chunk: 1, as a real worker streams them, or the request's ``min_chunk_tokens`` when larger, as a real
 worker paces a non-streaming request), so what a client sees beyond a direct call is the router's own cost. Phases,
 each ``seconds`` long after a short warm-up:
 
-    direct   the client calls the backends' gRPC ``Generate`` (a streaming call read to its end) at ``concurrency``
-             in flight, asking for the answer in one chunk (``min_chunk_tokens``, what the router asks for a
-             non-streaming client): requests/s; then at each of ``ttft_concurrency``, streaming (one token per
-             chunk), the time to the first streamed chunk.
+    direct   the client sends ``Generate`` requests on the backends' ``Session`` streams (router/session.py: the
+             way the router itself reaches its workers) at ``concurrency`` in flight, asking for the answer in one
+             chunk (``min_chunk_tokens``, what the router asks for a non-streaming client): requests/s; then at
+             each of ``ttft_concurrency``, streaming (one token per chunk), the time to the first streamed chunk.
+             For reference, requests/s with a ``Generate`` call per request (``generate_calls_rps``).
     router   per entry of ``processes``: a fresh router in front of the same backends; non-streaming
              ``/v1/completions`` for ``tokens`` tokens at ``concurrency`` (one keep-alive connection per request in
              flight): requests/s; then streaming requests at each of ``ttft_concurrency``: the time from sending the
              request to its first SSE data chunk.
 
-``added_ttft_ms`` is router minus direct, percentile by percentile. ``cpu_us_per_request`` is each process group's
+With ``--wrk``, each router's requests/s phase is run once more with wrk as the client (C: far less client CPU
+on the same cores than the asyncio client; answers counted, not parsed). ``added_ttft_ms`` is router minus
+direct, percentile by percentile. ``cpu_us_per_request`` is each process group's
 CPU time (user + system) over the requests/s phase divided by the requests it answered: the figure that does not
 depend on how busy the shared machine was. Every answer is checked (``tokens`` tokens,
 finish reason ``length``); wrong answers count as ``bad``, failed ones as ``errors``. The client is a minimal
 asyncio HTTP/1.1 client (a protocol, no framework), so that the client's own cost is small next to the router's:
 client, router and backends share this machine's cores (``cpu_count`` in the report).
 
-Run: ``tandem bench gateway [--seconds 3] [--concurrency 64] [--processes 1,2] [--tokens 8] [--json]``.
+Run: ``tandem bench gateway [--seconds 3] [--concurrency 64] [--processes 1,2] [--tokens 8] [--wrk] [--json]``.
 """
 
 from __future__ import annotations
@@ -37,8 +40,11 @@ import asyncio
 import gc
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -251,8 +257,37 @@ async def _grpc_loop(stub: Any, request: Any, phase: Phase, tokens: int, tally: 
         tally.record(t0, first or clock(), clock(), n == tokens and finish == "length")
 
 
+async def _session_loop(session: Any, phase: Phase, tokens: int, tally: _Tally, tag: str) -> None:
+    from proto.tandem.v1 import worker_pb2 as pb
+    from router.session import SessionError
+
+    clock = time.perf_counter
+    params = pb.SamplingParams(max_tokens=tokens)
+    k = 0
+    while clock() < tally.window_end:
+        k += 1
+        request = pb.GenerateRequest(request_id=f"{tag}-{k}", prompt_token_ids=_PROMPT_IDS, params=params,
+                                     min_chunk_tokens=0 if phase.stream else tokens)
+        t0 = clock()
+        first = 0.0
+        n = 0
+        finish = ""
+        try:
+            async for chunk in session.generate(request, 30.0):
+                if not first:
+                    first = clock()
+                n += len(chunk.token_ids)
+                finish = chunk.finish_reason
+        except SessionError:
+            tally.errors += 1
+            await asyncio.sleep(0.01)
+            continue
+        tally.record(t0, first or clock(), clock(), n == tokens and finish == "length")
+
+
 async def _run_phase(target: str, model: str, tokens: int, phase: Phase) -> dict[str, Any]:
-    """Drive ``target`` (``http://host:port`` or ``grpc://host:port,host:port``) through one phase."""
+    """Drive ``target`` (``http://host:port``, or ``grpc://`` / ``session://`` and backend addresses separated by
+    commas: a ``Generate`` call per request, or requests on one ``Session`` stream per backend) through one phase."""
     scheme, _, rest = target.partition("://")
     cpu0 = time.process_time()
     start = time.perf_counter() + phase.warmup_s
@@ -276,14 +311,27 @@ async def _run_phase(target: str, model: str, tokens: int, phase: Phase) -> dict
                                      params=pb.SamplingParams(max_tokens=tokens),
                                      min_chunk_tokens=0 if phase.stream else tokens)
         loops = [_grpc_loop(stubs[i % len(stubs)], request, phase, tokens, tally) for i in range(phase.concurrency)]
+    elif scheme == "session":
+        import grpc
+
+        from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
+        from router.session import WorkerSession
+
+        channels = [grpc.aio.insecure_channel(a) for a in rest.split(",")]
+        sessions = [WorkerSession(pb_grpc.WorkerStub(c), a) for c, a in zip(channels, rest.split(","), strict=True)]
+        loops = [_session_loop(sessions[i % len(sessions)], phase, tokens, tally, f"bench-{os.getpid()}-{i}")
+                 for i in range(phase.concurrency)]
     else:
-        raise ValueError(f"target must be http://... or grpc://..., got {target!r}")
+        raise ValueError(f"target must be http://..., grpc://... or session://..., got {target!r}")
     tasks = [asyncio.ensure_future(c) for c in loops]
     _, pending = await asyncio.wait(tasks, timeout=phase.warmup_s + phase.seconds + 30.0)
     for t in pending:  # a request that never finished is an error, not a hang
         t.cancel()
     tally.errors += len(pending)
     await asyncio.gather(*tasks, return_exceptions=True)
+    if scheme == "session":
+        for sess in sessions:
+            await sess.close()
     for c in channels:
         await c.close()
     return tally.result(time.process_time() - cpu0)
@@ -390,7 +438,8 @@ def _measure(target: str, model: str, tokens: int, seconds: float, concurrency: 
 
 def run_gateway_bench(seconds: float = 3.0, concurrency: int = 64, processes: Sequence[int] = (1, 2),
                       tokens: int = 8, backends: int = 1, ttft_concurrency: Sequence[int] = (1, 8),
-                      clients: int = 1, model: str | Path | None = None, tokens_per_chunk: int = 1) -> dict[str, Any]:
+                      clients: int = 1, model: str | Path | None = None, tokens_per_chunk: int = 1,
+                      wrk: bool = False) -> dict[str, Any]:
     """Start the fake backends, measure direct, then one fresh router per ``processes`` entry; see the module doc."""
     from router.serve import ReadyProcess
 
@@ -398,6 +447,8 @@ def run_gateway_bench(seconds: float = 3.0, concurrency: int = 64, processes: Se
         raise ValueError("need seconds > 0 and concurrency, tokens, backends, clients, tokens_per_chunk >= 1")
     if not processes or min(processes) < 1 or not ttft_concurrency or min(ttft_concurrency) < 1:
         raise ValueError("processes and ttft_concurrency must be non-empty lists of counts >= 1")
+    if wrk and shutil.which("wrk") is None:
+        raise ValueError("--wrk needs the wrk load generator on PATH (apt-get install wrk)")
     model_dir = Path(model) if model is not None else _default_model()
     name = model_dir.name
     py = sys.executable
@@ -409,8 +460,12 @@ def run_gateway_bench(seconds: float = 3.0, concurrency: int = 64, processes: Se
                                                           "--worker-id", f"fake-{i}"]))
         addresses = ",".join(f"127.0.0.1:{f.port}" for f in fakes)
         backend_pids = [f.proc.pid for f in fakes]
-        direct = _measure(f"grpc://{addresses}", name, tokens, seconds, concurrency, ttft_concurrency, clients,
+        # Direct: the client on the backends' Session streams, as the router reaches them; then, for reference,
+        # a Generate call per request (requests/s only).
+        direct = _measure(f"session://{addresses}", name, tokens, seconds, concurrency, ttft_concurrency, clients,
                           {"backends": backend_pids})
+        calls = _drive(f"grpc://{addresses}", name, tokens, [Phase(False, concurrency, seconds)], clients)[0]
+        direct["generate_calls_rps"] = calls["rps"]
         routers = []
         for n in processes:
             router = ReadyProcess.start(f"router x{n}", [py, "-m", "router.serve", "--model", str(model_dir),
@@ -419,6 +474,9 @@ def run_gateway_bench(seconds: float = 3.0, concurrency: int = 64, processes: Se
             try:
                 r = _measure(f"http://127.0.0.1:{router.port}", name, tokens, seconds, concurrency,
                              ttft_concurrency, clients, {"router": [router.proc.pid], "backends": backend_pids})
+                if wrk:
+                    r["wrk"] = _wrk(router.port, name, tokens, concurrency, seconds,
+                                    {"router": [router.proc.pid], "backends": backend_pids})
             finally:
                 router.stop()
             r["processes"] = n
@@ -436,20 +494,56 @@ def run_gateway_bench(seconds: float = 3.0, concurrency: int = 64, processes: Se
             "direct": direct, "router": routers, "goals": dict(GOALS), "summary": _headline(direct, routers)}
 
 
+def _wrk(port: int, model: str, tokens: int, concurrency: int, seconds: float,
+         watch: dict[str, list[int]]) -> dict[str, Any]:
+    """The requests/s phase again with wrk (C, one thread, ``concurrency`` keep-alive connections) as the client:
+    a client that costs far less CPU than the asyncio one, on the same cores. Answers are not checked here (the
+    asyncio phase checks every one); non-2xx answers and socket errors are counted."""
+    body = json.dumps({"model": model, "prompt": _PROMPT, "max_tokens": tokens, "temperature": 0})
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write(f'wrk.method = "POST"\nwrk.body = {json.dumps(body)}\n'
+                'wrk.headers["Content-Type"] = "application/json"\n')
+        script = f.name
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    try:
+        subprocess.run(["wrk", "-t1", f"-c{concurrency}", "-d1s", "-s", script, url], capture_output=True,
+                       timeout=30, check=True)  # warm-up
+        before = {name: _cpu_s(pids) for name, pids in watch.items()}
+        out = subprocess.run(["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "-s", script, url],
+                             capture_output=True, text=True, timeout=seconds + 60, check=True).stdout
+    finally:
+        os.unlink(script)
+    fields = dict(re.findall(r"^\s*(Requests/sec|Non-2xx or 3xx responses):\s*([\d.]+)", out, re.M))
+    total = re.search(r"(\d+) requests in", out)
+    n = max(int(total.group(1)) if total else 0, 1)
+    errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    return {"rps": float(fields.get("Requests/sec", 0.0)), "requests": n,
+            "non_2xx": int(float(fields.get("Non-2xx or 3xx responses", 0))),
+            "socket_errors": sum(int(x) for x in errors.groups()) if errors else 0,
+            "cpu_us_per_request": {name: round((_cpu_s(pids) - before[name]) / n * 1e6)
+                                   for name, pids in watch.items()}}
+
+
 def _headline(direct: dict[str, Any], routers: list[dict[str, Any]]) -> dict[str, Any]:
     low = min(direct["ttft"], key=int)  # the lowest concurrency measured: the TTFT goal's setting
+    wrk = {str(r["processes"]): r["wrk"]["rps"] for r in routers if "wrk" in r}
     return {"direct_rps": direct["rps"],
+            "direct_generate_calls_rps": direct["generate_calls_rps"],
             "router_rps": {str(r["processes"]): r["rps"] for r in routers},
+            **({"router_rps_wrk": wrk} if wrk else {}),
             "ratio_to_direct": {str(r["processes"]): r["ratio_to_direct"] for r in routers},
             "router_cpu_us_per_request": {str(r["processes"]): r["cpu_us_per_request"]["router"] for r in routers},
             "ttft_concurrency": int(low),
             "ttft_ms": {"direct": direct["ttft"][low]["ttft_ms"],
                         **{f"router x{r['processes']}": r["ttft"][low]["ttft_ms"] for r in routers}},
             "added_ttft_ms": {str(r["processes"]): r["added_ttft_ms"][low] for r in routers},
-            "meets_rps_goal": any(r["rps"] >= GOALS["router_rps"] for r in routers),
+            "meets_rps_goal": any(max(r["rps"], r.get("wrk", {}).get("rps", 0.0)) >= GOALS["router_rps"]
+                                  for r in routers),
             "meets_ttft_goal": any(r["added_ttft_ms"][low]["p50"] <= GOALS["added_ttft_p50_ms"] for r in routers),
             "all_answers_ok": all(not m["errors"] and not m["bad"] for x in [direct, *routers]
-                                  for m in [x["throughput"], *x["ttft"].values()])}
+                                  for m in [x["throughput"], *x["ttft"].values()])
+                              and all(not r["wrk"]["non_2xx"] and not r["wrk"]["socket_errors"]
+                                      for r in routers if "wrk" in r)}
 
 
 def _default_model() -> Path:
@@ -483,6 +577,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=1, help="load client processes for the requests/s phase")
     p.add_argument("--ttft-concurrency", default="1,8", help="concurrency levels of the streaming TTFT phases")
     p.add_argument("--model", default=None, help="checkpoint whose tokenizer the router loads (default: tiny)")
+    p.add_argument("--wrk", action="store_true", help="also measure requests/s with wrk as the client")
     p.add_argument("--json", action="store_true", help="one line of JSON")
 
 
@@ -491,7 +586,8 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
                              processes=tuple(int(x) for x in args.processes.split(",")), tokens=args.tokens,
                              backends=args.backends, ttft_concurrency=tuple(int(x) for x in
                                                                             args.ttft_concurrency.split(",")),
-                             clients=args.clients, model=args.model, tokens_per_chunk=args.tokens_per_chunk)
+                             clients=args.clients, model=args.model, tokens_per_chunk=args.tokens_per_chunk,
+                             wrk=args.wrk)
 
 
 if __name__ == "__main__":

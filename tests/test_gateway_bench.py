@@ -8,6 +8,7 @@ own overhead only. What is checked is that the report is well formed and sane (e
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,17 @@ def test_gateway_bench_reports_sane_figures_for_direct_and_one_and_two_router_pr
         added = r["added_ttft_ms"]["1"]
         assert added["p50"] == pytest.approx(r["ttft"]["1"]["ttft_ms"]["p50"] - direct["ttft"]["1"]["ttft_ms"]["p50"],
                                              abs=1e-3)
+    assert direct["generate_calls_rps"] > 0  # the per-call reference next to the session figure
     summary = report["summary"]
     assert summary["all_answers_ok"] is True
     assert set(summary["router_rps"]) == {"1", "2"} and summary["direct_rps"] == direct["rps"]
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (.ci/run installs it)")
+def test_gateway_bench_with_wrk_reports_its_requests_and_the_routers_cpu(checkpoint: Callable[[str], Path]) -> None:
+    report = run_gateway_bench(seconds=1.0, concurrency=8, processes=(1,), tokens=8, ttft_concurrency=(1,),
+                               model=checkpoint("llama"), wrk=True)
+    w = report["router"][0]["wrk"]
+    assert w["rps"] > 0 and w["requests"] > 0 and w["non_2xx"] == 0 and w["socket_errors"] == 0
+    assert w["cpu_us_per_request"]["router"] > 0
+    assert report["summary"]["router_rps_wrk"] == {"1": w["rps"]}

@@ -124,6 +124,7 @@ class _Connection(asyncio.Protocol):
         self._discarding = False  # refused: reading and dropping what the client still sends, then closing
         self._chunked_out = False
         self._stream_keep_alive = False
+        self._head = b""  # a stream's head, not yet sent
 
     # ---- asyncio.Protocol ------------------------------------------------------------------------------------
 
@@ -282,7 +283,9 @@ class _Connection(asyncio.Protocol):
         if self._chunked_out and not self._stream_keep_alive:
             head.append(b"Connection: close\r\n")
         head.append(b"\r\n")
-        self.transport.write(b"".join(head))
+        # Held until the first piece of the body (or the end): head and first event leave in one segment, so a
+        # client does not wake for a head and then again for the event it waits for.
+        self._head = b"".join(head)
 
     async def send_stream_data(self, data: bytes) -> None:
         if self.transport is None or self.closing:
@@ -290,15 +293,20 @@ class _Connection(asyncio.Protocol):
         if not data:
             return
         if self._chunked_out:
-            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-        else:
-            self.transport.write(data)
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        if self._head:
+            data = self._head + data
+            self._head = b""
+        self.transport.write(data)
         if self._drain is not None and not self._drain.done():
             await self._drain  # the client reads slower than we write: wait for the buffer to empty
 
     def send_stream_eof(self) -> None:
-        if self.transport is not None and not self.closing and self._chunked_out:
-            self.transport.write(b"0\r\n\r\n")
+        if self.transport is not None and not self.closing:
+            tail = b"0\r\n\r\n" if self._chunked_out else b""
+            if self._head or tail:
+                self.transport.write(self._head + tail)
+            self._head = b""
 
     def _fail(self, status: int, message: str) -> None:
         """Answer ``status`` and close, lingering: closing with unread bytes (the rest of an oversized body) would

@@ -62,8 +62,8 @@ class WorkerLoad:
 
 
 class LoadTracker:
-    __slots__ = ("_clock", "_eff", "_free_slots", "_gather_key", "_gather_slots", "_reported_at", "_version",
-                 "_workers", "draining")
+    __slots__ = ("_clock", "_eff", "_free_slots", "_gather_key", "_gather_slots", "_reported_at", "_stale",
+                 "_version", "_workers", "draining")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -75,6 +75,7 @@ class LoadTracker:
         self._version = 0  # bumped when a worker gains or loses a slot
         self._gather_key: tuple[int, list[WorkerId]] = (-1, [])
         self._gather_slots = np.zeros(0, dtype=np.intp)
+        self._stale: set[WorkerId] = set()  # workers whose array column is out of date
 
     @property
     def records(self) -> Mapping[WorkerId, WorkerLoad]:
@@ -93,8 +94,18 @@ class LoadTracker:
         return load
 
     def _publish(self, load: WorkerLoad) -> None:
+        """Refresh the record's effective values now; its array column when the array is next read (a decision
+        over few candidates reads the records and never pays for numpy)."""
         load.refresh()
-        self._eff[:, load.slot] = (load.prefill_tokens, load.decode_blocks, load.queue_depth)
+        self._stale.add(load.worker_id)
+
+    def _flush(self) -> None:
+        eff, workers = self._eff, self._workers
+        for worker_id in self._stale:
+            load = workers.get(worker_id)
+            if load is not None:
+                eff[:, load.slot] = (load.prefill_tokens, load.decode_blocks, load.queue_depth)
+        self._stale.clear()
 
     def gather(self, candidates: list[WorkerId]) -> np.ndarray:
         """Effective ``prefill_tokens``, ``decode_blocks`` and ``queue_depth`` of each candidate as the three rows of
@@ -107,6 +118,8 @@ class LoadTracker:
         """The live ``(3, capacity)`` table of effective loads (read-only outside) and each candidate's column in it
         (0, a zero column, for a worker with no record). The slots are looked up once per distinct candidate list:
         the same list keeps coming while the pool does not change."""
+        if self._stale:
+            self._flush()
         version, cached = self._gather_key
         if version != self._version or cached != candidates:
             workers = self._workers

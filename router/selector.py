@@ -116,7 +116,8 @@ class Selector:
         else:
             overlap = self.index.match(block_hashes) if block_hashes else {}
             scored = tuple(self.cost.rows(candidates, overlap, request_blocks, load))
-            i = self.cost.choose([row[6] for row in scored], request_blocks, self.rng)
+            # One candidate is the choice: no draw (the softmax of one is certain).
+            i = 0 if len(scored) == 1 else self.cost.choose([row[6] for row in scored], request_blocks, self.rng)
             worker, chosen_overlap = scored[i][0], scored[i][1]
             best_overlap = max(row[1] for row in scored)
         if len(candidates) == 1:

@@ -190,14 +190,16 @@ class Dispatcher:
             else:
                 source = self._disaggregated_run(plan, rid, full, cont, min_chunk_tokens)
             try:
-                # aclosing (here and below): an inner generator is closed as soon as its consumer stops, not later
-                # by the event loop's async-generator finalizer (a task and a self-pipe wake-up each).
-                async with contextlib.aclosing(source) as chunks:
-                    async for chunk in chunks:
+                # Closed in ``finally`` (aclosing below): an inner generator ends as soon as its consumer stops, not
+                # later by the event loop's async-generator finalizer (a task and a self-pipe wake-up each).
+                try:
+                    async for chunk in source:
                         generated.extend(chunk.token_ids)
                         yield chunk
                         if chunk.finish_reason:
                             return
+                finally:
+                    await source.aclose()
                 raise _WorkerFailed(plan.decode, "Decode", grpc.StatusCode.UNAVAILABLE, "stream ended early")
             except (_WorkerFailed, SessionError) as err:
                 e = (err if isinstance(err, _WorkerFailed)

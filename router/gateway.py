@@ -182,46 +182,62 @@ class Gateway:
         params.seed = params.seed + index
         return params
 
+    def _run(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> AsyncGenerator[pb.TokenChunk, None]:
+        return self.dispatcher.run(f"{req.request_id}-{c.index}", req.prompt_token_ids, self._params_for(req, c.index),
+                                   plans, 0 if req.stream else self.config.collect_chunk_tokens)
+
+    def _absorb(self, req: GenerationRequest, c: Choice, chunk: pb.TokenChunk) -> str:
+        """Take one chunk into ``c`` (tokens, text, logprobs, finish reason); return its new text."""
+        c.cached = max(c.cached, chunk.num_cached_tokens)
+        if c.detok.stop:  # token by token: the token that completes a stop string ends the choice
+            new = ""
+            for tok in chunk.token_ids:
+                c.token_ids.append(tok)
+                new += c.detok.add(tok, match_stops=len(c.token_ids) >= req.params.min_tokens)
+                if c.detok.stopped_on is not None:
+                    break
+        else:
+            c.token_ids.extend(chunk.token_ids)
+            new = c.detok.add_many(list(chunk.token_ids))
+        c.logprobs.extend(chunk.logprobs)
+        if c.detok.stopped_on is not None:
+            c.finish_reason = "stop"
+        elif chunk.finish_reason:
+            c.finish_reason = chunk.finish_reason
+            new += c.detok.flush()
+        c.text += new
+        self.metrics.generation_tokens.inc(len(chunk.token_ids))
+        return new
+
     async def choice_texts(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> AsyncGenerator[str, None]:
         """Run one choice; yield its new text per chunk (also recorded on ``c``)."""
-        rid = f"{req.request_id}-{c.index}"
-        # aclosing: the dispatcher's generators end here, at once, not later from the loop's async-gen finalizer
-        # (which would cost a task and a self-pipe wake-up per generator per request).
-        run = self.dispatcher.run(rid, req.prompt_token_ids, self._params_for(req, c.index), plans,
-                                  0 if req.stream else self.config.collect_chunk_tokens)
+        # Closed here in ``finally``: the dispatcher's generators end at once, not later from the loop's async-gen
+        # finalizer (which would cost a task and a self-pipe wake-up per generator per request).
+        run = self._run(req, c, plans)
         try:
-            async with contextlib.aclosing(run):
-                async for chunk in run:
-                    c.cached = max(c.cached, chunk.num_cached_tokens)
-                    if c.detok.stop:  # token by token: the token that completes a stop string ends the choice
-                        new = ""
-                        for tok in chunk.token_ids:
-                            c.token_ids.append(tok)
-                            new += c.detok.add(tok, match_stops=len(c.token_ids) >= req.params.min_tokens)
-                            if c.detok.stopped_on is not None:
-                                break
-                    else:
-                        c.token_ids.extend(chunk.token_ids)
-                        new = c.detok.add_many(list(chunk.token_ids))
-                    c.logprobs.extend(chunk.logprobs)
-                    if c.detok.stopped_on is not None:
-                        c.finish_reason = "stop"
-                    elif chunk.finish_reason:
-                        c.finish_reason = chunk.finish_reason
-                        new += c.detok.flush()
-                    c.text += new
-                    self.metrics.generation_tokens.inc(len(chunk.token_ids))
-                    yield new
-                    if c.finish_reason:
-                        return
+            async for chunk in run:
+                yield self._absorb(req, c, chunk)
+                if c.finish_reason:
+                    return
         except DispatchError as e:
             raise APIError(e.status, e.message, retry_after=e.retry_after) from None
         finally:
+            await run.aclose()
             self.metrics.cached_tokens.inc(c.cached)
 
     async def _collect(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> None:
-        async for _ in self.choice_texts(req, c, plans):
-            pass
+        """``choice_texts`` for an answer given at the end: the same steps, one generator fewer."""
+        run = self._run(req, c, plans)
+        try:
+            async for chunk in run:
+                self._absorb(req, c, chunk)
+                if c.finish_reason:
+                    return
+        except DispatchError as e:
+            raise APIError(e.status, e.message, retry_after=e.retry_after) from None
+        finally:
+            await run.aclose()
+            self.metrics.cached_tokens.inc(c.cached)
 
     def _final_body(self, req: GenerationRequest, choices: list[Choice]) -> dict[str, Any]:
         completion = sum(len(c.token_ids) for c in choices)

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -44,6 +45,11 @@ def _greedy(rid: str, prompt: list[int], max_tokens: int, min_chunk_tokens: int 
 
 async def _collect(session: WorkerSession, req: pb.GenerateRequest) -> list[pb.TokenChunk]:
     return [c async for c in session.generate(req, timeout_s=60.0)]
+
+
+async def _drain(gen: Any) -> None:
+    async for _ in gen:
+        pass
 
 
 def _wait_idle(address: str, timeout_s: float = 15.0) -> pb.LoadResponse:
@@ -225,3 +231,50 @@ def test_a_broken_session_is_replaced_by_the_next_request() -> None:
     finally:
         proc.kill()
         proc.wait(5)
+
+
+def test_requests_that_produce_nothing_for_the_timeout_fail_and_free_their_blocks(
+        checkpoint: Callable[[str], Path]) -> None:
+    """A worker (in this process, a real gRPC server) with a 1 s request timeout: one request is streaming when the
+    engine loop stalls for 4 s, another is sent during the stall and never produces anything. Both end with
+    DEADLINE_EXCEEDED before the stall is over, and once the loop runs again both are aborted: no block is left."""
+    from concurrent import futures
+
+    from engine.config import CacheConfig, EngineConfig
+    from engine.llm_engine import LLMEngine
+    from worker.service import WorkerService
+
+    engine = LLMEngine(EngineConfig(model=str(checkpoint("llama")), num_threads=1,
+                                    cache=CacheConfig(num_blocks=64)))
+    service = WorkerService(engine, request_timeout_s=1.0)
+    service.start()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    pb_grpc.add_WorkerServicer_to_server(service, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        async def run() -> float:
+            async with grpc.aio.insecure_channel(address) as ch:
+                session = WorkerSession(pb_grpc.WorkerStub(ch), address)
+                streaming = session.generate(_greedy("streaming", [5] * 10, 500), timeout_s=60.0)
+                await streaming.__anext__()
+                service.loop.call(lambda eng: time.sleep(4.0))  # the engine loop stops stepping
+                t0 = time.monotonic()
+                silent = session.generate(_greedy("silent", [6] * 10, 8), timeout_s=60.0)
+                ends = await asyncio.gather(*(_drain(gen) for gen in (streaming, silent)), return_exceptions=True)
+                elapsed = time.monotonic() - t0
+                for e in ends:
+                    assert isinstance(e, SessionError), e
+                    assert e.code == grpc.StatusCode.DEADLINE_EXCEEDED and "produced nothing" in e.details
+                await session.close()
+                return elapsed
+
+        assert asyncio.run(run()) < 3.5  # 1 s of silence, checked every second: well before the stall ends
+        deadline = time.monotonic() + 10
+        while (engine.has_unfinished() or engine.pool.num_used_blocks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.has_unfinished() and engine.pool.num_used_blocks == 0
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    finally:
+        server.stop(0)
+        service.stop()

@@ -72,7 +72,8 @@ class WorkerSession:
         self.service = service
         self.q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._live: dict[str, int] = {}  # request id -> min_chunk_tokens, for every request not yet ended
+        # request id -> (min_chunk_tokens, monotonic time it was taken), for every request not yet ended
+        self._live: dict[str, tuple[int, float]] = {}
         self._closed = False
 
     # ---- reader thread -------------------------------------------------------------------------------------
@@ -116,7 +117,7 @@ class WorkerSession:
                     dup = True
                 else:
                     dup = False
-                    self._live[rid] = g.min_chunk_tokens
+                    self._live[rid] = (g.min_chunk_tokens, time.monotonic())
             if dup:
                 self.q.put((rid, _Failed(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid} is already live",
                                          ends=False)))
@@ -197,16 +198,30 @@ class WorkerSession:
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + _TICK_S
-                for rid in [rid for rid, r in relays.items() if now - r.last_s > timeout_s]:
-                    del relays[rid]
-                    self._ended(rid)
-                    self._abort([rid])
-                    chunks.append(pb.SessionChunk(request_id=rid, error_code=_code(grpc.StatusCode.DEADLINE_EXCEEDED),
-                                                  error=f"request {rid} produced nothing for {timeout_s:.0f} s"))
+                chunks.extend(self._expire(relays, now, timeout_s))
             if chunks:
                 yield pb.SessionReply(chunks=chunks)
             if closing:
                 return
+
+    def _expire(self, relays: dict[str, _Relay], now: float, timeout_s: float) -> list[pb.SessionChunk]:
+        """End (and abort) every live request that has produced nothing for ``timeout_s``: since its last output,
+        or since it was taken if it has produced none yet (stuck waiting)."""
+        with self._lock:
+            live = list(self._live.items())
+        stale = []
+        for rid, (_, taken_s) in live:
+            r = relays.get(rid)
+            if now - (r.last_s if r is not None else taken_s) > timeout_s:
+                stale.append(rid)
+        if not stale:
+            return []
+        for rid in stale:
+            relays.pop(rid, None)
+            self._ended(rid)
+        self._abort(stale)
+        return [pb.SessionChunk(request_id=rid, error_code=_code(grpc.StatusCode.DEADLINE_EXCEEDED),
+                                error=f"request {rid} produced nothing for {timeout_s:g} s") for rid in stale]
 
     def _take(self, item: tuple[str, Any], relays: dict[str, _Relay], touched: set[str],
               chunks: list[pb.SessionChunk]) -> None:
@@ -228,10 +243,10 @@ class WorkerSession:
             return
         if r is None:
             with self._lock:
-                min_chunk = self._live.get(rid)
-            if min_chunk is None:
-                return  # the session was closed under it; the abort is on its way
-            r = relays[rid] = _Relay(min_chunk, time.monotonic())
+                entry = self._live.get(rid)
+            if entry is None:
+                return  # ended (closed, expired) under it; the abort is on its way
+            r = relays[rid] = _Relay(entry[0], time.monotonic())
         if out.finish_reason == "error":
             del relays[rid]
             self._ended(rid)

@@ -32,6 +32,8 @@ from proto.tandem.v1 import worker_pb2 as pb
 log = logging.getLogger(__name__)
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+MAX_BATCH_REQUESTS = 1024  # requests per SessionRequest
+MAX_BATCH_TOKENS = 1 << 21  # prompt tokens per SessionRequest (~2M tokens: ~6-10 MB on the wire)
 _SWEEP_S = 0.25  # how often deadlines are checked while requests are in flight: a deadline is late by at most this
 
 
@@ -142,16 +144,29 @@ class WorkerSession:
     async def _write(self, call: Any) -> None:
         try:
             while (self._out_generate or self._out_abort) and call is self._call:
-                msg = pb.SessionRequest(generate=self._out_generate, abort=self._out_abort)
-                self._out_generate = []
-                self._out_abort = []
-                await call.write(msg)
+                await call.write(self._next_message())
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
             self._broken(call, grpc.StatusCode.UNAVAILABLE, f"session write failed: {e}")
         finally:
             self._writing = False
             if (self._out_generate or self._out_abort) and self._call is not None and self._call is not call:
                 self._kick()  # a new stream was opened while this one was failing
+
+    def _next_message(self) -> pb.SessionRequest:
+        """The queued aborts and as many queued requests as fit in one message: at most ``MAX_BATCH_REQUESTS``
+        and ``MAX_BATCH_TOKENS`` prompt tokens (at least one request), far below the workers' 64 MiB receive limit
+        however long the prompts; the rest goes in the next message."""
+        out = self._out_generate
+        n, tokens = 0, 0
+        while n < len(out) and n < MAX_BATCH_REQUESTS:
+            tokens += len(out[n].prompt_token_ids)
+            if n and tokens > MAX_BATCH_TOKENS:
+                break
+            n += 1
+        msg = pb.SessionRequest(generate=out[:n], abort=self._out_abort)
+        self._out_generate = out[n:]
+        self._out_abort = []
+        return msg
 
     async def _read(self, call: Any) -> None:
         code, details = grpc.StatusCode.UNAVAILABLE, "the worker ended the session"

@@ -278,3 +278,43 @@ def test_requests_that_produce_nothing_for_the_timeout_fail_and_free_their_block
     finally:
         server.stop(0)
         service.stop()
+
+
+def test_a_burst_is_split_into_bounded_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests queued together go out in messages of at most MAX_BATCH_REQUESTS requests and MAX_BATCH_TOKENS
+    prompt tokens (one request alone may exceed the token cap); every request is still answered once."""
+    import router.session as rs
+
+    monkeypatch.setattr(rs, "MAX_BATCH_REQUESTS", 4)
+    monkeypatch.setattr(rs, "MAX_BATCH_TOKENS", 100)
+    proc, port = _fake(0)
+    try:
+        async def run() -> list[pb.SessionRequest]:
+            address = f"127.0.0.1:{port}"
+            async with grpc.aio.insecure_channel(address) as ch:
+                session = WorkerSession(pb_grpc.WorkerStub(ch), address)
+                sent: list[pb.SessionRequest] = []
+                take = session._next_message
+
+                def spy() -> pb.SessionRequest:
+                    msg = take()
+                    sent.append(msg)
+                    return msg
+
+                monkeypatch.setattr(session, "_next_message", spy)
+                sizes = [30] * 8 + [250] + [10] * 6
+                reqs = [_greedy(f"b{i}", [1] * n, 3) for i, n in enumerate(sizes)]
+                outs = await asyncio.gather(*(_collect(session, r) for r in reqs))
+                assert all([t for c in o for t in c.token_ids] == [300, 301, 302] for o in outs)
+                await session.close()
+                return sent
+
+        sent = asyncio.run(run())
+        assert sorted(g.request_id for m in sent for g in m.generate) == sorted(f"b{i}" for i in range(15))
+        for m in sent:
+            assert 1 <= len(m.generate) <= 4
+            assert len(m.generate) == 1 or sum(len(g.prompt_token_ids) for g in m.generate) <= 100
+        assert any(len(m.generate[0].prompt_token_ids) == 250 for m in sent)
+    finally:
+        proc.kill()
+        proc.wait(5)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from worker.service import WorkerService
 
 _CLOSE = object()  # put on the outputs queue when the session ends
+MAX_REPLY_CHUNKS = 1024  # chunks per SessionReply: a reply stays far below the router's 64 MiB receive limit
 _TICK_S = 1.0  # how often an idle reply thread looks for requests that have produced nothing for too long
 
 
@@ -199,8 +200,8 @@ class WorkerSession:
             if now >= next_check:
                 next_check = now + _TICK_S
                 chunks.extend(self._expire(relays, now, timeout_s))
-            if chunks:
-                yield pb.SessionReply(chunks=chunks)
+            for i in range(0, len(chunks), MAX_REPLY_CHUNKS):  # bounded messages, however much was waiting
+                yield pb.SessionReply(chunks=chunks[i:i + MAX_REPLY_CHUNKS])
             if closing:
                 return
 

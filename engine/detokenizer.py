@@ -45,6 +45,11 @@ class IncrementalDetokenizer:
         if self.stopped_on is not None:
             return ""
         self.tokens.append(token_id)
+        self._advance()
+        return self._release(match_stops)
+
+    def _advance(self) -> None:
+        """Decode the window; take its new text unless it ends inside a character (wait for the next token)."""
         prefix = self.tokenizer.decode(self._ids(self.tokens[self.prefix_offset : self.read_offset]),
                                        skip_special_tokens=False)
         full = self.tokenizer.decode(self._ids(self.tokens[self.prefix_offset :]), skip_special_tokens=False)
@@ -52,7 +57,6 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix) :]
             self.read_offset = len(self.tokens)
             self.prefix_offset = max(self.read_offset - _CONTEXT, 0)
-        return self._release(match_stops)
 
     def add_many(self, token_ids: list[int]) -> str:
         """Append several tokens with one decode instead of one per token; only without stop strings (which must be
@@ -66,13 +70,7 @@ class IncrementalDetokenizer:
         if self.stopped_on is not None or not token_ids:
             return ""
         self.tokens.extend(token_ids)
-        prefix = self.tokenizer.decode(self._ids(self.tokens[self.prefix_offset : self.read_offset]),
-                                       skip_special_tokens=False)
-        full = self.tokenizer.decode(self._ids(self.tokens[self.prefix_offset :]), skip_special_tokens=False)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix) :]
-            self.read_offset = len(self.tokens)
-            self.prefix_offset = max(self.read_offset - _CONTEXT, 0)
+        self._advance()
         return self._release(False)
 
     def _release(self, match_stops: bool) -> str:

@@ -226,18 +226,8 @@ class Gateway:
             self.metrics.cached_tokens.inc(c.cached)
 
     async def _collect(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> None:
-        """``choice_texts`` for an answer given at the end: the same steps, one generator fewer."""
-        run = self._run(req, c, plans)
-        try:
-            async for chunk in run:
-                self._absorb(req, c, chunk)
-                if c.finish_reason:
-                    return
-        except DispatchError as e:
-            raise APIError(e.status, e.message, retry_after=e.retry_after) from None
-        finally:
-            await run.aclose()
-            self.metrics.cached_tokens.inc(c.cached)
+        async for _ in self.choice_texts(req, c, plans):
+            pass
 
     def _final_body(self, req: GenerationRequest, choices: list[Choice]) -> dict[str, Any]:
         completion = sum(len(c.token_ids) for c in choices)

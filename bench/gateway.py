@@ -21,16 +21,20 @@ each ``seconds`` long after a short warm-up:
              flight): requests/s; then streaming requests at each of ``ttft_concurrency``: the time from sending the
              request to its first SSE data chunk.
 
-With ``--wrk``, each router's requests/s phase is run once more with wrk as the client (C: far less client CPU
-on the same cores than the asyncio client; answers counted, not parsed). ``added_ttft_ms`` is router minus
-direct, percentile by percentile. ``cpu_us_per_request`` is each process group's
-CPU time (user + system) over the requests/s phase divided by the requests it answered: the figure that does not
-depend on how busy the shared machine was. Every answer is checked (``tokens`` tokens,
-finish reason ``length``); wrong answers count as ``bad``, failed ones as ``errors``. The client is a minimal
-asyncio HTTP/1.1 client (a protocol, no framework), so that the client's own cost is small next to the router's:
-client, router and backends share this machine's cores (``cpu_count`` in the report).
+With ``--sglang-router EXE`` the peer is measured the same way, side by side: sglang-router (round robin; install
+it with ``bench/sglang_router/install.sh``) in front of ``bench.fake_http_worker`` (the same canned answers over
+HTTP, the protocol its routers speak), then that fake directly, for the peer's own added TTFT; the summary gives
+the best Tandem router's requests/s over the peer's. With ``--wrk``, each router's requests/s phase is run once
+more with wrk as the client (C: far less client CPU on the same cores than the asyncio client; answers counted,
+not parsed). ``added_ttft_ms`` is router minus direct, percentile by percentile. ``cpu_us_per_request`` is each
+process group's CPU time (user + system) over the requests/s phase divided by the requests it answered: the figure
+that does not depend on how busy the shared machine was. Every answer is checked (``tokens`` tokens, finish reason
+``length``); wrong answers count as ``bad``, failed ones as ``errors``. The client is a minimal asyncio HTTP/1.1
+client (a protocol, no framework), so that the client's own cost is small next to the router's: client, router
+and backends share this machine's cores (``cpu_count`` in the report).
 
-Run: ``tandem bench gateway [--seconds 3] [--concurrency 64] [--processes 1,2] [--tokens 8] [--wrk] [--json]``.
+Run: ``tandem bench gateway [--seconds 3] [--concurrency 64] [--processes 1,2] [--tokens 8] [--wrk]
+[--sglang-router .venv-sglang-router/bin/sglang-router] [--json]``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -439,7 +444,7 @@ def _measure(target: str, model: str, tokens: int, seconds: float, concurrency: 
 def run_gateway_bench(seconds: float = 3.0, concurrency: int = 64, processes: Sequence[int] = (1, 2),
                       tokens: int = 8, backends: int = 1, ttft_concurrency: Sequence[int] = (1, 8),
                       clients: int = 1, model: str | Path | None = None, tokens_per_chunk: int = 1,
-                      wrk: bool = False) -> dict[str, Any]:
+                      wrk: bool = False, sglang_router: str | None = None) -> dict[str, Any]:
     """Start the fake backends, measure direct, then one fresh router per ``processes`` entry; see the module doc."""
     from router.serve import ReadyProcess
 
@@ -449,6 +454,8 @@ def run_gateway_bench(seconds: float = 3.0, concurrency: int = 64, processes: Se
         raise ValueError("processes and ttft_concurrency must be non-empty lists of counts >= 1")
     if wrk and shutil.which("wrk") is None:
         raise ValueError("--wrk needs the wrk load generator on PATH (apt-get install wrk)")
+    if sglang_router is not None and not os.access(sglang_router, os.X_OK):
+        raise ValueError(f"--sglang-router {sglang_router!r} is not an executable (bench/sglang_router/install.sh)")
     model_dir = Path(model) if model is not None else _default_model()
     name = model_dir.name
     py = sys.executable
@@ -484,6 +491,8 @@ def run_gateway_bench(seconds: float = 3.0, concurrency: int = 64, processes: Se
             r["added_ttft_ms"] = {c: {q: round(r["ttft"][c]["ttft_ms"][q] - direct["ttft"][c]["ttft_ms"][q], 3)
                                       for q in ("p50", "p99")} for c in r["ttft"]}
             routers.append(r)
+        peer = (_measure_sglang_router(sglang_router, model_dir, tokens, seconds, concurrency, ttft_concurrency,
+                                       clients, wrk) if sglang_router else None)
     finally:
         for f in fakes:
             f.stop()
@@ -491,7 +500,8 @@ def run_gateway_bench(seconds: float = 3.0, concurrency: int = 64, processes: Se
                        "tokens_per_chunk": tokens_per_chunk, "backends": backends, "clients": clients,
                        "ttft_concurrency": list(ttft_concurrency), "processes": list(processes), "model": name,
                        "cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0))},
-            "direct": direct, "router": routers, "goals": dict(GOALS), "summary": _headline(direct, routers)}
+            "direct": direct, "router": routers, **({"peer": peer} if peer else {}), "goals": dict(GOALS),
+            "summary": _headline(direct, routers, peer)}
 
 
 def _wrk(port: int, model: str, tokens: int, concurrency: int, seconds: float,
@@ -524,10 +534,86 @@ def _wrk(port: int, model: str, tokens: int, concurrency: int, seconds: float,
                                    for name, pids in watch.items()}}
 
 
-def _headline(direct: dict[str, Any], routers: list[dict[str, Any]]) -> dict[str, Any]:
+def _measure_sglang_router(exe: str, model_dir: Path, tokens: int, seconds: float, concurrency: int,
+                           ttft_concurrency: Sequence[int], clients: int, wrk: bool) -> dict[str, Any]:
+    """The peer, side by side: sglang-router (round robin) in front of an HTTP fake backend
+    (``bench.fake_http_worker``, the same canned answers on the protocol its routers speak), measured as Tandem's
+    router is; then the same fake without it (its own direct), for the peer's added TTFT."""
+    from router.serve import ReadyProcess
+
+    fake = ReadyProcess.start("fake-http", [sys.executable, "-m", "bench.fake_http_worker", "--port", "0", "--tokens",
+                                            str(tokens), "--model", model_dir.name, "--model-path", str(model_dir)])
+    proc = None
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen([exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+                                 f"http://127.0.0.1:{fake.port}", "--policy", "round_robin", "--log-level", "error",
+                                 "--model-path", str(model_dir), "--tokenizer-path", str(model_dir)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _wait_http_ok(port, model_dir.name, proc, 60.0)
+        watch = {"router": [proc.pid], "backends": [fake.proc.pid]}
+        peer = _measure(f"http://127.0.0.1:{port}", model_dir.name, tokens, seconds, concurrency, ttft_concurrency,
+                        clients, watch)
+        if wrk:
+            peer["wrk"] = _wrk(port, model_dir.name, tokens, concurrency, seconds, watch)
+        direct = _measure(f"http://127.0.0.1:{fake.port}", model_dir.name, tokens, seconds, concurrency,
+                          ttft_concurrency, clients, {"backends": [fake.proc.pid]})
+        peer["direct"] = direct
+        peer["added_ttft_ms"] = {c: {q: round(peer["ttft"][c]["ttft_ms"][q] - direct["ttft"][c]["ttft_ms"][q], 3)
+                                     for q in ("p50", "p99")} for c in peer["ttft"]}
+        peer["name"] = "sglang-router"
+        return peer
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        fake.stop()
+
+
+def _wait_http_ok(port: int, model: str, proc: subprocess.Popen[str], timeout_s: float) -> None:
+    """Until a 1-token completion through the peer answers 200 (it registers its workers asynchronously)."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": model, "prompt": _PROMPT, "max_tokens": 1}).encode()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            err = proc.stderr.read() if proc.stderr is not None else ""
+            raise RuntimeError(f"sglang-router exited with {proc.returncode}: {err[-2000:]}")
+        try:
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"sglang-router on port {port} not answering after {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def _headline(direct: dict[str, Any], routers: list[dict[str, Any]],
+              peer: dict[str, Any] | None = None) -> dict[str, Any]:
     low = min(direct["ttft"], key=int)  # the lowest concurrency measured: the TTFT goal's setting
     wrk = {str(r["processes"]): r["wrk"]["rps"] for r in routers if "wrk" in r}
-    return {"direct_rps": direct["rps"],
+    peer_part: dict[str, Any] = {}
+    if peer is not None:
+        best = max(max(r["rps"], r.get("wrk", {}).get("rps", 0.0)) for r in routers)
+        peer_best = max(peer["rps"], peer.get("wrk", {}).get("rps", 0.0))
+        peer_part = {"peer": peer["name"], "peer_rps": peer["rps"],
+                     **({"peer_rps_wrk": peer["wrk"]["rps"]} if "wrk" in peer else {}),
+                     "peer_direct_rps": peer["direct"]["rps"],
+                     "ratio_best_router_to_peer": round(best / peer_best, 3) if peer_best else 0.0,
+                     "peer_added_ttft_ms": peer["added_ttft_ms"][low]}
+    return {**peer_part,"direct_rps": direct["rps"],
             "direct_generate_calls_rps": direct["generate_calls_rps"],
             "router_rps": {str(r["processes"]): r["rps"] for r in routers},
             **({"router_rps_wrk": wrk} if wrk else {}),
@@ -540,10 +626,11 @@ def _headline(direct: dict[str, Any], routers: list[dict[str, Any]]) -> dict[str
             "meets_rps_goal": any(max(r["rps"], r.get("wrk", {}).get("rps", 0.0)) >= GOALS["router_rps"]
                                   for r in routers),
             "meets_ttft_goal": any(r["added_ttft_ms"][low]["p50"] <= GOALS["added_ttft_p50_ms"] for r in routers),
-            "all_answers_ok": all(not m["errors"] and not m["bad"] for x in [direct, *routers]
+            "all_answers_ok": all(not m["errors"] and not m["bad"]
+                                  for x in [direct, *routers, *([peer, peer["direct"]] if peer else [])]
                                   for m in [x["throughput"], *x["ttft"].values()])
                               and all(not r["wrk"]["non_2xx"] and not r["wrk"]["socket_errors"]
-                                      for r in routers if "wrk" in r)}
+                                      for r in [*routers, *([peer] if peer else [])] if "wrk" in r)}
 
 
 def _default_model() -> Path:
@@ -578,6 +665,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-concurrency", default="1,8", help="concurrency levels of the streaming TTFT phases")
     p.add_argument("--model", default=None, help="checkpoint whose tokenizer the router loads (default: tiny)")
     p.add_argument("--wrk", action="store_true", help="also measure requests/s with wrk as the client")
+    p.add_argument("--sglang-router", default=None, metavar="EXE",
+                   help="also measure this sglang-router executable, side by side (bench/sglang_router/install.sh)")
     p.add_argument("--json", action="store_true", help="one line of JSON")
 
 
@@ -587,7 +676,7 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
                              backends=args.backends, ttft_concurrency=tuple(int(x) for x in
                                                                             args.ttft_concurrency.split(",")),
                              clients=args.clients, model=args.model, tokens_per_chunk=args.tokens_per_chunk,
-                             wrk=args.wrk)
+                             wrk=args.wrk, sglang_router=args.sglang_router)
 
 
 if __name__ == "__main__":

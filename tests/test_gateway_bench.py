@@ -9,6 +9,7 @@ own overhead only. What is checked is that the report is well formed and sane (e
 from __future__ import annotations
 
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,3 +62,40 @@ def test_gateway_bench_with_wrk_reports_its_requests_and_the_routers_cpu(checkpo
     assert w["rps"] > 0 and w["requests"] > 0 and w["non_2xx"] == 0 and w["socket_errors"] == 0
     assert w["cpu_us_per_request"]["router"] > 0
     assert report["summary"]["router_rps_wrk"] == {"1": w["rps"]}
+
+
+def test_fake_http_worker_answers_what_the_bench_checks() -> None:
+    """The peer's backend (``bench.fake_http_worker``, a real process on loopback), driven by the bench's own
+    client: non-streaming and streamed answers both pass the bench's answer check, and the probes a router makes
+    are answered."""
+    import urllib.request
+
+    from bench.gateway import Phase, _drive
+    from router.serve import ReadyProcess
+
+    fake = ReadyProcess.start("fake-http", [sys.executable, "-m", "bench.fake_http_worker", "--port", "0",
+                                            "--tokens", "8", "--model", "m", "--model-path", "/models/m"])
+    try:
+        batch, stream = _drive(f"http://127.0.0.1:{fake.port}", "m", 8,
+                               [Phase(False, 4, 0.5, 0.1), Phase(True, 2, 0.5, 0.1)])
+        for m in (batch, stream):
+            _phase_ok(m)
+        info = urllib.request.urlopen(f"http://127.0.0.1:{fake.port}/get_model_info", timeout=5).read()
+        assert b'"model_path":"/models/m"' in info
+        assert urllib.request.urlopen(f"http://127.0.0.1:{fake.port}/health", timeout=5).status == 200
+    finally:
+        fake.stop()
+
+
+_SGLANG = Path(__file__).resolve().parent.parent / ".venv-sglang-router" / "bin" / "sglang-router"
+
+
+@pytest.mark.skipif(not _SGLANG.exists(), reason="sglang-router is not installed (bench/sglang_router/install.sh)")
+def test_gateway_bench_measures_sglang_router_side_by_side(checkpoint: Callable[[str], Path]) -> None:
+    report = run_gateway_bench(seconds=1.0, concurrency=8, processes=(1,), tokens=8, ttft_concurrency=(1,),
+                               model=checkpoint("llama"), sglang_router=str(_SGLANG))
+    peer = report["peer"]
+    _phase_ok(peer["throughput"])
+    _phase_ok(peer["direct"]["throughput"])
+    assert report["summary"]["peer"] == "sglang-router" and report["summary"]["ratio_best_router_to_peer"] > 0
+    assert report["summary"]["all_answers_ok"] is True

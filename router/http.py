@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
 import httptools
+import orjson
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ class _Connection(asyncio.Protocol):
         self._body_len = 0
         self._streaming = False  # the current request's StreamResponse has sent its head
         self._discarding = False  # refused: reading and dropping what the client still sends, then closing
+        self._deferred: tuple[int, str] | None = None  # a refusal to send once the requests before it are answered
         self._chunked_out = False
         self._stream_keep_alive = False
         self._head = b""  # a stream's head, not yet sent
@@ -142,7 +144,7 @@ class _Connection(asyncio.Protocol):
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client went away: its request is aborted on the workers
         if self._drain is not None and not self._drain.done():
-            self._drain.set_exception(ConnectionResetError("client disconnected"))
+            self._drain.set_result(None)  # the writer wakes and finds the connection closing
         self.queue.clear()
 
     def data_received(self, data: bytes) -> None:
@@ -152,13 +154,22 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._fail(400, "protocol upgrades are not supported")
+            self._refuse(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as e:  # httptools wraps what a callback raises (a _Refused) in one
             cause = e.__context__ if isinstance(e.__context__, _Refused) else None
             if cause is not None:
-                self._fail(cause.status, cause.message)
+                self._refuse(cause.status, cause.message)
             else:
-                self._fail(400, f"malformed HTTP request: {e}")
+                self._refuse(400, f"malformed HTTP request: {e}")
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer a request that cannot be parsed or taken, then close; after the answers to the requests before it
+        on this connection (pipelined), never in the middle of one."""
+        self._discarding = True
+        if self.task is None and not self.queue:
+            self._fail(status, message)
+        else:
+            self._deferred = (status, message)
 
     def pause_writing(self) -> None:
         if self._drain is None or self._drain.done():
@@ -253,6 +264,8 @@ class _Connection(asyncio.Protocol):
             self._close()
         finally:
             self.task = None
+        if self._deferred is not None and not self.closing:
+            self._fail(*self._deferred)
 
     def _send(self, resp: Response, req: Request) -> None:
         if self.transport is None or self.closing:
@@ -300,6 +313,8 @@ class _Connection(asyncio.Protocol):
         self.transport.write(data)
         if self._drain is not None and not self._drain.done():
             await self._drain  # the client reads slower than we write: wait for the buffer to empty
+            if self.closing:
+                raise ConnectionResetError("client disconnected")
 
     def send_stream_eof(self) -> None:
         if self.transport is not None and not self.closing:
@@ -315,8 +330,8 @@ class _Connection(asyncio.Protocol):
         t = self.transport
         if t is None or self.closing:
             return
-        body = (b'{"error":{"message":"' + message.replace('"', "'").encode() +
-                b'","type":"invalid_request_error","param":null,"code":null}}')
+        body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                       "code": None}})
         t.write(b"HTTP/1.1 %d %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
                 b"Connection: close\r\n\r\n%b" % (status, _REASONS.get(status, b""), len(body), body))
         self.closing = True

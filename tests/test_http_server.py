@@ -161,6 +161,17 @@ def test_oversized_and_malformed_requests_are_refused_and_the_connection_closed(
     assert not srv.app.seen
 
 
+def test_a_malformed_request_pipelined_behind_a_slow_one_is_refused_after_it(srv: Server) -> None:
+    """The slow request's answer comes first and whole; then the 400 for the garbage; then the connection closes."""
+    with srv.connect() as s:
+        s.sendall(b"GET /sleep?0.2 HTTP/1.1\r\nHost: x\r\n\r\n" + b"GARBAGE \x00\x01 NOT HTTP\r\n\r\n")
+        buf = bytearray()
+        assert read_response(s, buf)[:3:2] == (200, b"late")
+        status, headers, body = read_response(s, buf)
+        assert status == 400 and headers["connection"] == "close" and b"malformed" in body
+        assert s.recv(100) == b""
+
+
 def test_streams_are_chunked_and_keep_the_connection(srv: Server) -> None:
     with srv.connect() as s:
         buf = bytearray()

@@ -145,8 +145,8 @@ class WorkerSession:
         try:
             while (self._out_generate or self._out_abort) and call is self._call:
                 await call.write(self._next_message())
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
-            self._broken(call, grpc.StatusCode.UNAVAILABLE, f"session write failed: {e}")
+        except Exception as e:  # any failed write (RPC error, finished call, ...) leaves the stream unusable
+            self._broken(call, grpc.StatusCode.UNAVAILABLE, f"session write failed: {e!r}")
         finally:
             self._writing = False
             if (self._out_generate or self._out_abort) and self._call is not None and self._call is not call:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -168,18 +168,8 @@ class Dispatcher:
         exclude: set[str] = set()
         attempt = 0
         while True:
-            if generated:  # a migration: the prompt grows by what was generated, the budget shrinks by it
-                cont = pb.SamplingParams()
-                cont.CopyFrom(params)
-                cont.max_tokens = params.max_tokens - len(generated)
-                cont.min_tokens = max(0, params.min_tokens - len(generated))
-                full = prompt + generated
-            else:
-                cont, full = params, prompt
-            plan = self.plan(full, exclude)
-            if plan_out is not None:
-                plan_out.append(plan)
-            rid = f"{request_id}.{attempt}"
+            plan, rid, full, cont = self._next_attempt(request_id, attempt, prompt, params, generated, exclude,
+                                                       plan_out)
             if plan.mode == "colocated":
                 # On the worker's session; a request that stops early is aborted through it (WorkerSession).
                 session = plan.decode.session
@@ -202,27 +192,86 @@ class Dispatcher:
                     await source.aclose()
                 raise _WorkerFailed(plan.decode, "Decode", grpc.StatusCode.UNAVAILABLE, "stream ended early")
             except (_WorkerFailed, SessionError) as err:
-                e = (err if isinstance(err, _WorkerFailed)
-                     else _WorkerFailed(plan.decode, "Generate", err.code, err.details))
-                if e.code not in _RETRYABLE:
-                    raise DispatchError(400 if e.code == grpc.StatusCode.INVALID_ARGUMENT else 500,
-                                        e.details) from None
-                attempt += 1
-                exclude.add(e.worker.address)
-                if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                    self.pool.mark_down(e.worker)
-                if attempt >= self.config.max_attempts:
-                    raise DispatchError(503, f"request failed after {attempt} attempts: {e}",
-                                        retry_after=1.0) from None
-                if generated:
-                    self.stats.migrations += 1
-                    log.warning("migrating %s after %d tokens: %s", request_id, len(generated), e)
-                else:
-                    self.stats.retries += 1
-                    log.warning("retrying %s: %s", request_id, e)
-                await asyncio.sleep(self.config.backoff_s * (2 ** (attempt - 1)))
+                attempt = await self._after_failure(err, plan, request_id, attempt, exclude, generated)
             finally:
                 self._release(plan)
+
+    async def collect(self, request_id: str, prompt: list[int], params: pb.SamplingParams,
+                      sink: Callable[[pb.TokenChunk], bool], plan_out: list[Plan] | None = None,
+                      min_chunk_tokens: int = 0) -> None:
+        """``run`` for a caller that answers only at the end: each chunk goes to ``sink`` as it arrives (from the
+        session's reader, with no generator step per chunk and none per layer), which returns True once it needs
+        no more (a stop string matched: the rest is aborted). Same retries, migration and cancellation as ``run``:
+        ``sink`` sees every token once, in order, across attempts."""
+        generated: list[int] = []
+        exclude: set[str] = set()
+        attempt = 0
+
+        def take(chunk: pb.TokenChunk) -> bool:
+            generated.extend(chunk.token_ids)
+            return sink(chunk)
+
+        while True:
+            plan, rid, full, cont = self._next_attempt(request_id, attempt, prompt, params, generated, exclude,
+                                                       plan_out)
+            try:
+                if plan.mode == "colocated":
+                    session = plan.decode.session
+                    assert session is not None
+                    await session.collect(pb.GenerateRequest(request_id=rid, prompt_token_ids=full, params=cont,
+                                                             min_chunk_tokens=min_chunk_tokens),
+                                          self.config.rpc_timeout_s, take)
+                    return
+                async with contextlib.aclosing(self._disaggregated_run(plan, rid, full, cont,
+                                                                       min_chunk_tokens)) as chunks:
+                    async for chunk in chunks:
+                        if take(chunk) or chunk.finish_reason:
+                            return
+                raise _WorkerFailed(plan.decode, "Decode", grpc.StatusCode.UNAVAILABLE, "stream ended early")
+            except (_WorkerFailed, SessionError) as err:
+                attempt = await self._after_failure(err, plan, request_id, attempt, exclude, generated)
+            finally:
+                self._release(plan)
+
+    def _next_attempt(self, request_id: str, attempt: int, prompt: list[int], params: pb.SamplingParams,
+                      generated: list[int], exclude: set[str],
+                      plan_out: list[Plan] | None) -> tuple[Plan, str, list[int], pb.SamplingParams]:
+        """Plan attempt ``attempt``: after a migration the prompt grows by what was generated and the budget
+        shrinks by it."""
+        if generated:
+            cont = pb.SamplingParams()
+            cont.CopyFrom(params)
+            cont.max_tokens = params.max_tokens - len(generated)
+            cont.min_tokens = max(0, params.min_tokens - len(generated))
+            full = prompt + generated
+        else:
+            cont, full = params, prompt
+        plan = self.plan(full, exclude)
+        if plan_out is not None:
+            plan_out.append(plan)
+        return plan, f"{request_id}.{attempt}", full, cont
+
+    async def _after_failure(self, err: _WorkerFailed | SessionError, plan: Plan, request_id: str, attempt: int,
+                             exclude: set[str], generated: list[int]) -> int:
+        """A failed attempt: raise DispatchError if it cannot be retried or was the last; else exclude the worker,
+        back off and return the next attempt's number."""
+        e = err if isinstance(err, _WorkerFailed) else _WorkerFailed(plan.decode, "Generate", err.code, err.details)
+        if e.code not in _RETRYABLE:
+            raise DispatchError(400 if e.code == grpc.StatusCode.INVALID_ARGUMENT else 500, e.details) from None
+        attempt += 1
+        exclude.add(e.worker.address)
+        if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            self.pool.mark_down(e.worker)
+        if attempt >= self.config.max_attempts:
+            raise DispatchError(503, f"request failed after {attempt} attempts: {e}", retry_after=1.0) from None
+        if generated:
+            self.stats.migrations += 1
+            log.warning("migrating %s after %d tokens: %s", request_id, len(generated), e)
+        else:
+            self.stats.retries += 1
+            log.warning("retrying %s: %s", request_id, e)
+        await asyncio.sleep(self.config.backoff_s * (2 ** (attempt - 1)))
+        return attempt
 
     async def _disaggregated_run(self, plan: Plan, rid: str, prompt: list[int], params: pb.SamplingParams,
                                  min_chunk_tokens: int) -> AsyncGenerator[pb.TokenChunk, None]:

@@ -70,20 +70,11 @@ class Gateway:
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
         self.metrics = metrics
-        # Labelled children, looked up once per label set instead of per request (labels() locks and validates).
-        self._children: dict[tuple[Any, ...], Any] = {}
         self._routes: dict[tuple[str, str], Any] | None = None
         dispatcher.on_decision = self._count_decision
 
-    def _child(self, metric: Any, *labels: str) -> Any:
-        key = (metric, *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
-
     def _count_decision(self, plan: Plan) -> None:
-        self._child(self.metrics.decisions, plan.mode, plan.reason).inc()
+        self.metrics.decisions.labels(plan.mode, plan.reason).inc()
 
     @property
     def routes(self) -> dict[tuple[str, str], Any]:
@@ -109,7 +100,7 @@ class Gateway:
             return self._error(request, e, known=route is not None)
 
     def _error(self, request: Request, e: APIError, known: bool = True) -> Response:
-        self._child(self.metrics.requests, request.path if known else "other", str(e.status)).inc()
+        self.metrics.requests.labels(request.path if known else "other", str(e.status)).inc()
         headers = {"Retry-After": str(max(1, round(e.retry_after)))} if e.retry_after else None
         return _json(e.body(), status=e.status, headers=headers)
 
@@ -160,7 +151,7 @@ class Gateway:
         else:
             await asyncio.gather(*(self._collect(req, c, plans) for c in choices))
         self.metrics.e2e.observe(time.perf_counter() - t0)
-        self._child(self.metrics.requests, request.path, "200").inc()
+        self.metrics.requests.labels(request.path, "200").inc()
         headers = {"x-tandem-route": _route_header(plans)} if explain else None
         return _json(self._final_body(req, choices), headers=headers)
 
@@ -226,8 +217,19 @@ class Gateway:
             self.metrics.cached_tokens.inc(c.cached)
 
     async def _collect(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> None:
-        async for _ in self.choice_texts(req, c, plans):
-            pass
+        """Run one choice to its end for an answer sent whole: each chunk is absorbed as the session reads it."""
+        def sink(chunk: pb.TokenChunk) -> bool:
+            self._absorb(req, c, chunk)
+            return bool(c.finish_reason)
+
+        try:
+            await self.dispatcher.collect(f"{req.request_id}-{c.index}", req.prompt_token_ids,
+                                          self._params_for(req, c.index), sink, plans,
+                                          self.config.collect_chunk_tokens)
+        except DispatchError as e:
+            raise APIError(e.status, e.message, retry_after=e.retry_after) from None
+        finally:
+            self.metrics.cached_tokens.inc(c.cached)
 
     def _final_body(self, req: GenerationRequest, choices: list[Choice]) -> dict[str, Any]:
         completion = sum(len(c.token_ids) for c in choices)
@@ -270,7 +272,7 @@ class Gateway:
                             resp.headers["x-tandem-route"] = _route_header(plans)
                         await resp.prepare(request)
                         started = True
-                        self._child(self.metrics.ttft, plans[0].mode if plans else "unknown").observe(
+                        self.metrics.ttft.labels(plans[0].mode if plans else "unknown").observe(
                             time.perf_counter() - t0)
                         if req.chat:
                             for ch in choices:
@@ -299,7 +301,7 @@ class Gateway:
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             self.metrics.e2e.observe(time.perf_counter() - t0)
-            self._child(self.metrics.requests, request.path, "200").inc()
+            self.metrics.requests.labels(request.path, "200").inc()
             return resp
         finally:
             for t in tasks:

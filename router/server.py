@@ -103,7 +103,8 @@ async def build_router(cfg: RouterConfig) -> Router:
     prefill_sel = Selector(index, load, cost, cfg.block_size, extra, seed=cfg.seed)
     decode_sel = Selector(index, load, cost, cfg.block_size, extra, seed=cfg.seed + 1)
     dispatcher = Dispatcher(pool, prefill_sel, decode_sel, DisaggConfig(min_uncached_tokens=cfg.min_uncached_tokens))
-    metrics = RouterMetrics(pool)
+    stats = dispatcher.stats
+    metrics = RouterMetrics(pool, retries=lambda: stats.retries, migrations=lambda: stats.migrations)
     gateway = Gateway(GatewayConfig(cfg.served_model_name or model.name, max_len, vocab), tokenizer, dispatcher,
                       metrics)
     return Router(pool, index, dispatcher, gateway, bus)

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import grpc
@@ -45,20 +45,29 @@ class SessionError(Exception):
 
 
 class _Pending:
-    """One request's chunks as they arrive, and the future its consumer is parked on (if it is)."""
+    """One request's chunks as they arrive, and the future its consumer is parked on (if it is).
 
-    __slots__ = ("chunks", "deadline", "error", "waiter")
+    With a ``sink`` (``collect``), each chunk is handed to it as it is read instead of queued, and the waiter
+    is woken once, at the end."""
 
-    def __init__(self, deadline: float) -> None:
+    __slots__ = ("chunks", "deadline", "error", "sink", "waiter")
+
+    def __init__(self, deadline: float, sink: Callable[[pb.TokenChunk], bool] | None = None) -> None:
         self.chunks: deque[pb.TokenChunk] = deque()
-        self.error: SessionError | None = None
+        self.error: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.deadline = deadline  # loop.time() after which it fails with DEADLINE_EXCEEDED
+        self.sink = sink
 
     def wake(self) -> None:
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
+
+
+def _drop(chunk: pb.TokenChunk) -> bool:
+    """The sink of a request whose consumer is done: what still arrives before its abort lands is dropped."""
+    return True
 
 
 class WorkerSession:
@@ -81,19 +90,9 @@ class WorkerSession:
 
     async def generate(self, request: pb.GenerateRequest, timeout_s: float) -> AsyncGenerator[pb.TokenChunk, None]:
         """Yield ``request``'s chunks through the last (finish_reason set); raise SessionError on failure."""
-        if self._closed:
-            raise SessionError(grpc.StatusCode.UNAVAILABLE, f"session to {self.name} is closed")
-        rid = request.request_id
-        if rid in self._pending:
-            raise SessionError(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid} is already in flight")
         loop = asyncio.get_running_loop()
-        p = _Pending(loop.time() + timeout_s)
-        self._pending[rid] = p
-        self._ensure_open()
-        self._out_generate.append(request)
-        self._kick()
-        if self._sweeper is None:
-            self._sweeper = loop.call_later(_SWEEP_S, self._sweep)
+        rid = request.request_id
+        p = self._submit(loop, request, timeout_s, None)
         try:
             while True:
                 if p.chunks:
@@ -108,11 +107,46 @@ class WorkerSession:
                 await p.waiter
                 p.waiter = None
         finally:
-            if self._pending.get(rid) is p:  # given up before its end: stop it on the worker
-                del self._pending[rid]
-                if not self._closed and self._call is not None:
-                    self._out_abort.append(rid)
-                    self._kick()
+            self._give_up(rid, p)
+
+    async def collect(self, request: pb.GenerateRequest, timeout_s: float,
+                      sink: Callable[[pb.TokenChunk], bool]) -> None:
+        """Run ``request``, handing each chunk to ``sink`` as it arrives; return after the last one, or as soon as
+        ``sink`` returns True (the consumer has what it needs: the rest is aborted on the worker). Raise
+        SessionError on failure. One future per request instead of a generator step per chunk: the path of a
+        request answered only at its end."""
+        loop = asyncio.get_running_loop()
+        p = self._submit(loop, request, timeout_s, sink)
+        waiter = p.waiter = loop.create_future()
+        try:
+            await waiter
+            if p.error is not None:
+                raise p.error
+        finally:
+            self._give_up(request.request_id, p)
+
+    def _submit(self, loop: asyncio.AbstractEventLoop, request: pb.GenerateRequest, timeout_s: float,
+                sink: Callable[[pb.TokenChunk], bool] | None) -> _Pending:
+        if self._closed:
+            raise SessionError(grpc.StatusCode.UNAVAILABLE, f"session to {self.name} is closed")
+        rid = request.request_id
+        if rid in self._pending:
+            raise SessionError(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid} is already in flight")
+        p = _Pending(loop.time() + timeout_s, sink)
+        self._pending[rid] = p
+        self._ensure_open()
+        self._out_generate.append(request)
+        self._kick()
+        if self._sweeper is None:
+            self._sweeper = loop.call_later(_SWEEP_S, self._sweep)
+        return p
+
+    def _give_up(self, rid: str, p: _Pending) -> None:
+        if self._pending.get(rid) is p:  # given up before its end: stop it on the worker
+            del self._pending[rid]
+            if not self._closed and self._call is not None:
+                self._out_abort.append(rid)
+                self._kick()
 
     def _sweep(self) -> None:
         """Fail (and abort) requests past their deadline: one timer per session, not one per request."""
@@ -180,6 +214,18 @@ class WorkerSession:
                     if c.error_code:
                         del pending[c.request_id]
                         p.error = SessionError(_CODES.get(c.error_code, grpc.StatusCode.UNKNOWN), c.error)
+                    elif p.sink is not None:
+                        chunk = c.chunk
+                        try:
+                            done = p.sink(chunk)
+                        except Exception as e:  # the consumer's failure is its own, not the session's
+                            p.error, done = e, True
+                        if chunk.finish_reason:
+                            del pending[c.request_id]
+                        elif not done:
+                            continue  # more to come: the consumer sleeps on
+                        else:  # the consumer has all it needs: its _give_up aborts the rest on the worker
+                            p.sink = _drop
                     else:
                         p.chunks.append(c.chunk)
                         if c.chunk.finish_reason:

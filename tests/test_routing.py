@@ -187,6 +187,43 @@ def test_worker_killed_mid_stream_migrates_and_the_client_sees_an_exact_stream(
             w.stop()
 
 
+def test_worker_killed_mid_answer_migrates_a_non_streamed_request_exactly(
+        checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]]) -> None:
+    """The same for an answer sent whole (the gateway's collect path, chunks handed to it as they arrive): once
+    the router holds part of the answer, its decode worker is SIGKILLed; the request continues on the other
+    worker from the tokens already received, and the single answer is exactly transformers' greedy text."""
+    path = checkpoint("llama")
+    workers = [start_worker("decode", str(path), "tcp", [*FLAGS, "--worker-id", f"migc-{i}"]) for i in range(2)]
+    rt = RouterThread(RouterConfig(model=str(path), workers=tuple(w.address for w in workers)))
+    try:
+        prompt, n = [12, 13, 14], 400
+        ref = hf_greedy(path, prompt, n)
+        out: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: out.update(zip(("body", "route"),
+                                                           complete(rt.url, path.name, prompt, max_tokens=n),
+                                                           strict=True)))
+        t.start()
+        deadline = time.monotonic() + 60
+        while rt.call(lambda r: r.gateway.metrics.generation_tokens.value) == 0:  # part of the answer is in
+            assert time.monotonic() < deadline and t.is_alive(), "no tokens arrived"
+            time.sleep(0.002)
+        busy = rt.call(lambda r: [a for a, w in r.pool.workers.items() if w.session and w.session.in_flight])
+        assert len(busy) == 1
+        next(w for w in workers if w.address == busy[0]).kill()
+        t.join(120)
+        from engine.tokenizer import Tokenizer
+
+        body = out["body"]
+        assert body["choices"][0]["text"] == Tokenizer(path).decode(ref)
+        assert body["usage"]["completion_tokens"] == n and body["choices"][0]["finish_reason"] == "length"
+        assert rt.call(lambda r: (r.dispatcher.stats.migrations, r.dispatcher.stats.retries)) == (1, 0)
+        assert out["route"].count(" | ") == 1  # two plans: the first worker, then the other
+    finally:
+        rt.stop()
+        for w in workers:
+            w.stop()
+
+
 @pytest.fixture
 def redis_url(tmp_path: Path) -> Iterator[str]:
     exe = shutil.which("redis-server")

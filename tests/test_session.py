@@ -149,6 +149,66 @@ def test_given_up_requests_and_a_closed_session_free_every_block(worker: WorkerP
     _assert_all_free(worker.address)
 
 
+def test_collect_hands_every_chunk_to_its_sink_and_a_done_sink_aborts_the_rest(
+        worker: WorkerProcess, checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]]) -> None:
+    """``collect`` (the path of answers sent whole): the sink sees exactly the tokens ``generate`` yields, in
+    chunks paced as asked; a sink that returns True after its first chunk ends the request there and the rest is
+    aborted on the worker; a bad request raises its status; a sink that raises fails only its own request."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(2000) for _ in range(rng.randrange(1, 50))] for _ in range(6)]
+
+    async def run() -> tuple[list[list[pb.TokenChunk]], list[pb.TokenChunk], BaseException, BaseException, int]:
+        async with grpc.aio.insecure_channel(worker.address) as ch:
+            session = WorkerSession(pb_grpc.WorkerStub(ch), worker.address)
+            outs: list[list[pb.TokenChunk]] = [[] for _ in prompts]
+
+            def sink_for(i: int) -> Callable[[pb.TokenChunk], bool]:
+                def sink(c: pb.TokenChunk) -> bool:
+                    outs[i].append(c)
+                    return False
+                return sink
+
+            await asyncio.gather(*(session.collect(_greedy(f"c{i}", p, 10, min_chunk_tokens=4), 60.0, sink_for(i))
+                                   for i, p in enumerate(prompts)))
+            early: list[pb.TokenChunk] = []
+
+            def stop_at_first(c: pb.TokenChunk) -> bool:
+                early.append(c)
+                return True
+
+            await session.collect(_greedy("early", [9] * 30, 400), 60.0, stop_at_first)
+            with pytest.raises(SessionError) as bad:
+                await session.collect(_greedy("bad", [3, 10**6], 4), 60.0, stop_at_first)
+
+            def broken(c: pb.TokenChunk) -> bool:
+                raise RuntimeError("consumer bug")
+
+            with pytest.raises(RuntimeError) as raised:
+                await session.collect(_greedy("broken", [4] * 20, 300), 60.0, broken)
+            after: list[pb.TokenChunk] = []
+
+            def keep(c: pb.TokenChunk) -> bool:
+                after.append(c)
+                return False
+
+            await session.collect(_greedy("after", [5, 6], 3), 60.0, keep)
+            in_flight = session.in_flight
+            await session.close()
+            return outs, early + after, bad.value, raised.value, in_flight
+
+    outs, early_after, bad, raised, in_flight = asyncio.run(run())
+    path = checkpoint("llama")
+    for i, (prompt, chunks) in enumerate(zip(prompts, outs, strict=True)):
+        assert [t for c in chunks for t in c.token_ids] == hf_greedy(path, prompt, 10), f"prompt {i}"
+        assert chunks[-1].finish_reason == "length" and all(len(c.token_ids) >= 4 for c in chunks[:-1])
+    early, after = early_after[0], early_after[1:]
+    assert early.token_ids and not early.finish_reason  # stopped after one chunk of a 400-token request
+    assert sum(len(c.token_ids) for c in after) == 3 and after[-1].finish_reason == "length"
+    assert isinstance(bad, SessionError) and bad.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(raised) == "consumer bug" and in_flight == 0
+    _assert_all_free(worker.address)
+
+
 def test_prefill_worker_refuses_colocated_requests(checkpoint: Callable[[str], Path]) -> None:
     prefill = start_worker("prefill", str(checkpoint("llama")), "tcp", FLAGS)
     try:

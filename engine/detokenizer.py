@@ -50,8 +50,8 @@ class IncrementalDetokenizer:
 
     def _advance(self) -> None:
         """Decode the window; take its new text unless it ends inside a character (wait for the next token)."""
-        prefix = self.tokenizer.decode(self._ids(self.tokens[self.prefix_offset : self.read_offset]),
-                                       skip_special_tokens=False)
+        window = self.tokens[self.prefix_offset : self.read_offset]
+        prefix = self.tokenizer.decode(self._ids(window), skip_special_tokens=False) if window else ""
         full = self.tokenizer.decode(self._ids(self.tokens[self.prefix_offset :]), skip_special_tokens=False)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.text += full[len(prefix) :]

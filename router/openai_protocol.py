@@ -54,10 +54,23 @@ class GenerationRequest:
 _NUMBER = (int, float)  # a tuple: ``int | float`` would build a union object on every call
 
 
+# OpenAI's sampling fields (and vLLM's extensions) that map one to one onto SamplingParams: range and integer-ness.
+_SAMPLING_RANGES: dict[str, tuple[float, float, bool]] = {
+    "temperature": (0.0, 2.0, False), "top_p": (1e-9, 1.0, False), "top_k": (-1, 1 << 20, True),
+    "min_p": (0.0, 1.0, False), "repetition_penalty": (1e-3, 10.0, False),
+    "presence_penalty": (-2.0, 2.0, False), "frequency_penalty": (-2.0, 2.0, False)}
+# Their values when absent (or null) that differ from the proto's zero.
+_SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+
+
 def _num(body: dict[str, Any], name: str, default: float, lo: float, hi: float, integer: bool = False) -> Any:
     v = body.get(name)
     if v is None:  # absent or null: the default (most fields of most requests)
         return default
+    return _checked(name, v, lo, hi, integer)
+
+
+def _checked(name: str, v: Any, lo: float, hi: float, integer: bool) -> Any:
     if isinstance(v, bool) or not isinstance(v, _NUMBER) or (integer and not isinstance(v, int)):
         raise APIError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {v!r}", name)
     if not lo <= v <= hi:
@@ -102,21 +115,23 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                        f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for "
                        "the completion).", "max_tokens", code="context_length_exceeded")
-    params = pb.SamplingParams(
-        max_tokens=max_tokens,
-        temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_num(body, "top_p", 1.0, 1e-9, 1.0),
-        top_k=_num(body, "top_k", 0, -1, 1 << 20, integer=True),
-        min_p=_num(body, "min_p", 0.0, 0.0, 1.0),
-        repetition_penalty=_num(body, "repetition_penalty", 1.0, 1e-3, 10.0),
-        presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        stop=_stops(body),
-        ignore_eos=bool(body.get("ignore_eos", False)),
-        min_tokens=_num(body, "min_tokens", 0, 0, max_tokens, integer=True),
-    )
-    if params.top_k < 0:
-        params.top_k = 0
+    # Sampling fields: only those present are checked (most requests carry one or two of them).
+    fields: dict[str, Any] = {"max_tokens": max_tokens, **_SAMPLING_DEFAULTS}
+    for name, v in body.items():
+        spec = _SAMPLING_RANGES.get(name)
+        if spec is not None and v is not None:
+            fields[name] = _checked(name, v, *spec)
+    if fields["top_k"] < 0:
+        fields["top_k"] = 0
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None:
+        fields["min_tokens"] = _checked("min_tokens", min_tokens, 0, max_tokens, True)
+    stop = _stops(body)
+    if stop:
+        fields["stop"] = stop
+    if body.get("ignore_eos"):
+        fields["ignore_eos"] = True
+    params = pb.SamplingParams(**fields)
     if body.get("seed") is not None:
         params.seed = _num(body, "seed", 0, -(1 << 63), (1 << 63) - 1, integer=True)
     for name in ("stop_token_ids",):

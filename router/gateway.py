@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,10 +23,11 @@ import orjson
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 from proto.tandem.v1 import worker_pb2 as pb
-from router.dispatch import Dispatcher, DispatchError, Plan
+from router.dispatch import Attempts, Dispatcher, DispatchError, Plan
 from router.http import Request, Response, StreamResponse
 from router.metrics import RouterMetrics
 from router.openai_protocol import APIError, GenerationRequest, parse_request, usage
+from router.session import SessionError
 
 log = logging.getLogger(__name__)
 MAX_BODY = 8 << 20
@@ -130,30 +131,131 @@ class Gateway:
     # ---- the work ------------------------------------------------------------------------------------------
 
     async def _serve(self, request: Request, chat: bool) -> Response | StreamResponse:
-        t0 = time.perf_counter()
-        try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError:
-            raise APIError(400, "request body is not valid JSON") from None
-        cfg = self.config
-        req = parse_request(body, chat, self.tokenizer, cfg.model_name, cfg.max_model_len, cfg.vocab_size)
-        self.admit()
-        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids) * req.n)
-        choices = [Choice(i, IncrementalDetokenizer(self.tokenizer, tuple(req.params.stop),
-                                                    req.params.include_stop_str_in_output))
-                   for i in range(req.n)]
+        if request.state is not None:  # parsed and admitted by the express lane, which handed it over
+            req, t0 = request.state
+        else:
+            t0 = time.perf_counter()
+            req = self._parse(request, chat)
+            self.admit()
+            self.metrics.prompt_tokens.inc(len(req.prompt_token_ids) * req.n)
+        choices = [self._choice(req, i) for i in range(req.n)]
         plans: list[Plan] = []
-        explain = request.headers.get("x-tandem-explain") == "1"
         if req.stream:
-            return await self._stream(request, req, choices, plans, explain, t0)
+            return await self._stream(request, req, choices, plans,
+                                      request.headers.get("x-tandem-explain") == "1", t0)
         if len(choices) == 1:
             await self._collect(req, choices[0], plans)  # no task to fan out to
         else:
             await asyncio.gather(*(self._collect(req, c, plans) for c in choices))
+        return self._answer(request, req, choices, plans, t0)
+
+    def _parse(self, request: Request, chat: bool) -> GenerationRequest:
+        try:
+            body = orjson.loads(request.body)
+        except orjson.JSONDecodeError:
+            raise APIError(400, "request body is not valid JSON") from None
+        cfg = self.config
+        return parse_request(body, chat, self.tokenizer, cfg.model_name, cfg.max_model_len, cfg.vocab_size)
+
+    def _choice(self, req: GenerationRequest, index: int) -> Choice:
+        return Choice(index, IncrementalDetokenizer(self.tokenizer, tuple(req.params.stop),
+                                                    req.params.include_stop_str_in_output))
+
+    def _answer(self, request: Request, req: GenerationRequest, choices: list[Choice], plans: list[Plan],
+                t0: float) -> Response:
+        """The whole answer of a request whose choices are all done."""
         self.metrics.e2e.observe(time.perf_counter() - t0)
         self.metrics.requests.labels(request.path, "200").inc()
-        headers = {"x-tandem-route": _route_header(plans)} if explain else None
+        headers = ({"x-tandem-route": _route_header(plans)} if request.headers.get("x-tandem-explain") == "1"
+                   else None)
         return _json(self._final_body(req, choices), headers=headers)
+
+    # ---- the express lane (router/http.py) -----------------------------------------------------------------
+
+    def express(self, batch: list[Request]) -> None:
+        """Start a loop iteration's new requests with no task each: a non-streamed single choice that plans
+        colocated is sent on its worker's session from here and answered from the session's completion
+        callback; a failed attempt continues in a task with the same retries and migration as the coroutine
+        path (``Dispatcher.recover``, then ``collect``); a disaggregated plan runs in a task from the start;
+        streams, ``n`` > 1 and every other endpoint go to ``handle``, already parsed where they were."""
+        for request in batch:
+            try:
+                self._express_one(request)
+            except APIError as e:
+                request.answer(self._error(request, e))
+            except DispatchError as e:
+                request.answer(self._error(request, APIError(e.status, e.message, retry_after=e.retry_after)))
+
+    def _express_one(self, request: Request) -> None:
+        path = request.path
+        if request.method != "POST" or (path != "/v1/completions" and path != "/v1/chat/completions"):
+            request.fallback()
+            return
+        t0 = time.perf_counter()
+        req = self._parse(request, path == "/v1/chat/completions")
+        self.admit()
+        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids) * req.n)
+        if req.stream or req.n != 1:
+            request.state = (req, t0)
+            request.fallback()
+            return
+        c = self._choice(req, 0)
+        plans: list[Plan] = []
+        d = self.dispatcher
+        plan = d.first_plan(req.prompt_token_ids, plans)
+        base = f"{req.request_id}-0"
+        if plan.mode != "colocated" or plan.decode.session is None:
+            request.continue_in(self._express_rest(request, req, c, plans, t0, Attempts(plan=plan)))
+            return
+        generated: list[int] = []
+        absorb = self._sink(req, c)
+
+        def sink(chunk: pb.TokenChunk) -> bool:
+            generated.extend(chunk.token_ids)
+            return absorb(chunk)
+
+        def done(err: BaseException | None) -> None:
+            request.on_cancel = None
+            if err is None:
+                d.release(plan)
+                self.metrics.cached_tokens.inc(c.cached)
+                request.answer(self._answer(request, req, [c], plans, t0))
+            else:
+                request.continue_in(self._express_rest(request, req, c, plans, t0, Attempts(generated), (plan, err)))
+
+        try:
+            cancel = plan.decode.session.submit(
+                pb.GenerateRequest(request_id=f"{base}.0", prompt_token_ids=req.prompt_token_ids, params=req.params,
+                                   min_chunk_tokens=self.config.collect_chunk_tokens),
+                d.config.rpc_timeout_s, sink, done)
+        except SessionError as e:
+            done(e)
+            return
+
+        def on_cancel() -> None:  # the client went away
+            cancel()
+            d.release(plan)
+            self.metrics.cached_tokens.inc(c.cached)
+
+        request.on_cancel = on_cancel
+
+    async def _express_rest(self, request: Request, req: GenerationRequest, c: Choice, plans: list[Plan],
+                            t0: float, state: Attempts,
+                            failed: tuple[Plan, BaseException] | None = None) -> Response:
+        """The rest of an express request, in a task: recover from its failed first attempt (if it failed), then
+        continue it as ``_collect`` would."""
+        base = f"{req.request_id}-0"
+        d = self.dispatcher
+        try:
+            if failed is not None:
+                await d.recover(failed[1], failed[0], base, state)
+            await d.collect(base, req.prompt_token_ids, req.params, self._sink(req, c), plans,
+                            self.config.collect_chunk_tokens, attempts=state)
+        except DispatchError as e:
+            return self._error(request, APIError(e.status, e.message, retry_after=e.retry_after))
+        finally:
+            self.metrics.cached_tokens.inc(c.cached)
+        return self._answer(request, req, [c], plans, t0)
 
     def admit(self) -> None:
         pool = self.dispatcher.pool
@@ -216,15 +318,19 @@ class Gateway:
             await run.aclose()
             self.metrics.cached_tokens.inc(c.cached)
 
-    async def _collect(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> None:
-        """Run one choice to its end for an answer sent whole: each chunk is absorbed as the session reads it."""
+    def _sink(self, req: GenerationRequest, c: Choice) -> Callable[[pb.TokenChunk], bool]:
+        """A collect sink for choice ``c``: absorb each chunk; True once the choice is done."""
         def sink(chunk: pb.TokenChunk) -> bool:
             self._absorb(req, c, chunk)
             return bool(c.finish_reason)
 
+        return sink
+
+    async def _collect(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> None:
+        """Run one choice to its end for an answer sent whole: each chunk is absorbed as the session reads it."""
         try:
             await self.dispatcher.collect(f"{req.request_id}-{c.index}", req.prompt_token_ids,
-                                          self._params_for(req, c.index), sink, plans,
+                                          self._params_for(req, c.index), self._sink(req, c), plans,
                                           self.config.collect_chunk_tokens)
         except DispatchError as e:
             raise APIError(e.status, e.message, retry_after=e.retry_after) from None

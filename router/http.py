@@ -14,6 +14,13 @@ multidicts and writer); this server does what the OpenAI gateway needs in a frac
 
 The handler is one coroutine ``handle(request) -> Response | StreamResponse``; a ``StreamResponse`` is written to
 the connection by the handler itself (``prepare``, ``write``, ``write_eof``), as in aiohttp.
+
+**Express lane.** A server may also have an ``express`` callable, which takes the requests that arrived in one
+event-loop iteration, each the only request of its connection in progress, as one batch, with no task per request.
+For each it either answers later from a callback (``Request.answer``), or continues it in a task of its own
+(``Request.continue_in``), or hands it back to the coroutine handler (``Request.fallback``). A request that is
+pipelined behind another goes the coroutine way. A client that disconnects while its express request is in
+progress gets its ``on_cancel`` called (or its task cancelled), as a handler task would be.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ import logging
 import socket
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from http import HTTPStatus
+from typing import Any
 
 import httptools
 import orjson
@@ -34,11 +42,13 @@ log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 << 10
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+_INTERNAL = b'{"error":{"message":"internal error","type":"server_error","param":null,"code":null}}'
 _LINGER_S = 2.0
 
 
 class Request:
-    __slots__ = ("body", "conn", "headers", "http_version", "keep_alive", "method", "path", "query")
+    __slots__ = ("body", "conn", "headers", "http_version", "keep_alive", "method", "on_cancel", "path", "query",
+                 "state")
 
     def __init__(self, method: str, path: str, query: str, headers: dict[str, str], body: bytes,
                  http_version: str, keep_alive: bool, conn: _Connection | None = None) -> None:
@@ -50,9 +60,34 @@ class Request:
         self.body = body
         self.http_version = http_version
         self.keep_alive = keep_alive
+        self.state: Any = None  # what an express handler learnt of the request before handing it back
+        self.on_cancel: Callable[[], None] | None = None  # an express request's abort, if the client goes away
 
     async def read(self) -> bytes:
         return self.body
+
+    # ---- the express lane's side (see the module docstring) ---------------------------------------------------
+
+    def answer(self, resp: Response) -> None:
+        """Send the whole answer of an express request (a no-op if its client has gone)."""
+        conn = self.conn
+        if conn is not None:
+            conn.express_done(self, resp)
+
+    def fallback(self) -> None:
+        """Hand an express request to the coroutine handler instead."""
+        conn = self.conn
+        if conn is not None:
+            conn.express_fallback(self)
+
+    def continue_in(self, coro: Coroutine[Any, Any, Response]) -> None:
+        """Finish an express request in a task running ``coro`` (cancelled if the client goes away), which
+        returns the answer."""
+        conn = self.conn
+        if conn is None:
+            coro.close()
+            return
+        conn.express_continue(self, coro)
 
 
 class Response:
@@ -102,6 +137,7 @@ class StreamResponse:
 
 
 Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
+Express = Callable[[list[Request]], None]
 
 
 class _Connection(asyncio.Protocol):
@@ -111,6 +147,8 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.queue: deque[Request] = deque()
         self.task: asyncio.Task[None] | None = None
+        self.express: Request | None = None  # this connection's express request in progress
+        self.express_task: asyncio.Task[None] | None = None  # ... when it continues in a task
         self.closing = False
         self.last_s = time.monotonic()
         self._drain: asyncio.Future[None] | None = None
@@ -143,6 +181,17 @@ class _Connection(asyncio.Protocol):
         self.server.connections.discard(self)
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client went away: its request is aborted on the workers
+        req = self.express
+        if req is not None:
+            self.express = None
+            req.conn = None
+            if self.express_task is not None:
+                self.express_task.cancel()
+            elif req.on_cancel is not None:
+                try:
+                    req.on_cancel()
+                except Exception:
+                    log.exception("cancelling an express request failed")
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)  # the writer wakes and finds the connection closing
         self.queue.clear()
@@ -166,7 +215,7 @@ class _Connection(asyncio.Protocol):
         """Answer a request that cannot be parsed or taken, then close; after the answers to the requests before it
         on this connection (pipelined), never in the middle of one."""
         self._discarding = True
-        if self.task is None and not self.queue:
+        if self.busy is False:
             self._fail(status, message)
         else:
             self._deferred = (status, message)
@@ -220,12 +269,71 @@ class _Connection(asyncio.Protocol):
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         req = Request(p.get_method().decode("latin-1"), path, query, self._headers, body, p.get_http_version(),
                       p.should_keep_alive(), self)
+        server = self.server
+        if server.express is not None and self.busy is False:
+            self.express = req
+            server.enqueue_express(req)
+            return
         self.queue.append(req)
         if len(self.queue) > 16 and not self._paused_reading and self.transport is not None:
             self._paused_reading = True  # a client pipelining far ahead: stop reading until we catch up
             self.transport.pause_reading()
-        if self.task is None:
+        if self.task is None and self.express is None:
             self.task = asyncio.get_running_loop().create_task(self._serve())
+
+    @property
+    def busy(self) -> bool:
+        """A request of this connection is in progress or queued."""
+        return self.task is not None or self.express is not None or bool(self.queue)
+
+    # ---- the express lane ------------------------------------------------------------------------------------
+
+    def express_done(self, req: Request, resp: Response) -> None:
+        if self.express is not req:
+            return
+        self.express = None
+        self.express_task = None
+        req.conn = None
+        self._send(resp, req)
+        if not req.keep_alive:
+            self._close()
+            return
+        self.last_s = time.monotonic()
+        self._next()
+
+    def express_fallback(self, req: Request) -> None:
+        if self.express is not req:
+            return
+        self.express = None
+        self.queue.appendleft(req)
+        self._next()
+
+    def express_continue(self, req: Request, coro: Coroutine[Any, Any, Response]) -> None:
+        if self.express is not req or self.express_task is not None:
+            coro.close()
+            return
+
+        async def run() -> None:
+            try:
+                resp = await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("express request %s %s failed", req.method, req.path)
+                resp = Response(_INTERNAL, status=500)
+            self.express_done(req, resp)
+
+        self.express_task = asyncio.get_running_loop().create_task(run())
+
+    def _next(self) -> None:
+        """After an express request: serve what was pipelined behind it, or send a deferred refusal."""
+        if self.closing:
+            return
+        if self.queue:
+            if self.task is None:
+                self.task = asyncio.get_running_loop().create_task(self._serve())
+        elif self._deferred is not None and self.task is None:
+            self._fail(*self._deferred)
 
     # ---- serving ---------------------------------------------------------------------------------------------
 
@@ -246,8 +354,7 @@ class _Connection(asyncio.Protocol):
                     if self._streaming:  # a response is half sent: only closing the connection tells the client
                         self._close()
                         return
-                    resp = Response(b'{"error":{"message":"internal error","type":"server_error","param":null,'
-                                    b'"code":null}}', status=500)
+                    resp = Response(_INTERNAL, status=500)
                 req.conn = None
                 if isinstance(resp, Response):
                     self._send(resp, req)
@@ -355,8 +462,10 @@ class _Refused(Exception):
 
 class HTTPServer:
     def __init__(self, handler: Handler, max_body: int = 8 << 20, keepalive_s: float = 75.0,
-                 sweep_s: float = 5.0) -> None:
+                 sweep_s: float = 5.0, express: Express | None = None) -> None:
         self.handler = handler
+        self.express = express
+        self._express_batch: list[Request] = []
         self.max_body = max_body
         self.keepalive_s = keepalive_s
         self.sweep_s = sweep_s  # how often idle connections are looked for
@@ -373,12 +482,28 @@ class HTTPServer:
         port_bound: int = self._server.sockets[0].getsockname()[1]
         return port_bound
 
+    def enqueue_express(self, req: Request) -> None:
+        """Add ``req`` to this loop iteration's express batch (run once the iteration's reads are all in)."""
+        if not self._express_batch:
+            asyncio.get_running_loop().call_soon(self._run_express)
+        self._express_batch.append(req)
+
+    def _run_express(self) -> None:
+        batch, self._express_batch = self._express_batch, []
+        assert self.express is not None
+        try:
+            self.express(batch)
+        except Exception:
+            log.exception("express handler failed on a batch of %d", len(batch))
+            for req in batch:
+                req.answer(Response(_INTERNAL, status=500))
+
     async def _sweep(self) -> None:
         """Close keep-alive connections idle for longer than ``keepalive_s`` (none with a request in progress)."""
         while True:
             await asyncio.sleep(self.sweep_s)
             cutoff = time.monotonic() - self.keepalive_s
-            for c in [c for c in self.connections if c.task is None and c.last_s < cutoff]:
+            for c in [c for c in self.connections if not c.busy and c.last_s < cutoff]:
                 c._close()
 
     async def stop(self, grace_s: float = 2.0) -> None:
@@ -388,7 +513,8 @@ class HTTPServer:
         if self._server is not None:
             self._server.close()
         deadline = time.monotonic() + grace_s
-        while any(c.task is not None for c in self.connections) and time.monotonic() < deadline:
+        while any(c.task is not None or c.express is not None for c in self.connections) \
+                and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for c in list(self.connections):
             c._close()

@@ -55,7 +55,7 @@ class Router:
     async def serve_http(self, host: str, port: int, reuse_port: bool = False) -> int:
         """Serve the OpenAI gateway on ``host:port`` (0: a free port; ``reuse_port``: share it with other router
         processes through SO_REUSEPORT); return the bound port."""
-        self.http = HTTPServer(self.gateway.handle, max_body=MAX_BODY)
+        self.http = HTTPServer(self.gateway.handle, max_body=MAX_BODY, express=self.gateway.express)
         return await self.http.start(host, port, reuse_port=reuse_port)
 
     async def close(self) -> None:

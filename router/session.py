@@ -47,10 +47,10 @@ class SessionError(Exception):
 class _Pending:
     """One request's chunks as they arrive, and the future its consumer is parked on (if it is).
 
-    With a ``sink`` (``collect``), each chunk is handed to it as it is read instead of queued, and the waiter
-    is woken once, at the end."""
+    With a ``sink`` (``collect``, ``submit``), each chunk is handed to it as it is read instead of queued, and
+    the waiter is woken (or ``on_done`` called) once, at the end."""
 
-    __slots__ = ("chunks", "deadline", "error", "sink", "waiter")
+    __slots__ = ("chunks", "deadline", "error", "on_done", "sink", "waiter")
 
     def __init__(self, deadline: float, sink: Callable[[pb.TokenChunk], bool] | None = None) -> None:
         self.chunks: deque[pb.TokenChunk] = deque()
@@ -58,16 +58,19 @@ class _Pending:
         self.waiter: asyncio.Future[None] | None = None
         self.deadline = deadline  # loop.time() after which it fails with DEADLINE_EXCEEDED
         self.sink = sink
+        self.on_done: Callable[[BaseException | None], None] | None = None
 
     def wake(self) -> None:
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
-
-
-def _drop(chunk: pb.TokenChunk) -> bool:
-    """The sink of a request whose consumer is done: what still arrives before its abort lands is dropped."""
-    return True
+        done = self.on_done
+        if done is not None:
+            self.on_done = None
+            try:
+                done(self.error)
+            except Exception:
+                log.exception("a session request's completion callback failed")
 
 
 class WorkerSession:
@@ -124,6 +127,22 @@ class WorkerSession:
                 raise p.error
         finally:
             self._give_up(request.request_id, p)
+
+    def submit(self, request: pb.GenerateRequest, timeout_s: float, sink: Callable[[pb.TokenChunk], bool],
+               on_done: Callable[[BaseException | None], None]) -> Callable[[], None]:
+        """``collect`` as callbacks, with no task or future: ``on_done(None)`` after the last chunk (or once
+        ``sink`` returned True), ``on_done(error)`` on failure, called once either way. Returns a function that
+        gives the request up (aborted on the worker; ``on_done`` is then never called). Raises SessionError if
+        it cannot be sent at all."""
+        p = self._submit(asyncio.get_running_loop(), request, timeout_s, sink)
+        p.on_done = on_done
+        rid = request.request_id
+
+        def cancel() -> None:
+            p.on_done = None
+            self._give_up(rid, p)
+
+        return cancel
 
     def _submit(self, loop: asyncio.AbstractEventLoop, request: pb.GenerateRequest, timeout_s: float,
                 sink: Callable[[pb.TokenChunk], bool] | None) -> _Pending:
@@ -220,12 +239,12 @@ class WorkerSession:
                             done = p.sink(chunk)
                         except Exception as e:  # the consumer's failure is its own, not the session's
                             p.error, done = e, True
-                        if chunk.finish_reason:
-                            del pending[c.request_id]
-                        elif not done:
+                        if not done and not chunk.finish_reason:
                             continue  # more to come: the consumer sleeps on
-                        else:  # the consumer has all it needs: its _give_up aborts the rest on the worker
-                            p.sink = _drop
+                        del pending[c.request_id]
+                        if not chunk.finish_reason and not self._closed:  # the consumer is done: stop the rest
+                            self._out_abort.append(c.request_id)
+                            self._kick()
                     else:
                         p.chunks.append(c.chunk)
                         if c.chunk.finish_reason:

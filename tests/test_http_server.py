@@ -236,3 +236,102 @@ def test_stop_lets_a_request_in_progress_finish() -> None:
         assert read_response(s, bytearray())[2] == b"late"
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", srv.port), timeout=1).close()
+
+
+class ExpressApp:
+    """An express lane: /x-now answers at once, /x-later from a timer, /x-task in a task, /x-hold never (it records
+    its cancellation); everything else is handed back to the coroutine handler (App.handle)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.cancelled = threading.Event()
+        self.task_cancelled = threading.Event()
+
+    def express(self, batch: list[Request]) -> None:
+        self.batches.append([r.path for r in batch])
+        loop = asyncio.get_running_loop()
+        for req in batch:
+            if req.path == "/x-now":
+                req.answer(Response(b"now:" + req.body))
+            elif req.path == "/x-later":
+                loop.call_later(0.05, req.answer, Response(b"later:" + req.body))
+            elif req.path == "/x-task":
+                req.continue_in(self._task(req))
+            elif req.path == "/x-hold":
+                req.on_cancel = self.cancelled.set
+            else:
+                req.state = "seen by express"
+                req.fallback()
+
+    async def _task(self, req: Request) -> Response:
+        try:
+            await asyncio.sleep(float(req.query or "0.05"))
+        except asyncio.CancelledError:
+            self.task_cancelled.set()
+            raise
+        return Response(b"task:" + req.body)
+
+
+@pytest.fixture()
+def xsrv() -> Iterator[tuple[Server, ExpressApp]]:
+    app = ExpressApp()
+    s = Server(max_body=1024, express=app.express)
+    yield s, app
+    s.stop()
+
+
+def test_express_requests_are_answered_from_callbacks_and_tasks_in_connection_order(
+        xsrv: tuple[Server, ExpressApp]) -> None:
+    """A connection's first request takes the express lane; requests pipelined behind it wait for its answer and
+    then go the coroutine way, in order; a request handed back reaches the handler with what express saw."""
+    srv, app = xsrv
+    with srv.connect() as s:
+        buf = bytearray()
+        s.sendall(post("/x-later", b"1") + post("/x-now", b"2") + post("/echo", b"3"))
+        assert [read_response(s, buf)[2] for _ in range(3)] == [b"later:1", b"no", b"3"]
+        s.sendall(post("/x-task", b"4"))
+        assert read_response(s, buf)[2] == b"task:4"
+        s.sendall(post("/echo", b"5"))
+        assert read_response(s, buf)[2] == b"5"
+        s.sendall(post("/x-now", b"6", extra="Connection: close\r\n"))
+        status, headers, body = read_response(s, buf)
+        assert (status, body, headers.get("content-length")) == (200, b"now:6", "5")
+        assert s.recv(10) == b""  # closed after the answer, as asked
+    # /x-now pipelined behind /x-later went to the coroutine handler (App.handle answers it 404 "no").
+    assert [p for b in app.batches for p in b] == ["/x-later", "/x-task", "/echo", "/x-now"]
+    assert [p for _, p, _ in srv.app.seen] == ["/x-now", "/echo", "/echo"]
+
+
+def test_a_batch_holds_every_connection_that_sent_in_one_loop_iteration(xsrv: tuple[Server, ExpressApp]) -> None:
+    srv, app = xsrv
+    socks = [srv.connect() for _ in range(6)]
+    try:
+        srv.loop.call_soon_threadsafe(time.sleep, 0.2)  # the loop is busy while all six requests arrive
+        for i, s in enumerate(socks):
+            s.sendall(post("/x-now", str(i).encode()))
+        bufs = [bytearray() for _ in socks]
+        assert [read_response(s, b)[2] for s, b in zip(socks, bufs, strict=True)] == [
+            f"now:{i}".encode() for i in range(6)]
+        assert max(len(b) for b in app.batches) == 6
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_a_client_gone_cancels_its_express_request_and_a_refusal_waits_for_the_answer(
+        xsrv: tuple[Server, ExpressApp]) -> None:
+    srv, app = xsrv
+    with srv.connect() as s:
+        s.sendall(post("/x-hold", b""))
+        time.sleep(0.1)
+    assert app.cancelled.wait(5), "on_cancel was not called"
+    with srv.connect() as s:
+        s.sendall(post("/x-task?5", b""))
+        time.sleep(0.1)
+    assert app.task_cancelled.wait(5), "the express task was not cancelled"
+    with srv.connect() as s:
+        buf = bytearray()
+        s.sendall(post("/x-later", b"a") + b"BAD REQUEST LINE\r\n\r\n")
+        assert read_response(s, buf)[:1] == (200,) and buf == bytearray()
+        status, _, body = read_response(s, buf)
+        assert status == 400 and b"malformed" in body

@@ -359,6 +359,27 @@ def test_client_that_goes_away_mid_stream_is_aborted_on_its_worker(router: Route
         asyncio.run_coroutine_threadsafe(server.stop(1.0), router.loop).result(30)
 
 
+def test_client_that_goes_away_before_a_whole_answer_is_aborted_on_its_worker(
+        router: RouterThread, two_workers: list[WorkerProcess], checkpoint: Callable[[str], Path]) -> None:
+    """The same for a non-streamed request (the gateway's express lane: no handler task to cancel, the session
+    request is given up from the connection's ``on_cancel``): the worker stops it and frees its blocks."""
+    model = checkpoint("llama").name
+    assert all(ld.running == 0 for ld in _wait_idle(two_workers, 30))
+    body = json.dumps({"model": model, "prompt": list(range(90, 110)), "max_tokens": 4000, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", router.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        deadline = time.monotonic() + 10
+        while sum(ld.running for ld in _wait_idle(two_workers, 0)) != 1:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.01)
+    loads = _wait_idle(two_workers, 3.0)
+    assert all(ld.running == 0 and ld.used_blocks == 0 for ld in loads), loads
+    assert router.call(lambda r: sum(cast(Selector, s).booked() for s in (r.dispatcher.decode_selector,
+                                                                          r.dispatcher.prefill_selector))) == 0
+
+
 def test_overload_and_no_worker_get_429_and_503_with_retry_after(router: RouterThread,
                                                                  checkpoint: Callable[[str], Path]) -> None:
     """A queue past the admission limit is 429 and a router with no live decode worker is 503, both OpenAI-style

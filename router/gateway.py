@@ -6,6 +6,13 @@ detokenizer per choice over the token ids the workers stream (stop strings inclu
 another worker pair mid-way continues byte for byte. A client that disconnects cancels its handler, which aborts
 the request on every worker it reached. ``x-tandem-explain: 1`` on a request returns the routing decision and its
 cost breakdown in the ``x-tandem-route`` response header.
+
+Two paths serve a request. The coroutine path (``handle``) runs a handler task per request and serves everything.
+The express lane (``express``, called by the HTTP server with a loop iteration's new requests) starts a non-streamed
+single choice with no task, future or generator at all: parsed, planned and written to its worker's session from
+the server's callback, absorbed chunk by chunk from the session's reader, answered from the session's completion
+callback. Anything it does not finish that way (a failed attempt, a disaggregated plan) continues in a task on the
+same dispatcher code, and anything else (streams, ``n`` > 1, other endpoints) goes to ``handle`` already parsed.
 """
 
 from __future__ import annotations
@@ -71,23 +78,18 @@ class Gateway:
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
         self.metrics = metrics
-        self._routes: dict[tuple[str, str], Any] | None = None
+        self.routes: dict[tuple[str, str], Any] = {
+            ("POST", "/v1/completions"): self.completions, ("POST", "/v1/chat/completions"): self.chat_completions,
+            ("GET", "/v1/models"): self.models, ("GET", "/health"): self.health,
+            ("GET", "/metrics"): self.render_metrics}
         dispatcher.on_decision = self._count_decision
 
     def _count_decision(self, plan: Plan) -> None:
         self.metrics.decisions.labels(plan.mode, plan.reason).inc()
 
-    @property
-    def routes(self) -> dict[tuple[str, str], Any]:
-        return {("POST", "/v1/completions"): self.completions, ("POST", "/v1/chat/completions"): self.chat_completions,
-                ("GET", "/v1/models"): self.models, ("GET", "/health"): self.health,
-                ("GET", "/metrics"): self.render_metrics}
-
     async def handle(self, request: Request) -> Response | StreamResponse:
         """The HTTP server's handler (router/http.py): route, run, and answer errors OpenAI's way."""
-        routes = self._routes
-        if routes is None:
-            routes = self._routes = self.routes
+        routes = self.routes
         method = "GET" if request.method == "HEAD" else request.method
         route = routes.get((method, request.path))
         try:

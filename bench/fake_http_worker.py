@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from collections.abc import Sequence
 import orjson
 
 from router.http import HTTPServer, Request, Response, StreamResponse
+from router.serve import stop_on_signals
 
 _WORDS = [f" w{i}" for i in range(64)]
 
@@ -84,10 +84,7 @@ async def serve(tokens: int, model: str, model_path: str, host: str, port: int) 
     server = HTTPServer(FakeHTTPWorker(tokens, model, model_path).handle)
     bound = await server.start(host, port)
     print(f"READY {bound}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     await stop.wait()
     await server.stop(0.5)
     return 0

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import signal
 import sys
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -32,6 +31,7 @@ import grpc
 
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
+from router.serve import stop_on_signals
 
 _UNAVAILABLE: int = grpc.StatusCode.UNAVAILABLE.value[0]
 
@@ -138,10 +138,7 @@ async def serve(config: FakeConfig, host: str, port: int) -> int:
     await server.start()
     gc.freeze()
     print(f"READY {bound}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     await stop.wait()
     service.close()
     await server.stop(0.5)

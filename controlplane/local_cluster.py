@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from router.serve import stop_on_signals
+
 if TYPE_CHECKING:
     from ray.actor import ActorClass
 
@@ -234,10 +236,7 @@ async def _serve(cfg: UpConfig, model: Path, replicas: list[Any], addresses: lis
                 raise
             _say(f"warning: no gRPC API ({e}); pass --grpc-port to choose another port")
     _say(f"workers healthy; serving OpenAI API at http://{cfg.host}:{cfg.port}/v1 (Ctrl-C or `tandem down` to stop)")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     current = list(addresses)
 
     async def supervise() -> None:

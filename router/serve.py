@@ -104,6 +104,16 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set on a supervisor's children
 
 
+def stop_on_signals() -> asyncio.Event:
+    """An event that SIGINT or SIGTERM sets, handled by the running loop: how every long-running Tandem process
+    (router, ``tandem up``, the bench's fake backends) waits for its end."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
 async def _serve_one(args: argparse.Namespace) -> int:
     from router.server import RouterConfig, build_router
 
@@ -122,10 +132,7 @@ async def _serve_one(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()  # the start-up heap (tokenizer, protobuf, gRPC) never becomes garbage: keep it out of GC passes
     print(f"READY {port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     await stop.wait()
     if grpc_server is not None:
         await grpc_server.stop(1.0)

@@ -22,13 +22,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import socket
 import sys
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 
+from proto.framing import FrameBuffer, FrameError, frame
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from router.serve import stop_on_signals
@@ -43,6 +46,7 @@ class FakeConfig:
     first_token: int = 300
     role: str = "both"
     worker_id: str = ""
+    tcp_session: bool = True  # also serve the plain-TCP Session transport (and name its port in Health)
 
     def __post_init__(self) -> None:
         if self.tokens < 1 or self.tokens_per_chunk < 1 or self.first_token < 0:
@@ -60,6 +64,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
         self.draining = False
         self._chunks: dict[tuple[int, int], tuple[pb.TokenChunk, ...]] = {}
         self._closed = asyncio.Event()
+        self.session_port = 0  # its plain-TCP Session transport (_TcpSession), once listening
 
     def chunks(self, n: int, min_chunk_tokens: int = 0) -> tuple[pb.TokenChunk, ...]:
         """The chunks of an ``n``-token answer, at least ``min_chunk_tokens`` per chunk but the last."""
@@ -87,27 +92,31 @@ class FakeWorker(pb_grpc.WorkerServicer):
 
     async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionReply]:
-        # Every request of a message answered in one reply, as Generate answers at once.
         async for msg in request_iterator:
-            out: list[pb.SessionChunk] = []
-            for g in msg.generate:
-                if self.draining:
-                    out.append(pb.SessionChunk(request_id=g.request_id, error_code=_UNAVAILABLE,
-                                               error=f"worker {self.worker_id} is draining"))
-                    continue
-                want = g.params.max_tokens
-                n = min(want, self.config.tokens) if want else self.config.tokens
-                rid = g.request_id
-                out.extend(pb.SessionChunk(request_id=rid, chunk=c) for c in self.chunks(n, g.min_chunk_tokens))
-            if out:
-                yield pb.SessionReply(chunks=out)
+            reply = self.answer(msg)
+            if reply is not None:
+                yield reply
+
+    def answer(self, msg: pb.SessionRequest) -> pb.SessionReply | None:
+        """Every request of a message answered in one reply, as Generate answers at once (None: only aborts)."""
+        out: list[pb.SessionChunk] = []
+        for g in msg.generate:
+            if self.draining:
+                out.append(pb.SessionChunk(request_id=g.request_id, error_code=_UNAVAILABLE,
+                                           error=f"worker {self.worker_id} is draining"))
+                continue
+            want = g.params.max_tokens
+            n = min(want, self.config.tokens) if want else self.config.tokens
+            rid = g.request_id
+            out.extend(pb.SessionChunk(request_id=rid, chunk=c) for c in self.chunks(n, g.min_chunk_tokens))
+        return pb.SessionReply(chunks=out) if out else None
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=False)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         return pb.HealthResponse(status="SERVING", role=self.config.role, model="fake", draining=self.draining,
-                                 worker_id=self.worker_id, kv_backend="none")
+                                 worker_id=self.worker_id, kv_backend="none", session_port=self.session_port)
 
     async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadResponse:
         return pb.LoadResponse()
@@ -127,6 +136,33 @@ class FakeWorker(pb_grpc.WorkerServicer):
         return pb.DrainResponse(in_flight=0)
 
 
+class _TcpSession(asyncio.Protocol):
+    """The fake's side of the plain-TCP Session transport (proto/framing.py), as a worker's SessionListener."""
+
+    def __init__(self, service: FakeWorker) -> None:
+        self.service = service
+        self.frames = FrameBuffer()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        assert self.transport is not None
+        try:
+            msgs = [pb.SessionRequest.FromString(f) for f in self.frames.feed(data)]
+        except (FrameError, DecodeError):
+            self.transport.close()
+            return
+        out = [reply.SerializeToString() for m in msgs if (reply := self.service.answer(m)) is not None]
+        if out:
+            self.transport.write(b"".join(frame(o) for o in out))
+
+
 async def serve(config: FakeConfig, host: str, port: int) -> int:
     service = FakeWorker(config)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -136,6 +172,9 @@ async def serve(config: FakeConfig, host: str, port: int) -> int:
         print(f"error: could not bind {host}:{port}", file=sys.stderr)
         return 2
     await server.start()
+    if config.tcp_session:
+        tcp = await asyncio.get_running_loop().create_server(lambda: _TcpSession(service), host, 0)
+        service.session_port = tcp.sockets[0].getsockname()[1]
     gc.freeze()
     print(f"READY {bound}", flush=True)
     stop = stop_on_signals()
@@ -154,9 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--first-token", type=int, default=300)
     p.add_argument("--role", default="both", choices=["both", "decode"])
     p.add_argument("--worker-id", default="")
+    p.add_argument("--no-tcp-session", action="store_true", help="serve the Session stream on gRPC only")
     args = p.parse_args(argv)
     try:
-        config = FakeConfig(args.tokens, args.tokens_per_chunk, args.first_token, args.role, args.worker_id)
+        config = FakeConfig(args.tokens, args.tokens_per_chunk, args.first_token, args.role, args.worker_id,
+                            not args.no_tcp_session)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -165,3 +206,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -146,6 +146,8 @@ class WorkerPool:
             w.healthy = False
             return
         w.role, w.worker_id, w.draining, w.compat_hash = h.role, h.worker_id, h.draining, h.compat_hash
+        if w.session is not None:  # the worker's plain-TCP Session port, on the host its gRPC address names
+            w.session.use_tcp(w.address.rsplit(":", 1)[0].strip("[]"), h.session_port)
         mismatch = self._hashing_mismatch(h)
         if mismatch and mismatch != w.mismatch:
             log.error("refusing worker %s (%s): %s", h.worker_id, w.address, mismatch)

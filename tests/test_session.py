@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +35,24 @@ def worker(checkpoint: Callable[[str], Path]) -> Iterator[WorkerProcess]:
     w = start_worker("both", str(checkpoint("llama")), "tcp", FLAGS)
     yield w
     w.stop()
+
+
+async def _session_port(ch: grpc.aio.Channel) -> int:
+    """The worker's plain-TCP session port, from its health answer (waiting for a worker that is starting)."""
+    health = await pb_grpc.WorkerStub(ch).Health(pb.HealthRequest(), timeout=10, wait_for_ready=True)
+    assert health.session_port, "the worker names no TCP session port"
+    return int(health.session_port)
+
+
+async def _open(ch: grpc.aio.Channel, address: str, transport: str) -> WorkerSession:
+    """A router-side session to ``address``: on the gRPC Session, or on the worker's plain-TCP transport."""
+    session = WorkerSession(pb_grpc.WorkerStub(ch), address)
+    if transport == "tcp":
+        session.use_tcp("127.0.0.1", await _session_port(ch))
+    return session
+
+
+TRANSPORTS = pytest.mark.parametrize("transport", ["grpc", "tcp"])
 
 
 def _greedy(rid: str, prompt: list[int], max_tokens: int, min_chunk_tokens: int = 0,
@@ -74,15 +93,17 @@ def _generate_call(address: str, req: pb.GenerateRequest) -> list[int]:
         return [t for c in pb_grpc.WorkerStub(ch).Generate(req, timeout=60) for t in c.token_ids]
 
 
+@TRANSPORTS
 def test_requests_on_one_session_equal_their_own_generate_calls_and_transformers(
-        worker: WorkerProcess, checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]]) -> None:
+        worker: WorkerProcess, checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]],
+        transport: str) -> None:
     """Ten prompts of mixed lengths written at once (one batched message), streamed and paced."""
     rng = random.Random(5)
     prompts = [[rng.randrange(2000) for _ in range(rng.randrange(1, 70))] for _ in range(10)]
 
     async def run() -> list[list[pb.TokenChunk]]:
         async with grpc.aio.insecure_channel(worker.address) as ch:
-            session = WorkerSession(pb_grpc.WorkerStub(ch), worker.address)
+            session = await _open(ch, worker.address, transport)
             reqs = [_greedy(f"s{i}", p, 12, min_chunk_tokens=0 if i % 2 else 5) for i, p in enumerate(prompts)]
             out = await asyncio.gather(*(_collect(session, r) for r in reqs))
             assert session.opened == 1 and session.in_flight == 0
@@ -102,12 +123,13 @@ def test_requests_on_one_session_equal_their_own_generate_calls_and_transformers
     _assert_all_free(worker.address)
 
 
-def test_bad_requests_fail_alone_with_their_status(worker: WorkerProcess) -> None:
+@TRANSPORTS
+def test_bad_requests_fail_alone_with_their_status(worker: WorkerProcess, transport: str) -> None:
     good = [3, 4, 5, 6]
 
     async def run() -> tuple[list[list[pb.TokenChunk] | BaseException], list[pb.TokenChunk]]:
         async with grpc.aio.insecure_channel(worker.address) as ch:
-            session = WorkerSession(pb_grpc.WorkerStub(ch), worker.address)
+            session = await _open(ch, worker.address, transport)
             bad = [_greedy("bad-temp", good, 4, top_p=1.5),
                    _greedy("bad-token", [3, 10**6], 4),
                    _greedy("too-long", [5] * 5000, 4)]
@@ -124,12 +146,13 @@ def test_bad_requests_fail_alone_with_their_status(worker: WorkerProcess) -> Non
     _assert_all_free(worker.address)
 
 
-def test_given_up_requests_and_a_closed_session_free_every_block(worker: WorkerProcess) -> None:
+@TRANSPORTS
+def test_given_up_requests_and_a_closed_session_free_every_block(worker: WorkerProcess, transport: str) -> None:
     """Two requests are given up after their first chunk (aborted through the session), two are still running
     when the session closes (the worker aborts them): nothing is left on the worker."""
     async def run() -> None:
         async with grpc.aio.insecure_channel(worker.address) as ch:
-            session = WorkerSession(pb_grpc.WorkerStub(ch), worker.address)
+            session = await _open(ch, worker.address, transport)
             gens = [session.generate(_greedy(f"long{i}", [7 + i] * 40, 400), timeout_s=60.0) for i in range(4)]
             for g in gens:
                 first = await g.__anext__()
@@ -149,8 +172,10 @@ def test_given_up_requests_and_a_closed_session_free_every_block(worker: WorkerP
     _assert_all_free(worker.address)
 
 
+@TRANSPORTS
 def test_collect_hands_every_chunk_to_its_sink_and_a_done_sink_aborts_the_rest(
-        worker: WorkerProcess, checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]]) -> None:
+        worker: WorkerProcess, checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]],
+        transport: str) -> None:
     """``collect`` (the path of answers sent whole): the sink sees exactly the tokens ``generate`` yields, in
     chunks paced as asked; a sink that returns True after its first chunk ends the request there and the rest is
     aborted on the worker; a bad request raises its status; a sink that raises fails only its own request."""
@@ -159,7 +184,7 @@ def test_collect_hands_every_chunk_to_its_sink_and_a_done_sink_aborts_the_rest(
 
     async def run() -> tuple[list[list[pb.TokenChunk]], list[pb.TokenChunk], BaseException, BaseException, int]:
         async with grpc.aio.insecure_channel(worker.address) as ch:
-            session = WorkerSession(pb_grpc.WorkerStub(ch), worker.address)
+            session = await _open(ch, worker.address, transport)
             outs: list[list[pb.TokenChunk]] = [[] for _ in prompts]
 
             def sink_for(i: int) -> Callable[[pb.TokenChunk], bool]:
@@ -225,13 +250,14 @@ def test_prefill_worker_refuses_colocated_requests(checkpoint: Callable[[str], P
         prefill.stop()
 
 
+@TRANSPORTS
 def test_worker_killed_mid_stream_fails_every_request_on_the_session_at_once(
-        checkpoint: Callable[[str], Path]) -> None:
+        checkpoint: Callable[[str], Path], transport: str) -> None:
     victim = start_worker("both", str(checkpoint("llama")), "tcp", FLAGS)
     try:
         async def run() -> float:
             async with grpc.aio.insecure_channel(victim.address) as ch:
-                session = WorkerSession(pb_grpc.WorkerStub(ch), victim.address)
+                session = await _open(ch, victim.address, transport)
                 gens = [session.generate(_greedy(f"k{i}", [9 + i] * 20, 2000), timeout_s=60.0) for i in range(3)]
                 for g in gens:
                     await g.__anext__()
@@ -260,14 +286,15 @@ def _fake(port: int) -> tuple[subprocess.Popen[str], int]:
     return proc, int(line.split()[1])
 
 
-def test_a_broken_session_is_replaced_by_the_next_request() -> None:
+@TRANSPORTS
+def test_a_broken_session_is_replaced_by_the_next_request(transport: str) -> None:
     proc, port = _fake(0)
     try:
         async def run() -> None:
             nonlocal proc
             address = f"127.0.0.1:{port}"
             async with grpc.aio.insecure_channel(address) as ch:
-                session = WorkerSession(pb_grpc.WorkerStub(ch), address)
+                session = await _open(ch, address, transport)
                 assert len([c async for c in session.generate(_greedy("a", [1], 3), 10.0)]) == 3
                 proc.kill()
                 proc.wait(5)
@@ -275,6 +302,8 @@ def test_a_broken_session_is_replaced_by_the_next_request() -> None:
                     await _collect(session, _greedy("b", [1], 3))
                 assert e.value.code == grpc.StatusCode.UNAVAILABLE
                 proc, _ = _fake(port)
+                if transport == "tcp":  # a restarted worker listens on a new session port: its health names it
+                    session.use_tcp("127.0.0.1", await _session_port(ch))
                 deadline = time.monotonic() + 10
                 while True:  # the channel reconnects with backoff; each failed try fails that request only
                     try:
@@ -285,6 +314,36 @@ def test_a_broken_session_is_replaced_by_the_next_request() -> None:
                         await asyncio.sleep(0.2)
                 assert [t for c in chunks for t in c.token_ids] == [300, 301, 302]
                 assert session.opened >= 2
+                await session.close()
+
+        asyncio.run(run())
+    finally:
+        proc.kill()
+        proc.wait(5)
+
+
+def test_an_unreachable_session_port_falls_back_to_grpc_without_failing_a_request() -> None:
+    """A health answer names a TCP session port the router cannot reach (here: a port nothing listens on). The
+    requests written meanwhile go on a gRPC Session stream instead, none fails, and later requests stay on gRPC
+    even when the next health answer names that port again."""
+    proc, port = _fake(0)
+    try:
+        async def run() -> None:
+            address = f"127.0.0.1:{port}"
+            with socket.socket() as s:  # a port that was free a moment ago: connecting is refused
+                s.bind(("127.0.0.1", 0))
+                closed = s.getsockname()[1]
+            async with grpc.aio.insecure_channel(address) as ch:
+                session = WorkerSession(pb_grpc.WorkerStub(ch), address)
+                session.use_tcp("127.0.0.1", closed)
+                chunks = await asyncio.gather(*(_collect(session, _greedy(f"r{i}", [1], 3)) for i in range(5)))
+                assert all([t for c in cs for t in c.token_ids] == [300, 301, 302] for cs in chunks)
+                assert session.tcp is None and session.unreachable == ("127.0.0.1", closed)
+                assert session.opened == 2  # the TCP try, then one gRPC stream for all of them
+                session.use_tcp("127.0.0.1", closed)  # the next health poll: not tried again for a while
+                assert session.tcp is None
+                assert len(await _collect(session, _greedy("after", [1], 3))) == 3
+                assert session.opened == 2
                 await session.close()
 
         asyncio.run(run())
@@ -340,7 +399,8 @@ def test_requests_that_produce_nothing_for_the_timeout_fail_and_free_their_block
         service.stop()
 
 
-def test_a_burst_is_split_into_bounded_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+@TRANSPORTS
+def test_a_burst_is_split_into_bounded_messages(monkeypatch: pytest.MonkeyPatch, transport: str) -> None:
     """Requests queued together go out in messages of at most MAX_BATCH_REQUESTS requests and MAX_BATCH_TOKENS
     prompt tokens (one request alone may exceed the token cap); every request is still answered once."""
     import router.session as rs
@@ -352,7 +412,7 @@ def test_a_burst_is_split_into_bounded_messages(monkeypatch: pytest.MonkeyPatch)
         async def run() -> list[pb.SessionRequest]:
             address = f"127.0.0.1:{port}"
             async with grpc.aio.insecure_channel(address) as ch:
-                session = WorkerSession(pb_grpc.WorkerStub(ch), address)
+                session = await _open(ch, address, transport)
                 sent: list[pb.SessionRequest] = []
                 take = session._next_message
 

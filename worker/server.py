@@ -48,6 +48,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--session-port", type=int, default=0,
+                   help="port of the plain-TCP Session transport (0: a free one, reported by Health; -1: none)")
     p.add_argument("--redis", default=None, help="redis://host:port: register a lease and publish KV events")
     p.add_argument("--lease-seconds", type=float, default=3.0)
     # Fault injection for the failure tests: the prefill engine stalls after sending this layer.
@@ -119,6 +121,12 @@ def serve(args: argparse.Namespace) -> int:
         print(f"error: could not bind {args.host}:{args.port}", file=sys.stderr)
         return 2
     server.start()
+    listener = None
+    if args.session_port >= 0:
+        from worker.session import SessionListener
+
+        listener = SessionListener(service, args.host, args.session_port)
+        service.session_port = listener.port
     if args.redis:
         from worker.redis_bus import RedisPublisher, WorkerAd
 
@@ -143,6 +151,8 @@ def serve(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.drain_timeout
     while time.monotonic() < deadline and service.engine.has_unfinished():
         time.sleep(0.05)
+    if listener is not None:
+        listener.close()
     server.stop(grace=1.0).wait(2.0)
     service.stop()
     return 0

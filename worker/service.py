@@ -32,6 +32,7 @@ EVENT_RING = 4096
 class WorkerService(pb_grpc.WorkerServicer):
     role = "both"
     refuse_colocated = ""  # why this role serves no colocated generation (Generate, Session), or ""
+    session_port = 0  # the plain-TCP Session transport's port (worker/session.py SessionListener), 0 if none
 
     def __init__(self, engine: LLMEngine, kv_backend: str = "none", worker_id: str | None = None,
                  request_timeout_s: float = 600.0) -> None:
@@ -180,7 +181,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.HealthResponse(status=status, role=self.role, model=self.engine.config.model,
                                  compat_hash=self.compat_hash, draining=self.draining, worker_id=self.worker_id,
                                  kv_backend=self.kv_backend, block_size=self.engine.block_size,
-                                 hash_extra_keys=list(self.engine.extra_keys))
+                                 hash_extra_keys=list(self.engine.extra_keys), session_port=self.session_port)
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadResponse:
         return self.loop.call_sync(self._load)

@@ -169,7 +169,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "role", "model", "compat_hash", "draining", "worker_id", "kv_backend", "block_size", "hash_extra_keys")
+    __slots__ = ("status", "role", "model", "compat_hash", "draining", "worker_id", "kv_backend", "block_size", "hash_extra_keys", "session_port")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class HealthResponse(_message.Message):
     KV_BACKEND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_PORT_FIELD_NUMBER: _ClassVar[int]
     status: str
     role: str
     model: str
@@ -188,7 +189,8 @@ class HealthResponse(_message.Message):
     kv_backend: str
     block_size: int
     hash_extra_keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., compat_hash: _Optional[str] = ..., draining: _Optional[bool] = ..., worker_id: _Optional[str] = ..., kv_backend: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_extra_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    session_port: int
+    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., compat_hash: _Optional[str] = ..., draining: _Optional[bool] = ..., worker_id: _Optional[str] = ..., kv_backend: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_extra_keys: _Optional[_Iterable[str]] = ..., session_port: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

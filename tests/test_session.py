@@ -10,8 +10,10 @@ because only the stream matters there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -22,6 +24,7 @@ from typing import Any
 import grpc
 import pytest
 
+from proto.framing import MAX_FRAME, frame, read_frames
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from router.session import SessionError, WorkerSession
@@ -170,6 +173,31 @@ def test_given_up_requests_and_a_closed_session_free_every_block(worker: WorkerP
 
     asyncio.run(run())
     _assert_all_free(worker.address)
+
+
+def test_a_bad_frame_on_the_tcp_session_port_ends_that_session_and_frees_its_blocks(worker: WorkerProcess) -> None:
+    """A raw connection to the worker's TCP session port starts a long request, then sends a frame header that
+    claims more than ``MAX_FRAME`` bytes: the worker drops that connection (its reply stream ends), aborts the
+    request, frees its blocks, and goes on serving other sessions."""
+    async def port() -> int:
+        async with grpc.aio.insecure_channel(worker.address) as ch:
+            return await _session_port(ch)
+
+    session_port = asyncio.run(port())
+    with socket.create_connection(("127.0.0.1", session_port), timeout=30) as conn:
+        msg = pb.SessionRequest(generate=[_greedy("raw", [5] * 40, 400)])
+        conn.sendall(frame(msg.SerializeToString()))
+        replies = read_frames(conn)
+        first = pb.SessionReply.FromString(next(replies))
+        assert first.chunks[0].request_id == "raw" and not first.chunks[0].chunk.finish_reason
+        conn.sendall(struct.pack(">I", MAX_FRAME + 1))
+        deadline = time.monotonic() + 30
+        with contextlib.suppress(ConnectionResetError):  # a reset is a close too
+            for _ in replies:  # whatever was already on its way, then the worker closes the connection
+                assert time.monotonic() < deadline, "the worker kept the connection after a bad frame"
+    _assert_all_free(worker.address)
+    req = _greedy("after", [1, 2, 3], 4)
+    assert len(_generate_call(worker.address, req)) == 4
 
 
 @TRANSPORTS

@@ -2,9 +2,12 @@
 
 Processes, all on loopback and each started and stopped here by PID::
 
-    fake backends (bench.fake_worker, K of them)  ◄──gRPC──  router (router.serve, 1..N processes, SO_REUSEPORT)
-         ▲                                                         ▲
-         └──────── gRPC Session ─── load client ── HTTP/1.1 ───────┘      (the client is its own process)
+    fake backends (bench.fake_worker, K of them)  ◄──Session──  router (router.serve, 1..N processes, SO_REUSEPORT)
+         ▲                                                            ▲
+         └────────── Session ─── load client ── HTTP/1.1 ─────────────┘      (the client is its own process)
+
+The Session stream runs on the backends' plain-TCP session port (router/session.py), or with
+``--session-transport grpc`` on the gRPC ``Session`` call (the backends then name no TCP port).
 
 The backends are fakes (every ``Generate`` answered at once with ``tokens`` canned tokens, ``tokens_per_chunk`` per
 streamed chunk: 1, as a real worker streams them, or the request's ``min_chunk_tokens`` when larger, as a real
@@ -448,7 +451,8 @@ def _measure(target: str, model: str, tokens: int, seconds: float, concurrency: 
 def run_gateway_bench(seconds: float = 3.0, concurrency: int = 64, processes: Sequence[int] = (1, 2),
                       tokens: int = 8, backends: int = 1, ttft_concurrency: Sequence[int] = (1, 8),
                       clients: int = 1, model: str | Path | None = None, tokens_per_chunk: int = 1,
-                      wrk: bool = False, sglang_router: str | None = None) -> dict[str, Any]:
+                      wrk: bool = False, sglang_router: str | None = None,
+                      session_transport: str = "tcp") -> dict[str, Any]:
     """Start the fake backends, measure direct, then one fresh router per ``processes`` entry; see the module doc."""
     from router.serve import ReadyProcess
 
@@ -456,6 +460,8 @@ def run_gateway_bench(seconds: float = 3.0, concurrency: int = 64, processes: Se
         raise ValueError("need seconds > 0 and concurrency, tokens, backends, clients, tokens_per_chunk >= 1")
     if not processes or min(processes) < 1 or not ttft_concurrency or min(ttft_concurrency) < 1:
         raise ValueError("processes and ttft_concurrency must be non-empty lists of counts >= 1")
+    if session_transport not in ("tcp", "grpc"):
+        raise ValueError(f"session_transport must be tcp or grpc, not {session_transport!r}")
     if wrk and shutil.which("wrk") is None:
         raise ValueError("--wrk needs the wrk load generator on PATH (apt-get install wrk)")
     if sglang_router is not None and not os.access(sglang_router, os.X_OK):
@@ -468,7 +474,9 @@ def run_gateway_bench(seconds: float = 3.0, concurrency: int = 64, processes: Se
         for i in range(backends):
             fakes.append(ReadyProcess.start(f"fake-{i}", [py, "-m", "bench.fake_worker", "--port", "0", "--tokens",
                                                           str(tokens), "--tokens-per-chunk", str(tokens_per_chunk),
-                                                          "--worker-id", f"fake-{i}"]))
+                                                          "--worker-id", f"fake-{i}",
+                                                          *(["--no-tcp-session"] if session_transport == "grpc"
+                                                            else [])]))
         addresses = ",".join(f"127.0.0.1:{f.port}" for f in fakes)
         backend_pids = [f.proc.pid for f in fakes]
         # Direct: the client on the backends' Session streams, as the router reaches them; then, for reference,
@@ -502,6 +510,7 @@ def run_gateway_bench(seconds: float = 3.0, concurrency: int = 64, processes: Se
             f.stop()
     return {"config": {"seconds": seconds, "concurrency": concurrency, "tokens": tokens,
                        "tokens_per_chunk": tokens_per_chunk, "backends": backends, "clients": clients,
+                       "session_transport": session_transport,
                        "ttft_concurrency": list(ttft_concurrency), "processes": list(processes), "model": name,
                        "cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0))},
             "direct": direct, "router": routers, **({"peer": peer} if peer else {}), "goals": dict(GOALS),
@@ -671,6 +680,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wrk", action="store_true", help="also measure requests/s with wrk as the client")
     p.add_argument("--sglang-router", default=None, metavar="EXE",
                    help="also measure this sglang-router executable, side by side (bench/sglang_router/install.sh)")
+    p.add_argument("--session-transport", default="tcp", choices=["tcp", "grpc"],
+                   help="router-to-backend Session stream: the plain-TCP session port, or the gRPC Session call")
     p.add_argument("--json", action="store_true", help="one line of JSON")
 
 
@@ -680,7 +691,8 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
                              backends=args.backends, ttft_concurrency=tuple(int(x) for x in
                                                                             args.ttft_concurrency.split(",")),
                              clients=args.clients, model=args.model, tokens_per_chunk=args.tokens_per_chunk,
-                             wrk=args.wrk, sglang_router=args.sglang_router)
+                             wrk=args.wrk, sglang_router=args.sglang_router,
+                             session_transport=args.session_transport)
 
 
 if __name__ == "__main__":

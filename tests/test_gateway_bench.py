@@ -56,8 +56,13 @@ def test_gateway_bench_reports_sane_figures_for_direct_and_one_and_two_router_pr
 
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (.ci/run installs it)")
 def test_gateway_bench_with_wrk_reports_its_requests_and_the_routers_cpu(checkpoint: Callable[[str], Path]) -> None:
+    """With wrk as the client, and the router reaching its backends on the gRPC Session call (the other tests
+    use the default, the backends' TCP session port)."""
     report = run_gateway_bench(seconds=1.0, concurrency=8, processes=(1,), tokens=8, ttft_concurrency=(1,),
-                               model=checkpoint("llama"), wrk=True)
+                               model=checkpoint("llama"), wrk=True, session_transport="grpc")
+    assert report["config"]["session_transport"] == "grpc"
+    _phase_ok(report["direct"]["throughput"])
+    _phase_ok(report["router"][0]["throughput"])
     w = report["router"][0]["wrk"]
     assert w["rps"] > 0 and w["requests"] > 0 and w["non_2xx"] == 0 and w["socket_errors"] == 0
     assert w["cpu_us_per_request"]["router"] > 0

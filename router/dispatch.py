@@ -360,22 +360,44 @@ def _header(d: Any) -> str:
     return chosen.as_header() if chosen is not None and hasattr(chosen, "as_header") else str(d.worker_id)
 
 
+def _cut(w: Worker, step: str) -> _WorkerFailed | None:
+    """The failure to raise for a call that ended in CancelledError, if the pool cancelled it because ``w`` was
+    cut off (the request's own task is not being cancelled); None for a real cancellation."""
+    task = asyncio.current_task()
+    if w.cut_off and (task is None or not task.cancelling()):
+        return _WorkerFailed(w, step, grpc.StatusCode.UNAVAILABLE, f"worker {w.address} stopped answering")
+    return None
+
+
 async def _unary(w: Worker, step: str, call: Any) -> Any:
+    w.calls.add(call)
     try:
         return await call
     except grpc.aio.AioRpcError as e:
         raise _WorkerFailed(w, step, e.code(), e.details() or "") from None
+    except asyncio.CancelledError:
+        if (failed := _cut(w, step)) is not None:
+            raise failed from None
+        raise
+    finally:
+        w.calls.discard(call)
 
 
 async def _stream(call: Any, w: Worker, step: str) -> AsyncGenerator[pb.TokenChunk, None]:
     ended = False
+    w.calls.add(call)
     try:
         async for chunk in call:
             ended = bool(chunk.finish_reason)
             yield chunk
     except grpc.aio.AioRpcError as e:
         raise _WorkerFailed(w, step, e.code(), e.details() or "") from None
+    except asyncio.CancelledError:
+        if (failed := _cut(w, step)) is not None:
+            raise failed from None
+        raise
     finally:
+        w.calls.discard(call)
         if not ended:
             call.cancel()
         elif not call.done():

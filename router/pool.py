@@ -5,16 +5,21 @@ Workers come from static addresses (``tandem up``, config) or the Redis registry
 ``KVEvents`` stream into the KV index, resyncing from ``Snapshot`` whenever the index reports a sequence gap or
 the stream breaks. A worker that fails health checks is marked down and gets no requests until it answers again;
 a draining worker is kept for in-flight work but gets nothing new.
+
+A worker that answers no probe (``Load`` or ``Health``) for ``dead_after_s`` is cut off: its session stream is
+broken and its in-flight gRPC calls (registered in ``Worker.calls`` by the dispatcher) are cancelled, so every
+request on it fails with ``UNAVAILABLE`` at once and is retried or migrated elsewhere, instead of waiting for the
+request's own deadline (minutes) on a host that crashed without closing its connections, a partitioned network or
+a stopped process. A worker that answers again is used again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -51,6 +56,9 @@ class Worker:
     last_load: pb.LoadResponse | None = None
     last_seen: float = 0.0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    calls: set[Any] = field(default_factory=set)  # in-flight gRPC calls a cut-off cancels (router/dispatch.py)
+    unanswered_since: float | None = None  # when the first probe that got no answer was sent
+    cut_off: bool = False  # silent for dead_after_s: everything on it was failed over
 
     @property
     def serves_prefill(self) -> bool:
@@ -63,8 +71,13 @@ class Worker:
 
 class WorkerPool:
     def __init__(self, addresses: list[str], index: IndexSink | None = None, load: LoadSink | None = None,
-                 poll_interval_s: float = 0.2, hashing: tuple[int, tuple[str, ...]] | None = None) -> None:
-        """``hashing`` is the router's ``(block_size, extra_keys)``; a worker that reports another is refused."""
+                 poll_interval_s: float = 0.2, hashing: tuple[int, tuple[str, ...]] | None = None,
+                 dead_after_s: float = 10.0) -> None:
+        """``hashing`` is the router's ``(block_size, extra_keys)``; a worker that reports another is refused.
+        ``dead_after_s``: how long a worker may answer no probe before everything on it is failed over."""
+        if dead_after_s <= 0:
+            raise ValueError(f"dead_after_s must be > 0, not {dead_after_s}")
+        self.dead_after_s = dead_after_s
         self.workers: dict[str, Worker] = {a: Worker(a) for a in addresses}
         self.index = index
         self.load = load
@@ -138,13 +151,14 @@ class WorkerPool:
             log.warning("worker %s (%s) marked down", w.worker_id, w.address)
         w.healthy = False
 
-    async def _health(self, w: Worker) -> None:
+    async def _health(self, w: Worker) -> bool:
+        """Ask ``w`` for its health and apply the answer; False if it did not answer."""
         assert w.stub is not None
         try:
             h = await w.stub.Health(pb.HealthRequest(), timeout=2.0)
         except grpc.aio.AioRpcError:
             w.healthy = False
-            return
+            return False
         w.role, w.worker_id, w.draining, w.compat_hash = h.role, h.worker_id, h.draining, h.compat_hash
         if w.session is not None:  # the worker's plain-TCP Session port, on the host its gRPC address names
             w.session.use_tcp(w.address.rsplit(":", 1)[0].strip("[]"), h.session_port)
@@ -154,6 +168,7 @@ class WorkerPool:
         w.mismatch = mismatch
         w.healthy = h.status == "SERVING" and not mismatch
         w.last_seen = time.monotonic()
+        return True
 
     def _hashing_mismatch(self, h: pb.HealthResponse) -> str:
         """Why ``h``'s block hashing differs from the router's, naming the field; "" when it agrees."""
@@ -169,10 +184,12 @@ class WorkerPool:
     async def _poll(self, w: Worker) -> None:
         while not self._closing:
             assert w.stub is not None
+            sent = time.monotonic()
             try:
                 ld = await w.stub.Load(pb.LoadRequest(), timeout=2.0)
                 w.last_load = ld
                 w.last_seen = time.monotonic()
+                self._answered(w)
                 if not w.healthy:
                     await self._health(w)
                 if self.load is not None and w.worker_id:
@@ -180,9 +197,38 @@ class WorkerPool:
                                                  ld.active_tokens, ld.used_blocks, ld.total_blocks)
             except grpc.aio.AioRpcError:
                 self.mark_down(w)
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    await self._health(w)
+                # Load waits for the engine's loop; Health does not: a busy worker still answers it.
+                self._unanswered(w, sent)
+                if await self._health(w):
+                    self._answered(w)
+                else:
+                    self._unanswered(w, sent)
             await asyncio.sleep(self.poll_interval_s)
+
+    def _answered(self, w: Worker) -> None:
+        if w.cut_off:
+            log.warning("worker %s (%s) answers again", w.worker_id, w.address)
+        w.unanswered_since = None
+        w.cut_off = False
+
+    def _unanswered(self, w: Worker, sent: float) -> None:
+        if w.unanswered_since is None:
+            w.unanswered_since = sent
+        silent = time.monotonic() - w.unanswered_since
+        if not w.cut_off and silent >= self.dead_after_s:
+            self.cut_off(w, f"worker {w.worker_id or w.address} answered no probe for {silent:.1f}s")
+
+    def cut_off(self, w: Worker, why: str) -> None:
+        """Fail everything in flight on ``w`` now (``UNAVAILABLE``: retried or migrated by the dispatcher)."""
+        w.cut_off = True
+        w.healthy = False
+        calls = list(w.calls)
+        in_flight = len(calls) + (w.session.in_flight if w.session is not None else 0)
+        log.error("cutting off %s: %s; failing over %d in-flight requests", w.address, why, in_flight)
+        if w.session is not None:
+            w.session.sever(why)
+        for call in calls:
+            call.cancel()
 
     async def _follow_events(self, w: Worker) -> None:
         """Apply the worker's KV events to the index; resync from a snapshot on a gap or reconnect."""

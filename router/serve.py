@@ -100,6 +100,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="also serve the client gRPC API (tandem.v1.Gateway) here; 0 picks a free port (GRPC line)")
     p.add_argument("--min-uncached-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (hashes must agree)")
+    p.add_argument("--worker-dead-after", type=float, default=10.0, metavar="S",
+                   help="fail over every request on a worker that answers no probe for S seconds")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set on a supervisor's children
 
@@ -121,7 +123,8 @@ async def _serve_one(args: argparse.Namespace) -> int:
     router = await build_router(RouterConfig(model=args.model, workers=workers, redis=args.redis,
                                              served_model_name=args.served_model_name,
                                              min_uncached_tokens=args.min_uncached_tokens,
-                                             block_size=args.block_size))
+                                             block_size=args.block_size,
+                                             worker_dead_after_s=args.worker_dead_after))
     port = await router.serve_http(args.host, args.port, reuse_port=bool(args.reuse_port))
     grpc_server = None
     if args.grpc_port is not None:
@@ -143,7 +146,8 @@ async def _serve_one(args: argparse.Namespace) -> int:
 def _child_cmd(args: argparse.Namespace, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "router.serve", "--model", args.model, "--workers", args.workers, "--host",
            args.host, "--port", str(port), "--processes", "1", "--reuse-port", "--min-uncached-tokens",
-           str(args.min_uncached_tokens), "--log-level", args.log_level]
+           str(args.min_uncached_tokens), "--block-size", str(args.block_size), "--worker-dead-after",
+           str(args.worker_dead_after), "--log-level", args.log_level]
     if args.redis:
         cmd += ["--redis", args.redis]
     if args.served_model_name:

@@ -36,6 +36,7 @@ class RouterConfig:
     min_uncached_tokens: int = 64
     temperature: float = 0.1
     seed: int = 0
+    worker_dead_after_s: float = 10.0  # a worker silent this long has its requests failed over (router/pool.py)
 
     def __post_init__(self) -> None:
         if not self.workers and not self.redis:
@@ -81,7 +82,7 @@ async def build_router(cfg: RouterConfig) -> Router:
     # the pool follows each worker's own event stream (the in-process bus).
     extra = extra_keys_for(model=model.name)
     pool = WorkerPool(list(cfg.workers), index=None if cfg.redis else index, load=load,
-                      hashing=(cfg.block_size, extra))
+                      hashing=(cfg.block_size, extra), dead_after_s=cfg.worker_dead_after_s)
     try:
         await pool.start()
     except BaseException:

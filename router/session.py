@@ -338,6 +338,12 @@ class WorkerSession:
         with contextlib.suppress(Exception):
             call.cancel()
 
+    def sever(self, why: str) -> None:
+        """Break the current stream now (the worker stopped answering): every request on it fails with
+        ``UNAVAILABLE``; the next request opens a fresh stream."""
+        if self._call is not None:
+            self._broken(self._call, grpc.StatusCode.UNAVAILABLE, why)
+
     async def close(self) -> None:
         """End the stream: the worker aborts every request still on it."""
         self._closed = True

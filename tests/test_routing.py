@@ -8,9 +8,12 @@ Routers run in-process (their own asyncio loop on a thread, serving HTTP on loop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -20,9 +23,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
+import grpc
 import httpx
 import pytest
 
+from proto.tandem.v1 import worker_pb2 as pb
+from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from router.selector import Selector
 from router.server import Router, RouterConfig, build_router
 from worker.launcher import WorkerProcess, start_worker
@@ -184,6 +190,90 @@ def test_worker_killed_mid_stream_migrates_and_the_client_sees_an_exact_stream(
     finally:
         rt.stop()
         for w in workers:
+            w.stop()
+
+
+def test_router_processes_started_by_a_supervisor_get_every_routing_flag() -> None:
+    """``router.serve --processes N`` re-runs itself N times: each child must route as the parent was told to (a
+    child on the default block size would refuse workers on another, and one on the default dead-after would
+    wait longer than asked)."""
+    import argparse
+
+    from router.serve import _child_cmd, add_router_args
+
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    args = p.parse_args(["--model", "/m", "--workers", "127.0.0.1:1", "--processes", "2", "--block-size", "32",
+                         "--worker-dead-after", "3.5", "--min-uncached-tokens", "7"])
+    child = p.parse_args(_child_cmd(args, 8123)[3:])
+    assert (child.block_size, child.worker_dead_after, child.min_uncached_tokens) == (32, 3.5, 7)
+    assert (child.port, child.processes, child.reuse_port) == (8123, 1, True)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_a_stopped_worker_is_cut_off_and_its_stream_migrates_exactly(
+        mode: str, checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]]) -> None:
+    """SIGSTOP, not SIGKILL, the decode worker serving a stream: its connections stay open and nothing more comes
+    back, as from a host that froze or a network that partitioned. The router's probes go unanswered; after
+    ``worker_dead_after_s`` (1 s here) it cuts the worker off, the stream (the colocated session, or the
+    disaggregated Decode call) fails over, and the client still gets exactly the greedy continuation, in seconds
+    rather than the request's 300 s deadline. Once the worker is continued, it finds those streams closed and
+    frees every block."""
+    path = checkpoint("llama")
+    decodes = [start_worker("decode", str(path), "tcp", [*FLAGS, "--worker-id", f"stop-{i}"]) for i in range(2)]
+    prefill = (start_worker("prefill", str(path), "tcp", [*FLAGS, "--worker-id", "stop-pre"])
+               if mode == "disaggregated" else None)
+    addresses = (*(w.address for w in decodes), *([prefill.address] if prefill else []))
+    rt = RouterThread(RouterConfig(model=str(path), workers=addresses, worker_dead_after_s=1.0))
+    victim: WorkerProcess | None = None
+    try:
+        rng = random.Random(33)
+        prompt = [7, 8, 9, 10, 11] if mode == "colocated" else [rng.randrange(2000) for _ in range(160)]
+        n = 200
+        ref = hf_greedy(path, prompt, n)
+        chunks: list[dict[str, Any]] = []
+        stopped_at = 0.0
+        with httpx.stream("POST", rt.url + "/v1/completions", timeout=120, headers={"x-tandem-explain": "1"},
+                          json={"model": path.name, "prompt": prompt, "max_tokens": n, "temperature": 0,
+                                "ignore_eos": True, "stream": True}) as r:
+            route = r.headers["x-tandem-route"]
+            assert ("prefill[" in route) == (mode == "disaggregated"), route
+            victim = decodes[int(routed_worker(route).split("-")[1])]
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunks.append(json.loads(line[6:]))
+                if len(chunks) == 5:
+                    os.kill(victim.proc.pid, signal.SIGSTOP)
+                    stopped_at = time.monotonic()
+        took = time.monotonic() - stopped_at
+        from engine.tokenizer import Tokenizer
+
+        assert "".join(c["choices"][0]["text"] for c in chunks) == Tokenizer(path).decode(ref)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert rt.call(lambda r: r.dispatcher.stats.migrations) == 1
+        assert took < 15, f"the stream took {took:.1f}s to fail over"
+        assert rt.call(lambda r: r.pool.workers[victim.address].cut_off)
+        os.kill(victim.proc.pid, signal.SIGCONT)
+        with grpc.insecure_channel(victim.address) as ch:
+            stub = pb_grpc.WorkerStub(ch)
+            deadline = time.monotonic() + 30
+            while True:
+                ld = stub.Load(pb.LoadRequest(), timeout=10)
+                if ld.used_blocks == 0 and ld.running == 0 and ld.waiting == 0 and ld.waiting_for_kv == 0:
+                    break
+                assert time.monotonic() < deadline, f"the stopped worker kept requests or blocks: {ld}"
+                time.sleep(0.1)
+        deadline = time.monotonic() + 10
+        while rt.call(lambda r: r.pool.workers[victim.address].cut_off):  # it answers again: used again
+            assert time.monotonic() < deadline, "the continued worker was not taken back"
+            time.sleep(0.1)
+    finally:
+        if victim is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim.proc.pid, signal.SIGCONT)
+        rt.stop()
+        for w in (*decodes, *([prefill] if prefill else [])):
             w.stop()
 
 

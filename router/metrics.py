@@ -86,7 +86,7 @@ class _PoolCollector(Collector):
     def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         used = GaugeMetricFamily("tandem_kv_blocks_used", "KV cache blocks in use", labels=["worker", "role"])
         free = GaugeMetricFamily("tandem_kv_blocks_free", "KV cache blocks free (incl. evictable cached)",
                                  labels=["worker", "role"])
@@ -97,9 +97,12 @@ class _PoolCollector(Collector):
         transfers = GaugeMetricFamily("tandem_kv_transfers_in_flight", "KV transfers in flight",
                                       labels=["worker", "role"])
         up = GaugeMetricFamily("tandem_worker_up", "1 if the worker answers health checks", labels=["worker", "role"])
+        cutoffs = CounterMetricFamily("tandem_router_worker_cutoffs", "Times a worker that answered no probe had "
+                                      "its in-flight requests failed over", labels=["worker", "role"])
         for w in self.pool.workers.values():
             labels = [w.worker_id or w.address, w.role or "unknown"]
             up.add_metric(labels, 1.0 if w.healthy else 0.0)
+            cutoffs.add_metric(labels, w.cutoffs)
             ld = w.last_load
             if ld is None:
                 continue
@@ -108,7 +111,7 @@ class _PoolCollector(Collector):
             queue.add_metric(labels, ld.waiting)
             running.add_metric(labels, ld.running + ld.waiting_for_kv)
             transfers.add_metric(labels, ld.transfers_in_flight)
-        yield from (used, free, queue, running, transfers, up)
+        yield from (used, free, queue, running, transfers, up, cutoffs)
 
 
 class _LocalCollector(Collector):

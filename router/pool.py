@@ -59,6 +59,7 @@ class Worker:
     calls: set[Any] = field(default_factory=set)  # in-flight gRPC calls a cut-off cancels (router/dispatch.py)
     unanswered_since: float | None = None  # when the first probe that got no answer was sent
     cut_off: bool = False  # silent for dead_after_s: everything on it was failed over
+    cutoffs: int = 0  # times it was cut off (tandem_router_worker_cutoffs_total)
 
     @property
     def serves_prefill(self) -> bool:
@@ -221,6 +222,7 @@ class WorkerPool:
     def cut_off(self, w: Worker, why: str) -> None:
         """Fail everything in flight on ``w`` now (``UNAVAILABLE``: retried or migrated by the dispatcher)."""
         w.cut_off = True
+        w.cutoffs += 1
         w.healthy = False
         calls = list(w.calls)
         in_flight = len(calls) + (w.session.in_flight if w.session is not None else 0)

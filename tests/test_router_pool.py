@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from proto.tandem.v1 import worker_pb2 as pb
+from router.metrics import RouterMetrics
 from router.pool import Worker, WorkerPool
 
 
@@ -54,6 +55,7 @@ def _start(stub: _Stub) -> tuple[WorkerPool, Worker, _Call, asyncio.Task[None]]:
     pool = WorkerPool([], poll_interval_s=0.02, dead_after_s=0.5)
     w = Worker("127.0.0.1:1", role="both", worker_id="w0", healthy=True)
     w.stub = stub  # type: ignore[assignment]
+    pool.workers[w.address] = w
     call = _Call()
     w.calls.add(call)
     return pool, w, call, asyncio.create_task(pool._poll(w))
@@ -91,7 +93,11 @@ def test_a_silent_worker_is_cut_off_and_taken_back_once_it_answers() -> None:
         await asyncio.sleep(0.1)
         assert not w.cut_off and not call.cancelled  # silent, but not yet for dead_after_s
         await _until(lambda: w.cut_off)
-        assert call.cancelled and not w.healthy
+        assert call.cancelled and not w.healthy and w.cutoffs == 1
+        samples = {(x.name, x.labels.get("worker")): x.value
+                   for fam in RouterMetrics(pool).registry.collect() for x in fam.samples}
+        assert samples[("tandem_router_worker_cutoffs_total", "w0")] == 1
+        assert samples[("tandem_worker_up", "w0")] == 0
         assert w not in pool.available("decode")
         stub.load_answers = stub.health_answers = True
         await _until(lambda: not w.cut_off and w.healthy)

@@ -466,3 +466,36 @@ def test_a_burst_is_split_into_bounded_messages(monkeypatch: pytest.MonkeyPatch,
     finally:
         proc.kill()
         proc.wait(5)
+
+
+def test_a_burst_larger_than_the_socket_buffers_is_flow_controlled_on_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """About 16 MB of prompts written at once on the TCP transport: the transport pauses the session's writes
+    when its buffer fills and resumes them as the worker reads; nothing is dropped or reordered, and every
+    request is answered once."""
+    import router.session as rs
+
+    pauses: list[int] = []
+    pause = rs._TcpStream.pause_writing
+
+    def counted(self: rs._TcpStream) -> None:
+        pauses.append(1)
+        pause(self)
+
+    monkeypatch.setattr(rs._TcpStream, "pause_writing", counted)
+    proc, port = _fake(0)
+    try:
+        async def run() -> None:
+            address = f"127.0.0.1:{port}"
+            async with grpc.aio.insecure_channel(address) as ch:
+                session = await _open(ch, address, "tcp")
+                reqs = [_greedy(f"big{i}", [100_000 + i] * 20_000, 3) for i in range(200)]
+                outs = await asyncio.gather(*(_collect(session, r) for r in reqs))
+                assert all([t for c in o for t in c.token_ids] == [300, 301, 302] for o in outs)
+                assert session.opened == 1 and session.in_flight == 0
+                await session.close()
+
+        asyncio.run(run())
+        assert pauses, "the transport never paused: the burst did not exceed its buffer"
+    finally:
+        proc.kill()
+        proc.wait(5)

@@ -499,3 +499,46 @@ def test_a_burst_larger_than_the_socket_buffers_is_flow_controlled_on_tcp(monkey
     finally:
         proc.kill()
         proc.wait(5)
+
+
+def test_the_session_port_refuses_connections_beyond_its_cap() -> None:
+    """Each TCP session holds threads on the worker, so the listener closes a connection beyond
+    ``max_connections`` at once; a slot freed by a closed session is taken again. The listener runs in process
+    with a stand-in service (no request is sent, so no engine is needed)."""
+    from types import SimpleNamespace
+
+    from worker.session import SessionListener
+
+    listener = SessionListener(SimpleNamespace(request_timeout_s=60.0), "127.0.0.1", 0,  # type: ignore[arg-type]
+                               max_connections=2)
+    conns: list[socket.socket] = []
+    try:
+        def connect() -> socket.socket:
+            c = socket.create_connection(("127.0.0.1", listener.port), timeout=10)
+            conns.append(c)
+            return c
+
+        def closed_by_listener(c: socket.socket, wait_s: float) -> bool:
+            c.settimeout(wait_s)
+            try:
+                return c.recv(1) == b""
+            except TimeoutError:
+                return False
+            except ConnectionResetError:
+                return True
+
+        first, second = connect(), connect()
+        third = connect()
+        assert closed_by_listener(third, 10.0)
+        assert not closed_by_listener(first, 0.3) and not closed_by_listener(second, 0.3)
+        first.close()
+        deadline = time.monotonic() + 10
+        while True:  # the first session ends (its reader sees EOF), then its slot is free
+            fourth = connect()
+            if not closed_by_listener(fourth, 0.5):
+                break
+            assert time.monotonic() < deadline, "a closed session's slot was never freed"
+    finally:
+        for c in conns:
+            c.close()
+        listener.close()

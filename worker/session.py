@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 _CLOSE = object()  # put on the outputs queue when the session ends
 MAX_REPLY_CHUNKS = 1024  # chunks per SessionReply: a reply stays far below the router's 64 MiB receive limit
+MAX_SESSION_CONNECTIONS = 256  # one per router process is the norm; beyond this a connection is closed at once
 _TICK_S = 1.0  # how often an idle reply thread looks for requests that have produced nothing for too long
 
 
@@ -298,8 +299,10 @@ class SessionListener:
     (``WorkerSession.replies`` → frames). A connection that closes, breaks or sends a bad frame ends its session,
     which aborts every request still running on it, exactly as a broken gRPC stream does."""
 
-    def __init__(self, service: WorkerService, host: str, port: int = 0) -> None:
+    def __init__(self, service: WorkerService, host: str, port: int = 0,
+                 max_connections: int = MAX_SESSION_CONNECTIONS) -> None:
         self.service = service
+        self.max_connections = max_connections
         self._sock = socket.create_server((host, port), reuse_port=False)
         self._sock.settimeout(0.5)
         self.port: int = self._sock.getsockname()[1]
@@ -317,10 +320,16 @@ class SessionListener:
                 continue
             except OSError:  # closed
                 return
+            with self._lock:
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:  # each connection holds threads: a flood of them must not exhaust the worker
+                log.warning("session port: refusing a connection beyond %d", self.max_connections)
+                conn.close()
+                continue
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="session-tcp", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:

@@ -13,11 +13,29 @@ import struct
 from collections.abc import Iterator
 
 MAX_FRAME = 64 << 20  # the same bound as the gRPC channels' receive limit
+# A peer that vanishes without closing (host crash, partition) is noticed by the kernel: keepalive probes after
+# KEEPALIVE_IDLE_S of silence, every KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT of them; unacknowledged data gives up
+# after USER_TIMEOUT_S. Either way the connection errors out and the session ends as if the peer had closed it.
+KEEPALIVE_IDLE_S = 10
+KEEPALIVE_INTERVAL_S = 5
+KEEPALIVE_COUNT = 3
+USER_TIMEOUT_S = 30
 _LEN = struct.Struct(">I")
 
 
 class FrameError(ValueError):
     """A frame that breaks the protocol (too long)."""
+
+
+def tune_session_socket(sock: socket.socket) -> None:
+    """No Nagle delay (a frame goes out at once), and the dead-peer detection above (where the OS has it)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", KEEPALIVE_COUNT), ("TCP_USER_TIMEOUT", USER_TIMEOUT_S * 1000)):
+        opt = getattr(socket, name, None)
+        if opt is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, opt, value)
 
 
 def frame(payload: bytes) -> bytes:

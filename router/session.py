@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
@@ -36,7 +35,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from proto.framing import FrameBuffer, FrameError, frame
+from proto.framing import FrameBuffer, FrameError, frame, tune_session_socket
 from proto.tandem.v1 import worker_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -402,7 +401,7 @@ class _TcpStream(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                tune_session_socket(sock)
         if self._early:
             transport.write(b"".join(frame(m.SerializeToString()) for m in self._early))
             self._early = []

@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import pytest
 
-from proto.framing import MAX_FRAME, frame, read_frames
+from proto.framing import KEEPALIVE_IDLE_S, MAX_FRAME, USER_TIMEOUT_S, frame, read_frames
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from router.session import SessionError, WorkerSession
@@ -492,6 +492,9 @@ def test_a_burst_larger_than_the_socket_buffers_is_flow_controlled_on_tcp(monkey
                 outs = await asyncio.gather(*(_collect(session, r) for r in reqs))
                 assert all([t for c in o for t in c.token_ids] == [300, 301, 302] for o in outs)
                 assert session.opened == 1 and session.in_flight == 0
+                sock = session._call._transport.get_extra_info("socket")
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == USER_TIMEOUT_S * 1000
                 await session.close()
 
         asyncio.run(run())
@@ -530,6 +533,13 @@ def test_the_session_port_refuses_connections_beyond_its_cap() -> None:
         first, second = connect(), connect()
         third = connect()
         assert closed_by_listener(third, 10.0)
+        with listener._lock:
+            accepted = list(listener._conns)
+        assert len(accepted) == 2
+        for c in accepted:  # a router that vanishes without closing is noticed by the kernel
+            assert c.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert c.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S
+            assert c.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
         assert not closed_by_listener(first, 0.3) and not closed_by_listener(second, 0.3)
         first.close()
         deadline = time.monotonic() + 10

@@ -34,7 +34,7 @@ from google.protobuf.message import DecodeError
 
 from engine.engine_loop import END
 from engine.llm_engine import LLMEngine, RequestOutput
-from proto.framing import FrameError, frame, read_frames
+from proto.framing import FrameError, frame, read_frames, tune_session_socket
 from proto.tandem.v1 import worker_pb2 as pb
 from worker.convert import chunk_from_outputs, params_from_proto
 
@@ -329,7 +329,7 @@ class SessionListener:
                 conn.close()
                 continue
             conn.settimeout(None)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune_session_socket(conn)
             threading.Thread(target=self._serve, args=(conn,), name="session-tcp", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:

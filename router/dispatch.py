@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -360,44 +360,39 @@ def _header(d: Any) -> str:
     return chosen.as_header() if chosen is not None and hasattr(chosen, "as_header") else str(d.worker_id)
 
 
-def _cut(w: Worker, step: str) -> _WorkerFailed | None:
-    """The failure to raise for a call that ended in CancelledError, if the pool cancelled it because ``w`` was
-    cut off (the request's own task is not being cancelled); None for a real cancellation."""
-    task = asyncio.current_task()
-    if w.cut_off and (task is None or not task.cancelling()):
-        return _WorkerFailed(w, step, grpc.StatusCode.UNAVAILABLE, f"worker {w.address} stopped answering")
-    return None
-
-
-async def _unary(w: Worker, step: str, call: Any) -> Any:
+@contextlib.contextmanager
+def _on(w: Worker, step: str, call: Any) -> Iterator[None]:
+    """Around a gRPC ``call`` to ``w``: registered in ``w.calls`` while it runs (a cut-off cancels it), its RPC
+    error raised as _WorkerFailed, and a cancellation that came from the cut-off (not from the request's own task
+    being cancelled) raised as an UNAVAILABLE _WorkerFailed, so the request is retried or migrated."""
     w.calls.add(call)
     try:
-        return await call
+        yield
     except grpc.aio.AioRpcError as e:
         raise _WorkerFailed(w, step, e.code(), e.details() or "") from None
     except asyncio.CancelledError:
-        if (failed := _cut(w, step)) is not None:
-            raise failed from None
+        task = asyncio.current_task()
+        if w.cut_off and (task is None or not task.cancelling()):
+            raise _WorkerFailed(w, step, grpc.StatusCode.UNAVAILABLE, f"worker {w.address} stopped answering") \
+                from None
         raise
     finally:
         w.calls.discard(call)
+
+
+async def _unary(w: Worker, step: str, call: Any) -> Any:
+    with _on(w, step, call):
+        return await call
 
 
 async def _stream(call: Any, w: Worker, step: str) -> AsyncGenerator[pb.TokenChunk, None]:
     ended = False
-    w.calls.add(call)
     try:
-        async for chunk in call:
-            ended = bool(chunk.finish_reason)
-            yield chunk
-    except grpc.aio.AioRpcError as e:
-        raise _WorkerFailed(w, step, e.code(), e.details() or "") from None
-    except asyncio.CancelledError:
-        if (failed := _cut(w, step)) is not None:
-            raise failed from None
-        raise
+        with _on(w, step, call):
+            async for chunk in call:
+                ended = bool(chunk.finish_reason)
+                yield chunk
     finally:
-        w.calls.discard(call)
         if not ended:
             call.cancel()
         elif not call.done():

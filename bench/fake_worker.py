@@ -7,7 +7,9 @@ request's ``max_tokens`` is smaller), ``--tokens-per-chunk`` per streamed chunk 
 finishing with ``length``. Nothing is computed, cached or checked, so whatever time a client sees beyond a direct
 ``Generate`` on this process is the router's.
 
-``Session`` answers the same way, every request of a message in one reply. What the router's pool needs is
+``Session`` answers the same way, every request of a message in one reply, on the gRPC call and on a plain-TCP
+session port (length-prefixed frames, ``proto/framing.py``; named in ``Health`` as a real worker names its own,
+unless ``--no-tcp-session``). What the router's pool needs is
 answered too: ``Health`` (SERVING, role ``both``), ``Load`` (all zeros), ``Snapshot`` (an empty cache at sequence
 0) and ``KVEvents`` (a stream that stays open and sends nothing). ``Abort`` finds nothing; ``Drain`` marks the
 worker draining. ``Reserve``, ``Prefill`` and ``Decode`` are UNIMPLEMENTED: with

@@ -413,6 +413,8 @@ class _TcpStream(asyncio.Protocol):
             self._early.append(msg)
 
     def data_received(self, data: bytes) -> None:
+        if self._done:  # broken or cancelled here: what still arrives belongs to requests already failed
+            return
         try:
             frames = self._frames.feed(data)
             for f in frames:

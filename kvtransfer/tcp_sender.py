@@ -4,21 +4,19 @@ Design and failure semantics: :mod:`kvtransfer.tcp`."""
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
-from kvtransfer.base import DestinationInfo, OnFailed
+from kvtransfer.base import OnFailed
 from kvtransfer.book import Entry
 from kvtransfer.config import TransferConfig
 from kvtransfer.outgoing import Leg
 from kvtransfer.queued_sender import QueuedSender
 from kvtransfer.sockio import byte_view, close_socket, join_all, recv_exact, send_vectored, staged, tune
-from kvtransfer.wire import HEADER_SIZE, Frame, Kind, control, hello_payload, unpack
+from kvtransfer.wire import HEADER_SIZE, Frame, Kind, control, unpack
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +27,6 @@ class _Link:
     sock: socket.socket
     legs: dict[int, tuple[Entry, Leg]] = field(default_factory=dict)
     alive: bool = True
-
-
-_MAX_BATCH = 64  # queued items gathered into one round of writes
 
 
 @dataclass(eq=False)
@@ -58,6 +53,7 @@ class _Writes:
 
 class TcpSender(QueuedSender):
     backend_name: ClassVar[str] = "tcp"
+    cannot_reach: ClassVar[str] = "cannot connect to receiver"
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
         super().__init__(config, on_failed)
@@ -65,26 +61,6 @@ class TcpSender(QueuedSender):
         self._worker = threading.Thread(target=self._work, name="kv-tcp-send", daemon=True)
         self._worker.start()
         self.book.start(self.config.poll_interval_s)
-
-    def start(
-        self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_block_ids: Sequence[int],
-        deadline_s: float,
-    ) -> None:
-        entry = self.out.open(request_id, dest, src_block_ids, deadline_s)
-        for leg in entry.ctx.legs:
-            try:
-                link = self._link(leg.dest.endpoint)
-            except OSError as e:
-                self.book.fail(entry, f"sender: cannot connect to receiver {leg.dest.endpoint}: {e}")
-                return
-            with self.book.lock:
-                link.legs[leg.dest.transfer_id] = (entry, leg)
-                leg.peer = link
-        self.out.plan(entry)  # raises CompatibilityError; the peer is told through _notify_peer
-        assert self.out.layout is not None
-        hello = hello_payload(self.out.layout)
-        for leg in entry.ctx.legs:
-            self._queue.put(("bytes", leg.peer, control(Kind.HELLO, leg.dest.transfer_id, hello)))
 
     def close(self) -> None:
         self._stop.set()
@@ -97,7 +73,7 @@ class TcpSender(QueuedSender):
         self.book.stop(self.config.close_timeout_s / 4)
 
     # ---- connections
-    def _link(self, endpoint: str) -> _Link:
+    def _peer(self, endpoint: str) -> _Link:
         with self._lock:
             link = self._links.get(endpoint)
             if link is not None and link.alive:
@@ -119,11 +95,7 @@ class TcpSender(QueuedSender):
             if self._links.get(link.endpoint) is link:
                 del self._links[link.endpoint]
         close_socket(link.sock)
-        with self.book.lock:
-            legs = list(link.legs.values())
-            link.legs.clear()
-        for entry, _ in legs:
-            self.book.fail(entry, f"sender: {reason} ({link.endpoint})")
+        self._fail_legs(link, f"sender: {reason} ({link.endpoint})")
 
     def _read(self, link: _Link) -> None:
         header = bytearray(HEADER_SIZE)
@@ -134,17 +106,7 @@ class TcpSender(QueuedSender):
                 payload = bytearray(frame.payload_len)
                 if frame.payload_len:
                     recv_exact(link.sock, memoryview(payload), self._stop)
-                with self.book.lock:
-                    found = link.legs.get(frame.transfer_id)
-                if found is None:
-                    continue
-                entry, leg = found
-                if frame.kind == Kind.ACK:
-                    self.out.leg_acked(entry, leg)
-                    with self.book.lock:
-                        link.legs.pop(frame.transfer_id, None)
-                elif frame.kind == Kind.FAIL:
-                    self.book.fail(entry, f"sender: receiver reported: {payload.decode(errors='replace')}")
+                self._on_reply(link, frame, payload)
         except InterruptedError:
             return
         except (OSError, ValueError) as e:
@@ -153,21 +115,15 @@ class TcpSender(QueuedSender):
     # ---- worker: the only thread that writes to sender sockets
     def _work(self) -> None:
         while not self._stop.is_set():
-            try:
-                batch = [self._queue.get(timeout=self.config.io_timeout_s)]
-            except queue.Empty:
+            batch = self._next_batch()
+            if batch is None:
                 continue
-            while len(batch) < _MAX_BATCH:  # whatever else is already queued goes out in the same writes
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
             writes = _Writes()
             try:
                 for op, arg, extra in batch:
                     if op == "stop":
                         return
-                    if op == "bytes":
+                    if op == "control":
                         writes.add(arg, [extra], time.monotonic() + self.config.connect_timeout_s)  # type: ignore[arg-type]
                     elif op == "layer":
                         rid, layer = cast(tuple[str, int], arg)
@@ -220,9 +176,3 @@ class TcpSender(QueuedSender):
         entry.ctx.finish_requested = True
         for leg in entry.ctx.legs:
             writes.add(leg.peer, [control(Kind.FINISH, leg.dest.transfer_id)], entry.deadline)
-
-    def _notify_peer(self, entry: Entry, message: str) -> None:
-        for leg in entry.ctx.legs:
-            if leg.peer is not None:
-                payload = control(Kind.FAIL, leg.dest.transfer_id, message.encode())
-                self._queue.put(("bytes", leg.peer, payload))

@@ -4,18 +4,16 @@ Design: :mod:`kvtransfer.torch_dist`."""
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch.distributed import PrefixStore
 
-from kvtransfer.base import DestinationInfo, OnFailed
+from kvtransfer.base import OnFailed
 from kvtransfer.book import Entry
 from kvtransfer.config import TransferConfig
 from kvtransfer.outgoing import Leg
@@ -32,7 +30,7 @@ from kvtransfer.torch_group import (
     split_frames,
     store_client,
 )
-from kvtransfer.wire import Frame, Kind, control, hello_payload
+from kvtransfer.wire import Frame, Kind, control
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +43,6 @@ class _OutPair:
     link: ControlLink
     legs: dict[int, tuple[Entry, Leg]] = field(default_factory=dict)
     alive: bool = True
-
-
-_MAX_BATCH = 64  # queued items gathered into one control message per pair
 
 
 @dataclass(eq=False)
@@ -70,6 +65,7 @@ def _writes(writes: dict[_OutPair, _PairWrites], pair: _OutPair, deadline: float
 
 class TorchSender(QueuedSender):
     backend_name: ClassVar[str] = "torch"
+    cannot_reach: ClassVar[str] = "cannot form a group with"
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
         super().__init__(config, on_failed)
@@ -78,26 +74,6 @@ class TorchSender(QueuedSender):
         self._worker = threading.Thread(target=self._work, name="kv-torch-send", daemon=True)
         self._worker.start()
         self.book.start(self.config.poll_interval_s)
-
-    def start(
-        self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_block_ids: Sequence[int],
-        deadline_s: float,
-    ) -> None:
-        entry = self.out.open(request_id, dest, src_block_ids, deadline_s)
-        for leg in entry.ctx.legs:
-            try:
-                pair = self._pair(leg.dest.endpoint)
-            except Exception as e:
-                self.book.fail(entry, f"sender: cannot form a group with {leg.dest.endpoint}: {e}".splitlines()[0])
-                return
-            with self.book.lock:
-                pair.legs[leg.dest.transfer_id] = (entry, leg)
-                leg.peer = pair
-        self.out.plan(entry)  # raises CompatibilityError after telling the receiver(s)
-        assert self.out.layout is not None
-        hello = hello_payload(self.out.layout)
-        for leg in entry.ctx.legs:
-            self._queue.put(("control", leg.peer, control(Kind.HELLO, leg.dest.transfer_id, hello)))
 
     def close(self) -> None:
         self._stop.set()
@@ -110,7 +86,7 @@ class TorchSender(QueuedSender):
         self.book.stop(self.config.close_timeout_s / 4)
 
     # ---- pairs
-    def _pair(self, endpoint: str) -> _OutPair:
+    def _peer(self, endpoint: str) -> _OutPair:
         with self._lock:
             pair = self._pairs.get(endpoint)
             if pair is not None and pair.alive:
@@ -141,27 +117,13 @@ class TorchSender(QueuedSender):
             if self._pairs.get(pair.endpoint) is pair:
                 del self._pairs[pair.endpoint]
         pair.link.close()  # the receiver sees EOF and fails its side of these requests at once
-        with self.book.lock:
-            legs = list(pair.legs.values())
-            pair.legs.clear()
-        for entry, _ in legs:
-            self.book.fail(entry, f"sender: {reason} ({pair.endpoint})")
+        self._fail_legs(pair, f"sender: {reason} ({pair.endpoint})")
 
     def _read(self, pair: _OutPair) -> None:
         try:
             while not self._stop.is_set() and pair.alive:
                 for frame, payload in split_frames(pair.link.get(self._stop)):
-                    with self.book.lock:
-                        found = pair.legs.get(frame.transfer_id)
-                    if found is None:
-                        continue
-                    entry, leg = found
-                    if frame.kind == Kind.ACK:
-                        self.out.leg_acked(entry, leg)
-                        with self.book.lock:
-                            pair.legs.pop(frame.transfer_id, None)
-                    elif frame.kind == Kind.FAIL:
-                        self.book.fail(entry, f"sender: receiver reported: {payload.decode(errors='replace')}")
+                    self._on_reply(pair, frame, payload)
         except InterruptedError:
             return
         except Exception as e:
@@ -173,15 +135,9 @@ class TorchSender(QueuedSender):
         while not self._stop.is_set():
             if self._queue.empty():
                 self._complete()  # nothing queued behind: wait for the layers in flight
-            try:
-                batch = [self._queue.get(timeout=self.config.io_timeout_s)]
-            except queue.Empty:
+            batch = self._next_batch()
+            if batch is None:
                 continue
-            while len(batch) < _MAX_BATCH:  # whatever else is already queued goes out in the same message
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
             writes: dict[_OutPair, _PairWrites] = {}
             try:
                 for op, arg, extra in batch:
@@ -248,8 +204,3 @@ class TorchSender(QueuedSender):
                 continue
             for entry, leg, nbytes in w.layers:
                 self.out.leg_sent_layer(entry, leg, nbytes)
-
-    def _notify_peer(self, entry: Entry, message: str) -> None:
-        for leg in entry.ctx.legs:
-            if leg.peer is not None:
-                self._queue.put(("control", leg.peer, control(Kind.FAIL, leg.dest.transfer_id, message.encode())))

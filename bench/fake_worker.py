@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import socket
 import sys
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -33,7 +32,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from proto.framing import FrameBuffer, FrameError, frame
+from proto.framing import FrameBuffer, FrameError, frame, tune_session_socket
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from router.serve import stop_on_signals
@@ -151,7 +150,7 @@ class _TcpSession(asyncio.Protocol):
         self.transport = transport
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune_session_socket(sock)
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
@@ -208,4 +207,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -324,13 +324,13 @@ async def _run_phase(target: str, model: str, tokens: int, phase: Phase) -> dict
 
         from proto.tandem.v1 import worker_pb2 as pb
         from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
-        from router.session import WorkerSession
+        from router.session import WorkerSession, host_of
 
         channels = [grpc.aio.insecure_channel(a) for a in rest.split(",")]
         sessions = [WorkerSession(pb_grpc.WorkerStub(c), a) for c, a in zip(channels, rest.split(","), strict=True)]
         for s, c, a in zip(sessions, channels, rest.split(","), strict=True):  # the transport the router uses
             health = await pb_grpc.WorkerStub(c).Health(pb.HealthRequest(), timeout=10)
-            s.use_tcp(a.rsplit(":", 1)[0], health.session_port)
+            s.use_tcp(host_of(a), health.session_port)
         loops = [_session_loop(sessions[i % len(sessions)], phase, tokens, tally, f"bench-{os.getpid()}-{i}")
                  for i in range(phase.concurrency)]
     else:

@@ -25,7 +25,7 @@ import grpc
 
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
-from router.session import WorkerSession
+from router.session import WorkerSession, host_of
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class WorkerPool:
             return False
         w.role, w.worker_id, w.draining, w.compat_hash = h.role, h.worker_id, h.draining, h.compat_hash
         if w.session is not None:  # the worker's plain-TCP Session port, on the host its gRPC address names
-            w.session.use_tcp(w.address.rsplit(":", 1)[0].strip("[]"), h.session_port)
+            w.session.use_tcp(host_of(w.address), h.session_port)
         mismatch = self._hashing_mismatch(h)
         if mismatch and mismatch != w.mismatch:
             log.error("refusing worker %s (%s): %s", h.worker_id, w.address, mismatch)

@@ -82,6 +82,11 @@ class _Pending:
                 log.exception("a session request's completion callback failed")
 
 
+def host_of(address: str) -> str:
+    """The host of a ``host:port`` worker address (an IPv6 host loses its brackets): where its session port is."""
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
 class WorkerSession:
     def __init__(self, stub: Any, name: str = "") -> None:
         self._stub = stub

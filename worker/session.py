@@ -34,6 +34,7 @@ from google.protobuf.message import DecodeError
 
 from engine.engine_loop import END
 from engine.llm_engine import LLMEngine, RequestOutput
+from kvtransfer.sockio import close_socket
 from proto.framing import FrameError, frame, read_frames, tune_session_socket
 from proto.tandem.v1 import worker_pb2 as pb
 from worker.convert import chunk_from_outputs, params_from_proto
@@ -350,9 +351,7 @@ class SessionListener:
             pass  # the router is gone: the session ends below
         finally:
             session.close()
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)  # the reader's recv returns: its thread ends too
-            conn.close()
+            close_socket(conn)  # shut down first: the reader's recv returns, so its thread ends too
             with self._lock:
                 self._conns.discard(conn)
 

@@ -198,8 +198,8 @@ class WorkerPool:
                                                  ld.active_tokens, ld.used_blocks, ld.total_blocks)
             except grpc.aio.AioRpcError:
                 self.mark_down(w)
-                # Load waits for the engine's loop; Health does not: a busy worker still answers it.
-                self._unanswered(w, sent)
+                # Load waits for the engine's loop; Health does not: a busy worker still answers it, so only a
+                # worker that answers neither counts as silent.
                 if await self._health(w):
                     self._answered(w)
                 else:

@@ -161,17 +161,31 @@ def _tier_cpus() -> tuple[set[int] | None, set[int] | None, list[str]]:
     return set(cpus[:half]), set(cpus[half:]), ["--threads", str(half)]
 
 
+KV_IO = ("engine", "spare")  # where the decode worker's transport threads run in the ITL phase
+
+
 def measure_itl(model: str, backend: str, load_prompt_len: int, streams: int = 4, tokens: int = 128,
-                pin: bool = True, rounds: int = 3) -> dict[str, Any]:
+                pin: bool = True, rounds: int = 3, kv_io: str = "engine") -> dict[str, Any]:
     """Decode ITL over runs of ``streams`` concurrent streams: one quiet, then ``rounds`` alternations of the
     control (the prefill worker keeps computing ``load_prompt_len``-token prompts with no destination: the same
     prefill work next door, no bytes landing) and the loaded run (it keeps prefilling them *into this decode
     worker*). Only loaded against control is what landing transfers cost decode; control against quiet is what
     sharing one host with a busy prefill worker costs (memory bandwidth, L3, scheduling), which separate hosts do
-    not pay. Run-to-run noise on a shared 2-vCPU VM is ±10-20%, hence the alternation and the medians."""
+    not pay. Run-to-run noise on a shared 2-vCPU VM is ±10-20%, hence the alternation and the medians.
+
+    ``kv_io``: ``"engine"`` leaves the decode worker's transport threads on its own CPUs, beside its forward pass;
+    ``"spare"`` pins them elsewhere (``--kv-io-cpus``), as a decode host with a core kept for I/O would. With two
+    CPUs the only other one is the prefill half's, busy with prefill in the control and the loaded run alike, so
+    the receive copy then competes with prefill compute instead of decode's."""
+    if kv_io not in KV_IO:
+        raise ValueError(f"kv_io must be one of {KV_IO}, got {kv_io!r}")
     pre_cpus, dec_cpus, threads = _tier_cpus() if pin else (None, None, [])
+    if kv_io == "spare" and not pre_cpus:
+        raise ValueError("kv_io='spare' needs two or more CPUs and pinning: there is no spare CPU otherwise")
+    io_flags = ["--kv-io-cpus", ",".join(map(str, sorted(pre_cpus)))] if kv_io == "spare" and pre_cpus else []
     prefill = start_worker("prefill", model, backend, ["--num-kv-blocks", "1024", *threads], cpus=pre_cpus)
-    decode = start_worker("decode", model, backend, ["--num-kv-blocks", "1024", *threads], cpus=dec_cpus)
+    decode = start_worker("decode", model, backend, ["--num-kv-blocks", "1024", *threads, *io_flags],
+                          cpus=dec_cpus)
     own_cpus = os.sched_getaffinity(0)
     if pre_cpus:  # the load client runs beside prefill, off the decode worker's CPUs, as a separate host would
         os.sched_setaffinity(0, pre_cpus)
@@ -238,7 +252,8 @@ def measure_itl(model: str, backend: str, load_prompt_len: int, streams: int = 4
             return out | {"runs": runs}
 
         costs = [ld["p50"] / c["p50"] - 1.0 for c, ld in zip(controls, loads, strict=True)]
-        return {"backend": backend, "streams": streams, "tokens": tokens, "load_prompt_len": load_prompt_len,
+        return {"backend": backend, "kv_io": kv_io, "streams": streams, "tokens": tokens,
+                "load_prompt_len": load_prompt_len,
                 "transfers_during_loaded_run": statistics.median(r["load_requests"] for r in loads),
                 "cpus": {"prefill": sorted(pre_cpus) if pre_cpus else "all", "decode": sorted(dec_cpus) if dec_cpus
                          else "all"},
@@ -262,7 +277,11 @@ def run_kv(args: argparse.Namespace) -> dict[str, Any]:
     if args.model:
         report["overlap"] = [measure_overlap_isolated(args.model, b, args.prompt_len, args.threads, args.repeats)
                              for b in backends]
-        report["decode_itl"] = [measure_itl(args.model, b, args.prompt_len // 2) for b in backends]
+        placements = [io for io in args.kv_io.split(",") if io]
+        if len(os.sched_getaffinity(0)) < 2:
+            placements = [io for io in placements if io != "spare"] or ["engine"]  # no spare CPU to pin to
+        report["decode_itl"] = [measure_itl(args.model, b, args.prompt_len // 2, kv_io=io)
+                                for b in backends for io in placements]
     return report
 
 
@@ -286,7 +305,8 @@ def format_kv_report(report: dict[str, Any]) -> str:
         for r in report["decode_itl"]:
             q, c, w = r["itl_ms_quiet"], r["itl_ms_prefill_compute_only"], r["itl_ms_with_transfers"]
             costs = ", ".join(f"{100 * x:+.1f}" for x in r.get("transfer_cost_p50_runs", []))
-            lines.append(f"  {r['backend']:>6}: quiet {q['p50']:.1f} / {q['p99']:.1f}, "
+            where = {"engine": "KV I/O on decode's CPUs", "spare": "KV I/O on a spare CPU"}.get(r.get("kv_io", ""), "")
+            lines.append(f"  {r['backend']:>6}{', ' + where if where else ''}: quiet {q['p50']:.1f} / {q['p99']:.1f}, "
                          f"control {c['p50']:.1f} / {c['p99']:.1f}, with transfers {w['p50']:.1f} / {w['p99']:.1f}; "
                          f"cost {100 * r['transfer_cost_p50']:+.1f}% p50 ({costs}), "
                          f"{r['transfers_during_loaded_run']} transfers")

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--model", default=None, help="checkpoint for the overlap and ITL runs (skipped without)")
     kv.add_argument("--prompt-len", type=int, default=2048)
     kv.add_argument("--threads", type=int, default=None)
+    kv.add_argument("--kv-io", default="engine,spare",
+                    help="ITL phase: where the decode worker's transport threads run, any of engine (its own CPUs) "
+                         "and spare (the other CPUs, through --kv-io-cpus); each is measured")
     kv.add_argument("--json", action="store_true")
     from bench.gateway import add_gateway_args
 

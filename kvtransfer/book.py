@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtransfer.base import OnFailed, TransferState, TransferStatus
+from kvtransfer.io_cpus import start_io_thread
 
 log = logging.getLogger(__name__)
 REAPER_IDLE_S = 0.5  # the reaper's longest sleep: a backstop, deadlines and failures wake it themselves
@@ -75,10 +76,8 @@ class TransferBook:
         self._thread: threading.Thread | None = None
 
     # ---- lifecycle
-    def start(self, interval_s: float) -> None:
-        self._thread = threading.Thread(target=self._reap, args=(interval_s,), name=f"kv-{self.side}-leases")
-        self._thread.daemon = True
-        self._thread.start()
+    def start(self, interval_s: float, cpus: tuple[int, ...] = ()) -> None:
+        self._thread = start_io_thread(cpus, self._reap, f"kv-{self.side}-leases", interval_s)
 
     def stop(self, timeout_s: float) -> None:
         self._stop.set()

@@ -22,6 +22,8 @@ class TransferConfig:
     # NIXL's progress thread sleeps this long between idle passes. NIXL's Python API hard-codes 0, a thread that
     # spins on a whole core for as long as the agent lives (measured: 1.0 core idle, 0.05 at 100 us).
     nixl_progress_delay_us: int = 100
+    # CPUs for every thread the transport starts (kvtransfer.io_cpus); () leaves them on the process's CPUs.
+    io_cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -35,5 +37,7 @@ class TransferConfig:
             raise ValueError("TransferConfig poll/io slices must be well under close_timeout_s so close() is prompt")
         if self.nixl_progress_delay_us < 0:
             raise ValueError("TransferConfig.nixl_progress_delay_us must be >= 0")
+        if any(not isinstance(c, int) or c < 0 for c in self.io_cpus):
+            raise ValueError(f"TransferConfig.io_cpus must be CPU numbers >= 0, got {self.io_cpus!r}")
         if not self.nixl_backends:
             raise ValueError("TransferConfig.nixl_backends must name at least one NIXL backend")

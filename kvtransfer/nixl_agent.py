@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvtransfer.config import TransferConfig
+from kvtransfer.io_cpus import io_affinity
 from kvtransfer.layout import KVLayout
 from kvtransfer.plan import Piece
 from kvtransfer.wire import HEADER_SIZE
@@ -47,7 +48,7 @@ def make_agent(config: TransferConfig, role: str) -> Any:
     nixl_api = import_nixl_api()
     name = f"tandem-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     cfg = nixl_api.nixl_agent_config(enable_prog_thread=True, backends=list(config.nixl_backends))
-    with _AGENT_CONFIG_LOCK:
+    with _AGENT_CONFIG_LOCK, io_affinity(config.io_cpus):  # NIXL's progress thread and UCX's start on io_cpus
         return _with_progress_delay(nixl_api, config.nixl_progress_delay_us, lambda: nixl_api.nixl_agent(name, cfg))
 
 

@@ -14,6 +14,7 @@ from kvtransfer.base import DestinationInfo, KVCaches, KVReceiver, OnFailed, Tra
 from kvtransfer.book import Entry, TransferBook
 from kvtransfer.config import TransferConfig
 from kvtransfer.doorbell import Doorbell
+from kvtransfer.io_cpus import start_io_thread
 from kvtransfer.landing import Landing
 from kvtransfer.layout import KVLayout
 from kvtransfer.nixl_agent import handed_after, make_agent, mem_of, parse_hello
@@ -83,9 +84,8 @@ class NixlReceiver(KVReceiver):
         self._reserved = threading.Event()  # set by reserve: the watcher starts polling
         self._pace: dict[int, _Pace] = {}  # transfer id -> timing, from its HELLO on (watcher thread only)
         self._poll_prev = self._poll_now = 0.0  # the watcher's previous and current poll times
-        self._thread = threading.Thread(target=self._watch, name="kv-nixl-notifs", daemon=True)
-        self._thread.start()
-        self.book.start(self.config.poll_interval_s)
+        self._thread = start_io_thread(self.config.io_cpus, self._watch, "kv-nixl-notifs")
+        self.book.start(self.config.poll_interval_s, self.config.io_cpus)
 
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.landing.register(kv_caches, layout)

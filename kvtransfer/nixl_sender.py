@@ -23,6 +23,7 @@ from kvtransfer.base import DestinationInfo, KVCaches, KVSender, OnFailed, Trans
 from kvtransfer.book import Entry, TransferBook
 from kvtransfer.config import TransferConfig
 from kvtransfer.doorbell import Ringer, split_endpoint
+from kvtransfer.io_cpus import start_io_thread
 from kvtransfer.layout import KVLayout
 from kvtransfer.nixl_agent import data_notif, hello_payload, make_agent, mem_of, piece_offsets
 from kvtransfer.outgoing import Leg, Outbound
@@ -69,9 +70,8 @@ class NixlSender(KVSender):
         self._ringer = Ringer()
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._progress, name="kv-nixl-progress", daemon=True)
-        self._thread.start()
-        self.book.start(self.config.poll_interval_s)
+        self._thread = start_io_thread(self.config.io_cpus, self._progress, "kv-nixl-progress")
+        self.book.start(self.config.poll_interval_s, self.config.io_cpus)
 
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.out.register(kv_caches, layout)

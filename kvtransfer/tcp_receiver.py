@@ -8,6 +8,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -16,6 +17,7 @@ import torch
 from kvtransfer.base import KVCaches, OnFailed
 from kvtransfer.book import Entry, TransferBook
 from kvtransfer.config import TransferConfig
+from kvtransfer.io_cpus import start_io_thread
 from kvtransfer.landing import Landing
 from kvtransfer.layout import KVLayout
 from kvtransfer.sockio import (
@@ -68,14 +70,12 @@ class TcpReceiver(StreamReceiver):
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._spawn(self._accept_loop, "kv-tcp-accept")
-        self.book.start(cfg.poll_interval_s)
+        self.book.start(cfg.poll_interval_s, cfg.io_cpus)
 
-    def _spawn(self, target: object, name: str, *args: object) -> None:
-        t = threading.Thread(target=target, args=args, name=name, daemon=True)  # type: ignore[arg-type]
+    def _spawn(self, target: Callable[..., object], name: str, *args: object) -> None:
         with self._lock:
             self._threads = [x for x in self._threads if x.is_alive()]
-            self._threads.append(t)
-        t.start()
+            self._threads.append(start_io_thread(self.config.io_cpus, target, name, *args))
 
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.landing.register(kv_caches, layout)

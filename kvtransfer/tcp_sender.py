@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
@@ -13,6 +12,7 @@ from typing import ClassVar, cast
 from kvtransfer.base import OnFailed
 from kvtransfer.book import Entry
 from kvtransfer.config import TransferConfig
+from kvtransfer.io_cpus import start_io_thread
 from kvtransfer.outgoing import Leg
 from kvtransfer.queued_sender import QueuedSender
 from kvtransfer.sockio import byte_view, close_socket, join_all, recv_exact, send_vectored, staged, tune
@@ -58,9 +58,8 @@ class TcpSender(QueuedSender):
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
         super().__init__(config, on_failed)
         self._links: dict[str, _Link] = {}
-        self._worker = threading.Thread(target=self._work, name="kv-tcp-send", daemon=True)
-        self._worker.start()
-        self.book.start(self.config.poll_interval_s)
+        self._worker = start_io_thread(self.config.io_cpus, self._work, "kv-tcp-send")
+        self.book.start(self.config.poll_interval_s, self.config.io_cpus)
 
     def close(self) -> None:
         self._stop.set()
@@ -84,9 +83,8 @@ class TcpSender(QueuedSender):
         link = _Link(endpoint, sock)
         with self._lock:
             self._links[endpoint] = link
-        t = threading.Thread(target=self._read, args=(link,), name=f"kv-tcp-ack-{endpoint}", daemon=True)
+        t = start_io_thread(self.config.io_cpus, self._read, f"kv-tcp-ack-{endpoint}", link)
         self._threads = [x for x in self._threads if x.is_alive()] + [t]
-        t.start()
         return link
 
     def _drop(self, link: _Link, reason: str) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.distributed import TCPStore
 
+from kvtransfer.io_cpus import io_affinity
 from kvtransfer.sockio import close_socket, recv_exact, send_nowait, send_vectored, tune
 from kvtransfer.wire import HEADER_SIZE, Frame, Kind, unpack
 
@@ -24,8 +25,15 @@ def timedelta_s(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def make_group(store: Any, rank: int, cuda: bool, timeout_s: float) -> Any:
-    """A 2-rank process group on ``store``: NCCL for CUDA tensors, gloo (bound to the store's host) otherwise."""
+def make_group(store: Any, rank: int, cuda: bool, timeout_s: float, io_cpus: tuple[int, ...] = ()) -> Any:
+    """A 2-rank process group on ``store``: NCCL for CUDA tensors, gloo (bound to the store's host) otherwise. The
+    library threads it starts (gloo's device loop, which reads every received byte, and its work threads) run on
+    ``io_cpus``."""
+    with io_affinity(io_cpus):
+        return _make_group(store, rank, cuda, timeout_s)
+
+
+def _make_group(store: Any, rank: int, cuda: bool, timeout_s: float) -> Any:
     if cuda:  # pragma: no cover - needs a GPU
         from torch.distributed import ProcessGroupNCCL
 

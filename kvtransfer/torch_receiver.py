@@ -15,6 +15,7 @@ from torch.distributed import PrefixStore, TCPStore
 from kvtransfer.base import KVCaches, OnFailed
 from kvtransfer.book import Entry, TransferBook
 from kvtransfer.config import TransferConfig
+from kvtransfer.io_cpus import io_affinity, start_io_thread
 from kvtransfer.landing import Landing
 from kvtransfer.layout import KVLayout
 from kvtransfer.sockio import close_socket, join_all
@@ -49,8 +50,9 @@ class TorchReceiver(StreamReceiver):
         cfg = self.config
         self.book = TransferBook("receiver", on_failed, self._notify_peer)
         self.landing = Landing(self.book, self.backend_name)
-        self._store: Any = TCPStore(cfg.host, cfg.port, None, True, timedelta_s(cfg.connect_timeout_s),
-                                    wait_for_workers=False)
+        with io_affinity(cfg.io_cpus):  # the store server's thread
+            self._store: Any = TCPStore(cfg.host, cfg.port, None, True, timedelta_s(cfg.connect_timeout_s),
+                                        wait_for_workers=False)
         self.endpoint = f"{cfg.host}:{self._store.port}"
         self._listener = socket.create_server((cfg.host, 0))
         self._listener.settimeout(cfg.io_timeout_s)
@@ -61,9 +63,8 @@ class TorchReceiver(StreamReceiver):
         self._served: set[int] = set()  # pair indices that connected: each is served once
         self._threads: list[threading.Thread] = []
         self._cuda = False
-        self._accepter = threading.Thread(target=self._accept, name="kv-torch-accept", daemon=True)
-        self._accepter.start()
-        self.book.start(cfg.poll_interval_s)
+        self._accepter = start_io_thread(cfg.io_cpus, self._accept, "kv-torch-accept")
+        self.book.start(cfg.poll_interval_s, cfg.io_cpus)
 
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.landing.register(kv_caches, layout)
@@ -89,11 +90,10 @@ class TorchReceiver(StreamReceiver):
             except OSError:  # closed
                 return
             link = ControlLink(sock, f"{addr[0]}:{addr[1]}")
-            t = threading.Thread(target=self._serve, args=(link,), name=f"kv-torch-pair-{link.peer}", daemon=True)
             with self._lock:
                 self._links.add(link)
+                t = start_io_thread(self.config.io_cpus, self._serve, f"kv-torch-pair-{link.peer}", link)
                 self._threads = [x for x in self._threads if x.is_alive()] + [t]
-            t.start()
 
     def _serve(self, link: ControlLink) -> None:
         """One sender: its first message names the pair it claimed in the store; then its layers, in order."""
@@ -111,7 +111,7 @@ class TorchReceiver(StreamReceiver):
             pair = _InPair(index, link)
             # The group gets a store client of its own: TCPStore clients are not safe for concurrent use.
             group_store = PrefixStore(f"tandem/pair/{index}", store_client(self.endpoint, cfg.connect_timeout_s))
-            group = make_group(group_store, 0, self._cuda, cfg.connect_timeout_s)
+            group = make_group(group_store, 0, self._cuda, cfg.connect_timeout_s, cfg.io_cpus)
             while not self._stop.is_set():
                 data: list[Frame] = []  # a run of DATA headers: their recvs are posted together
                 for frame, payload in split_frames(link.get(self._stop)):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -16,6 +15,7 @@ from torch.distributed import PrefixStore
 from kvtransfer.base import OnFailed
 from kvtransfer.book import Entry
 from kvtransfer.config import TransferConfig
+from kvtransfer.io_cpus import start_io_thread
 from kvtransfer.outgoing import Leg
 from kvtransfer.queued_sender import QueuedSender
 from kvtransfer.sockio import join_all
@@ -71,9 +71,8 @@ class TorchSender(QueuedSender):
         super().__init__(config, on_failed)
         self._pairs: dict[str, _OutPair] = {}
         self._inflight: list[tuple[_OutPair, list[Any], _PairWrites]] = []
-        self._worker = threading.Thread(target=self._work, name="kv-torch-send", daemon=True)
-        self._worker.start()
-        self.book.start(self.config.poll_interval_s)
+        self._worker = start_io_thread(self.config.io_cpus, self._work, "kv-torch-send")
+        self.book.start(self.config.poll_interval_s, self.config.io_cpus)
 
     def close(self) -> None:
         self._stop.set()
@@ -100,15 +99,14 @@ class TorchSender(QueuedSender):
                 link.put(PAIR_INDEX.pack(index), time.monotonic() + cfg.connect_timeout_s)
                 cuda = bool(self.out.kv_caches) and self.out.kv_caches[0][0].is_cuda
                 group = make_group(PrefixStore(f"tandem/pair/{index}", store_client(endpoint, cfg.connect_timeout_s)),
-                                   1, cuda, cfg.connect_timeout_s)
+                                   1, cuda, cfg.connect_timeout_s, cfg.io_cpus)
             except Exception:
                 link.close()
                 raise
             pair = _OutPair(endpoint, store, group, link)
             self._pairs[endpoint] = pair
-        t = threading.Thread(target=self._read, args=(pair,), name=f"kv-torch-ack-{endpoint}", daemon=True)
+        t = start_io_thread(cfg.io_cpus, self._read, f"kv-torch-ack-{endpoint}", pair)
         self._threads = [x for x in self._threads if x.is_alive()] + [t]
-        t.start()
         return pair
 
     def _drop(self, pair: _OutPair, reason: str) -> None:

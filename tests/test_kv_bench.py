@@ -54,7 +54,7 @@ def test_kv_bench_text_report_gives_every_phase_next_to_its_goal() -> None:
         "overlap": [{"backend": "tcp", "prompt_len": 2048, "kv_bytes": 64 << 20, "overlap": 0.9,
                      "serial_transfer_s": 0.02, "exposed_after_compute_s": 0.002,
                      "runs": [{"overlap": 0.85}, {"overlap": 0.9}, {"overlap": 0.95}]}],
-        "decode_itl": [{"backend": "tcp", "itl_ms_quiet": itl, "itl_ms_prefill_compute_only": itl,
+        "decode_itl": [{"backend": "tcp", "kv_io": "spare", "itl_ms_quiet": itl, "itl_ms_prefill_compute_only": itl,
                         "itl_ms_with_transfers": {"p50": 33.0, "p99": 60.0}, "transfer_cost_p50": 0.1,
                         "transfer_cost_p50_runs": [0.05, 0.1, 0.2], "transfers_during_loaded_run": 30}],
     }
@@ -68,5 +68,12 @@ def test_kv_bench_text_report_gives_every_phase_next_to_its_goal() -> None:
     assert "64 MiB of KV for 2048 tokens" in overlap
     decode = next(line for line in lines if "quiet" in line)
     assert "with transfers 33.0 / 60.0" in decode and "cost +10.0% p50 (+5.0, +10.0, +20.0)" in decode
-    assert "30 transfers" in decode
+    assert "30 transfers" in decode and "tcp, KV I/O on a spare CPU: quiet 30.0" in decode
     assert "goal >= 80%" in text and "unaffected while transfers land" in text
+
+
+def test_itl_phase_refuses_an_unknown_kv_io_placement_before_starting_workers() -> None:
+    from bench.kv import measure_itl
+
+    with pytest.raises(ValueError, match="kv_io must be one of"):
+        measure_itl("/nonexistent", "tcp", 16, kv_io="gpu")

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
+    from kvtransfer.config import TransferConfig
     from kvtransfer.layout import KVLayout
     from worker.service import WorkerService
 
@@ -50,6 +51,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--session-port", type=int, default=0,
                    help="port of the plain-TCP Session transport (0: a free one, reported by Health; -1: none)")
+    p.add_argument("--kv-io-cpus", default=None, metavar="LIST",
+                   help="CPUs (e.g. 3 or 2-3) for the KV transport's threads, off the engine's cores: on a CPU host "
+                        "they copy every landing byte, and on the engine's cores that time comes out of decode's steps")
     p.add_argument("--redis", default=None, help="redis://host:port: register a lease and publish KV events")
     p.add_argument("--lease-seconds", type=float, default=3.0)
     # Fault injection for the failure tests: the prefill engine stalls after sending this layer.
@@ -64,6 +68,17 @@ def kv_layout_for(engine: LLMEngine) -> KVLayout:
     digest = hashlib.sha256((Path(engine.config.model) / "config.json").read_bytes()).hexdigest()[:12]
     return KVLayout(model_id=f"{cfg.architecture}:{digest}", dtype=engine.config.dtype, num_layers=cfg.num_layers,
                     block_size=engine.block_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+
+
+def transfer_config(args: argparse.Namespace) -> TransferConfig:
+    from kvtransfer.config import TransferConfig
+    from kvtransfer.io_cpus import check_cpus, parse_cpu_list
+
+    if args.kv_io_cpus is None:
+        return TransferConfig()
+    cpus = parse_cpu_list(args.kv_io_cpus)
+    check_cpus(cpus)
+    return TransferConfig(io_cpus=cpus)
 
 
 def model_key(engine: LLMEngine) -> str:
@@ -88,14 +103,15 @@ def build_service(args: argparse.Namespace) -> WorkerService:
     ))
     layout = kv_layout_for(engine)
     sender_cls, receiver_cls = get_backend(args.kv_backend)
+    transfer = transfer_config(args)
     if args.role == "prefill":
-        sender = sender_cls()
+        sender = sender_cls(transfer)
         sender.register(engine.kv_caches, layout)
         service = PrefillService(engine, sender, layout, args.kv_backend, args.worker_id)
         if args.debug_stall_after_layer is not None:
             service.stall = (args.debug_stall_after_layer, args.debug_stall_seconds)
         return service
-    receiver = receiver_cls()
+    receiver = receiver_cls(transfer)
     receiver.register(engine.kv_caches, layout)
     return DecodeService(engine, receiver, layout, args.kv_backend, args.worker_id, role=args.role)
 
@@ -110,6 +126,11 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     t0 = time.monotonic()
+    try:
+        transfer_config(args)  # a bad flag fails here, before the model loads
+    except ValueError as e:
+        print(f"error: --kv-io-cpus: {e}", file=sys.stderr)
+        return 2
     service = build_service(args)
     service.start()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="grpc"),

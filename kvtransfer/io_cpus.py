@@ -1,0 +1,100 @@
+"""Which CPUs the KV transport's own threads run on (``TransferConfig.io_cpus``).
+
+On a CPU host the engine's compute owns its cores, and whatever thread copies a landing transfer's bytes into the
+KV cache spends CPU there: tcp's ``recv_into`` runs in the receiver's thread, gloo's reads in its device loop thread.
+Sharing decode's core, that copy is time taken from the forward pass (docs/benchmarks.md §2: +12–15% ITL on tcp,
++30–39% on torch while transfers land). NIXL's shared-memory path escapes it because the *sender* copies. Naming
+spare cores here moves every thread the transport starts onto them, so decode keeps its cores and the bytes are
+still copied as they arrive.
+
+Linux semantics this relies on: ``sched_setaffinity(0, ...)`` sets the *calling thread's* mask, and a new thread
+starts with its creator's. Python threads pin themselves as they start (:func:`start_io_thread`); threads that C++
+libraries create (gloo's device loop and work threads, NIXL's progress thread, UCX's) are created inside
+:func:`io_affinity`, which pins the creating thread for the duration and restores its mask after. An empty set
+leaves every thread where the process put it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+_PR_SET_NAME = 15
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+
+
+def parse_cpu_list(spec: str) -> tuple[int, ...]:
+    """``"0,2-3"`` → ``(0, 2, 3)``: the Linux cpu-list syntax (as ``taskset -c`` and cgroup cpusets take it)."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"bad CPU list {spec!r}: {part!r} is not a CPU number or a range a-b") from None
+        if first < 0 or last < first:
+            raise ValueError(f"bad CPU list {spec!r}: {part!r} is not a CPU number or an ascending range")
+        cpus.update(range(first, last + 1))
+    if not cpus:
+        raise ValueError(f"bad CPU list {spec!r}: it names no CPU")
+    return tuple(sorted(cpus))
+
+
+def check_cpus(cpus: tuple[int, ...]) -> None:
+    """Raise ``ValueError`` naming any CPU of ``cpus`` this host does not have (checked once, at start-up, so a
+    wrong flag fails the worker's start instead of every transport thread)."""
+    have = os.cpu_count() or 1
+    missing = [c for c in cpus if c >= have]
+    if missing:
+        raise ValueError(f"KV I/O CPUs {missing} do not exist on this host (CPUs 0-{have - 1})")
+
+
+def pin_current_thread(cpus: tuple[int, ...]) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+@contextlib.contextmanager
+def io_affinity(cpus: tuple[int, ...]) -> Iterator[None]:
+    """Run the body on ``cpus``, so any thread it creates (in Python or C++) starts there; then restore."""
+    if not cpus:
+        yield
+        return
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread ``name`` (first 15 bytes) in the OS as well, where ``top -H``, ``ps -L`` and
+    ``/proc/PID/task/TID/comm`` show it; Python's own thread names stay inside Python. Best effort, Linux only."""
+    if _LIBC is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        _LIBC.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+
+
+def start_io_thread(cpus: tuple[int, ...], target: Callable[..., object], name: str,
+                    *args: object) -> threading.Thread:
+    """Start a daemon thread running ``target(*args)`` on ``cpus`` (where its creator runs when empty), named
+    ``name`` in the OS too."""
+
+    def run() -> None:
+        name_os_thread(name)
+        pin_current_thread(cpus)
+        target(*args)
+
+    t = threading.Thread(target=run, name=name, daemon=True)
+    t.start()
+    return t

@@ -82,3 +82,19 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     if madvise is not None and hi > lo and madvise(lo, hi - lo, _MADV_HUGEPAGE) != 0:
         log.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
     return t
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...) from ``/proc/cpuinfo``; "" elsewhere.
+
+    Some kernel choices depend on it: MKL dispatches its fast code paths on Intel CPUs only (see
+    ``engine.models.layers.linear``)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""

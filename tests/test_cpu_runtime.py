@@ -1,13 +1,17 @@
-"""Process-level CPU settings: the KV cache on transparent huge pages (engine/cpu_runtime.py)."""
+"""Process-level CPU settings (engine/cpu_runtime.py): the KV cache on transparent huge pages, and the CPU vendor
+that picks the few-row fp32 GEMM (engine/models/layers.py ``linear``)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from engine.cpu_runtime import cpu_vendor
 from engine.kv_cache import allocate_kv_cache
+from engine.models import layers
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -35,3 +39,42 @@ def test_kv_cache_is_zeroed_and_on_huge_pages() -> None:
     k = caches[0][0]
     huge = _huge_kib_at(k.data_ptr() + k.numel() * k.element_size() // 2)
     assert huge >= 2048, f"no huge page under the KV cache (AnonHugePages {huge} kB)"
+
+
+def test_cpu_vendor_is_read_from_proc_cpuinfo() -> None:
+    info = Path("/proc/cpuinfo")
+    if not info.exists():
+        assert cpu_vendor() == ""
+        return
+    want = next((line.split(":", 1)[1].strip() for line in info.read_text().splitlines()
+                 if line.startswith("vendor_id")), "")
+    assert cpu_vendor() == want
+    limit = layers._MKL_GEMV_MAX_WEIGHT
+    assert limit == math.inf if want == "GenuineIntel" else limit == 1 << 18
+
+
+@pytest.mark.skipif(not layers._ONEDNN, reason="needs torch's oneDNN (mkldnn) ops")
+@pytest.mark.parametrize("limit", [1 << 18, float("inf")])
+def test_few_row_fp32_matmuls_take_mkl_only_under_the_weight_limit(monkeypatch: pytest.MonkeyPatch,
+                                                                  limit: float) -> None:
+    """One- and two-row fp32 matmuls go to torch's default GEMM (MKL) below ``_MKL_GEMV_MAX_WEIGHT`` elements and
+    to oneDNN's packed call from it on (the non-Intel limit), or always to MKL (Intel's); the results agree."""
+    monkeypatch.setattr(layers, "_MKL_GEMV_MAX_WEIGHT", limit)
+    plain = torch.nn.functional.linear
+    mkl_calls: list[tuple[int, ...]] = []
+
+    def counting(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        mkl_calls.append(tuple(w.shape))
+        return plain(x, w, b)
+
+    monkeypatch.setattr(layers.F, "linear", counting)
+    torch.manual_seed(0)
+    small, large = torch.randn(256, 256) * 0.02, torch.randn(1024, 768) * 0.02  # 64k and 768k elements
+    for w in (small, large):
+        layers.prepack_linear_weight(w)
+    for rows in (1, 2):
+        mkl_calls.clear()
+        for w in (small, large):
+            x = torch.randn(rows, w.shape[1])
+            torch.testing.assert_close(layers.linear(x, w), plain(x, w), rtol=1e-5, atol=1e-6)
+        assert mkl_calls == ([(256, 256)] if limit < float("inf") else [(256, 256), (1024, 768)])

@@ -2,8 +2,9 @@
 
 The tiny checkpoints keep every weight under the size at which :func:`engine.models.layers.linear` routes few-row
 matmuls (single-sequence and small-batch decode) to oneDNN instead of MKL. This module covers that path: the small
-model's projections are all above it, so batches of 1 and 3 decode through oneDNN's matrix-vector product while a
-batch of 12 crosses into the batched path mid-run as prompts finish prefill together.
+model's projections are all above it, so batches of 1 and 3 decode through the few-row path (MKL's GEMV on Intel
+CPUs, oneDNN's packed matrix-vector product on others) while a batch of 12 crosses into the batched path mid-run as
+prompts finish prefill together.
 """
 
 from __future__ import annotations

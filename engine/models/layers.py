@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.cpu_runtime import cpu_vendor
 from engine.kernels import LayerOps, layer_ops
 from engine.model_config import MoEConfig, RopeConfig
 
@@ -45,6 +46,8 @@ _ONEDNN = _onednn_available()
 _ONEDNN_MIN_ROWS = 8
 _ONEDNN_MIN_WEIGHT = 1 << 19  # elements: 2 MiB of fp32
 _MKL_MAX_ROWS = 2  # fp32 GEMVs of at most this many rows take MKL (see linear())
+# ... when the weight has fewer elements than this: any size on Intel, small ones elsewhere (see linear()).
+_MKL_GEMV_MAX_WEIGHT = math.inf if cpu_vendor() == "GenuineIntel" else 1 << 18
 _PACK_ROWS = 32  # the batch size oneDNN's blocked weight layout is chosen for (a decode batch)
 
 
@@ -65,9 +68,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     - **fp32, one or two rows** (single-sequence decode): torch's default GEMM (MKL's GEMV). oneDNN's packed call
       has a ~20 us floor per call that MKL does not (tiny model, 256x512 at one row: 9 vs 22 us), and at the
-      small model's sizes MKL streams the weight faster too. In-engine A/B (torch 2.13, 2026-12-04): tiny fp32
-      single-sequence decode 1.55 -> 1.03 ms per token, small fp32 25.0-26.0 -> 20.8-21.9 ms; greedy tokens
-      unchanged. It is also transformers' own fp32 path.
+      small model's sizes MKL streams the weight faster too. In-engine A/B (torch 2.13, 2026-12-04, Intel with
+      AMX): tiny fp32 single-sequence decode 1.55 -> 1.03 ms per token, small fp32 25.0-26.0 -> 20.8-21.9 ms;
+      greedy tokens unchanged. It is also transformers' own fp32 path.
+      On other vendors' CPUs only weights under ``_MKL_GEMV_MAX_WEIGHT`` elements take MKL: MKL runs its generic
+      code there, and on an AMD EPYC (Zen 4, 2026-12-05) its GEMV streamed a large weight at half oneDNN's rate
+      (one row, weight hot: 768x2048 104 vs 58 us, 8192x768 779 vs 288 us; small fp32 single-sequence decode
+      31 tok/s with MKL against 51-55 with oneDNN, same tokens), while below ~256k elements its lower per-call
+      cost still wins (256x688: 13.5 vs 21.9 us).
     - **Packed weights** (:func:`prepack_linear_weight`), everything else: oneDNN in its blocked layout, with no
       per-call re-blocking. For decode batches and prefills it beats MKL here (fp32 32 rows at 768x4096: 804 vs
       1035 us), and in bf16 it is the AMX kernel at every row count (unpacked bf16 re-blocks per call: 23 vs
@@ -78,7 +86,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if _ONEDNN and x.device.type == "cpu" and x.dim() == 2:
         packed = getattr(weight, "packed", None)
-        if x.shape[0] <= _MKL_MAX_ROWS and x.dtype is torch.float32:
+        if x.shape[0] <= _MKL_MAX_ROWS and x.dtype is torch.float32 and weight.numel() < _MKL_GEMV_MAX_WEIGHT:
             return F.linear(x, weight, bias)
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -19,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import logging
 import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
 
+log = logging.getLogger(__name__)
 _PR_SET_NAME = 15
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
 
@@ -49,17 +51,39 @@ def parse_cpu_list(spec: str) -> tuple[int, ...]:
 
 
 def check_cpus(cpus: tuple[int, ...]) -> None:
-    """Raise ``ValueError`` naming any CPU of ``cpus`` this host does not have (checked once, at start-up, so a
-    wrong flag fails the worker's start instead of every transport thread)."""
+    """Raise ``ValueError`` if this process cannot run threads on ``cpus``: a CPU the host does not have, or one
+    its cgroup cpuset leaves out (a Kubernetes CPU-manager pod, ``docker --cpuset-cpus``), found by pinning a
+    short-lived thread there. Checked once, at start-up, so a wrong flag fails the worker's start."""
     have = os.cpu_count() or 1
     missing = [c for c in cpus if c >= have]
     if missing:
         raise ValueError(f"KV I/O CPUs {missing} do not exist on this host (CPUs 0-{have - 1})")
+    refused: list[OSError] = []
+
+    def trial() -> None:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as e:
+            refused.append(e)
+
+    t = threading.Thread(target=trial, name="kv-io-cpu-check")
+    t.start()
+    t.join()
+    if refused:
+        raise ValueError(f"KV I/O CPUs {list(cpus)} cannot be used by this process ({refused[0].strerror}); "
+                         "are they outside its cgroup cpuset?")
 
 
 def pin_current_thread(cpus: tuple[int, ...]) -> None:
-    if cpus:
+    """Pin the calling thread to ``cpus``. A refusal (the CPUs were taken out of the cpuset after start-up) is
+    logged and the thread runs where it is: a transport thread that did not start would stall every transfer."""
+    if not cpus:
+        return
+    try:
         os.sched_setaffinity(0, cpus)
+    except OSError as e:
+        log.warning("kv I/O thread %s could not be pinned to CPUs %s (%s); running unpinned",
+                    threading.current_thread().name, list(cpus), e.strerror)
 
 
 @contextlib.contextmanager

@@ -59,6 +59,23 @@ def test_cpu_lists_parse_like_taskset_and_bad_ones_are_named() -> None:
         TransferConfig(io_cpus=(-1,))
 
 
+def test_cpus_outside_the_cpuset_are_refused_at_start_and_a_late_refusal_leaves_the_thread_running(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The kernel refuses a mask outside the process's cgroup cpuset with EINVAL; at start-up that is a clear
+    error, and a transport thread refused later still runs its work (unpinned, with a warning) instead of dying."""
+
+    def refuse(pid: int, cpus: object) -> None:
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
+    with pytest.raises(ValueError, match=r"cannot be used by this process \(Invalid argument\); are they outside"):
+        check_cpus((0,))
+    ran = threading.Event()
+    start_io_thread((0,), ran.set, "kv-refused").join(5)
+    assert ran.is_set()
+    assert "could not be pinned to CPUs [0] (Invalid argument); running unpinned" in caplog.text
+
+
 def test_io_threads_and_the_threads_created_under_io_affinity_run_on_the_io_cpus() -> None:
     """A thread started by :func:`start_io_thread` pins itself; one created inside :func:`io_affinity` inherits the
     pin (as C++ threads do); the creating thread gets its own mask back afterwards."""

@@ -278,7 +278,7 @@ def run_kv(args: argparse.Namespace) -> dict[str, Any]:
         report["overlap"] = [measure_overlap_isolated(args.model, b, args.prompt_len, args.threads, args.repeats)
                              for b in backends]
         placements = [io for io in args.kv_io.split(",") if io]
-        if len(os.sched_getaffinity(0)) < 2:
+        if _tier_cpus()[0] is None:
             placements = [io for io in placements if io != "spare"] or ["engine"]  # no spare CPU to pin to
         report["decode_itl"] = [measure_itl(args.model, b, args.prompt_len // 2, kv_io=io)
                                 for b in backends for io in placements]

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtransfer.base import OnFailed, TransferState, TransferStatus
+from kvtransfer.config import TransferConfig
 from kvtransfer.io_cpus import start_io_thread
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,9 @@ class TransferBook:
         self._thread: threading.Thread | None = None
 
     # ---- lifecycle
-    def start(self, interval_s: float, cpus: tuple[int, ...] = ()) -> None:
-        self._thread = start_io_thread(cpus, self._reap, f"kv-{self.side}-leases", interval_s)
+    def start(self, config: TransferConfig) -> None:
+        """Start the lease reaper: it ticks at most every ``config.poll_interval_s``, on ``config.io_cpus``."""
+        self._thread = start_io_thread(config.io_cpus, self._reap, f"kv-{self.side}-leases", config.poll_interval_s)
 
     def stop(self, timeout_s: float) -> None:
         self._stop.set()

@@ -51,7 +51,7 @@ class FakeReceiver(KVReceiver):
         with _TABLE_LOCK:
             self.endpoint = f"fake://{next(_NEXT)}"
             _RECEIVERS[self.endpoint] = self
-        self.book.start(self.config.poll_interval_s)
+        self.book.start(self.config)
 
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.landing.register(kv_caches, layout)
@@ -117,7 +117,7 @@ class FakeSender(KVSender):
         self.behaviour = behaviour or FakeBehaviour()
         self.book = TransferBook("sender", on_failed, self._notify_peer)
         self.out = Outbound(self.book, self.backend_name)
-        self.book.start(self.config.poll_interval_s)
+        self.book.start(self.config)
 
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.out.register(kv_caches, layout)

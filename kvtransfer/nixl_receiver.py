@@ -85,7 +85,7 @@ class NixlReceiver(KVReceiver):
         self._pace: dict[int, _Pace] = {}  # transfer id -> timing, from its HELLO on (watcher thread only)
         self._poll_prev = self._poll_now = 0.0  # the watcher's previous and current poll times
         self._thread = start_io_thread(self.config.io_cpus, self._watch, "kv-nixl-notifs")
-        self.book.start(self.config.poll_interval_s, self.config.io_cpus)
+        self.book.start(self.config)
 
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.landing.register(kv_caches, layout)

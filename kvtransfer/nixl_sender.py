@@ -71,7 +71,7 @@ class NixlSender(KVSender):
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = start_io_thread(self.config.io_cpus, self._progress, "kv-nixl-progress")
-        self.book.start(self.config.poll_interval_s, self.config.io_cpus)
+        self.book.start(self.config)
 
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.out.register(kv_caches, layout)

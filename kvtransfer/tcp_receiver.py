@@ -70,7 +70,7 @@ class TcpReceiver(StreamReceiver):
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._spawn(self._accept_loop, "kv-tcp-accept")
-        self.book.start(cfg.poll_interval_s, cfg.io_cpus)
+        self.book.start(cfg)
 
     def _spawn(self, target: Callable[..., object], name: str, *args: object) -> None:
         with self._lock:

@@ -59,7 +59,7 @@ class TcpSender(QueuedSender):
         super().__init__(config, on_failed)
         self._links: dict[str, _Link] = {}
         self._worker = start_io_thread(self.config.io_cpus, self._work, "kv-tcp-send")
-        self.book.start(self.config.poll_interval_s, self.config.io_cpus)
+        self.book.start(self.config)
 
     def close(self) -> None:
         self._stop.set()

@@ -64,7 +64,7 @@ class TorchReceiver(StreamReceiver):
         self._threads: list[threading.Thread] = []
         self._cuda = False
         self._accepter = start_io_thread(cfg.io_cpus, self._accept, "kv-torch-accept")
-        self.book.start(cfg.poll_interval_s, cfg.io_cpus)
+        self.book.start(cfg)
 
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.landing.register(kv_caches, layout)

@@ -72,7 +72,7 @@ class TorchSender(QueuedSender):
         self._pairs: dict[str, _OutPair] = {}
         self._inflight: list[tuple[_OutPair, list[Any], _PairWrites]] = []
         self._worker = start_io_thread(self.config.io_cpus, self._work, "kv-torch-send")
-        self.book.start(self.config.poll_interval_s, self.config.io_cpus)
+        self.book.start(self.config)
 
     def close(self) -> None:
         self._stop.set()

@@ -292,7 +292,7 @@ def test_reaper_sleeps_until_the_earliest_deadline_and_a_nearer_one_wakes_it() -
         return expire_due()
 
     book.expire_due = counted  # type: ignore[method-assign]
-    book.start(0.002)
+    book.start(TransferConfig(poll_interval_s=0.002))
     try:
         book.add("far", time.time() + 30)
         time.sleep(0.1)

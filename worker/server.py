@@ -86,7 +86,9 @@ def model_key(engine: LLMEngine) -> str:
     return Path(engine.config.model).name
 
 
-def build_service(args: argparse.Namespace) -> WorkerService:
+def build_service(args: argparse.Namespace, transfer: TransferConfig | None = None) -> WorkerService:
+    """The worker's engine and service from its flags; ``transfer`` when the caller has already built (and so
+    checked) the KV transport's config from them."""
     from decode_worker.service import DecodeService
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
@@ -103,7 +105,7 @@ def build_service(args: argparse.Namespace) -> WorkerService:
     ))
     layout = kv_layout_for(engine)
     sender_cls, receiver_cls = get_backend(args.kv_backend)
-    transfer = transfer_config(args)
+    transfer = transfer or transfer_config(args)
     if args.role == "prefill":
         sender = sender_cls(transfer)
         sender.register(engine.kv_caches, layout)
@@ -127,11 +129,11 @@ def serve(args: argparse.Namespace) -> int:
                         stream=sys.stderr)
     t0 = time.monotonic()
     try:
-        transfer_config(args)  # a bad flag fails here, before the model loads
+        transfer = transfer_config(args)  # a bad flag fails here, before the model loads
     except ValueError as e:
         print(f"error: --kv-io-cpus: {e}", file=sys.stderr)
         return 2
-    service = build_service(args)
+    service = build_service(args, transfer)
     service.start()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="grpc"),
                          options=[("grpc.max_receive_message_length", 64 << 20),

@@ -306,6 +306,11 @@ def test_a_batch_holds_every_connection_that_sent_in_one_loop_iteration(xsrv: tu
     srv, app = xsrv
     socks = [srv.connect() for _ in range(6)]
     try:
+        # Every connection accepted first: one the loop accepts only after its nap has its bytes read an iteration
+        # later, which is not what this test is about.
+        deadline = time.monotonic() + 5
+        while len(srv.server.connections) < 6 and time.monotonic() < deadline:
+            time.sleep(0.005)
         srv.loop.call_soon_threadsafe(time.sleep, 0.2)  # the loop is busy while all six requests arrive
         for i, s in enumerate(socks):
             s.sendall(post("/x-now", str(i).encode()))

@@ -21,8 +21,10 @@ Baselines, same bytes:
   backend makes its groups (the transport that backend is built on, on CPU);
 - ``memcpy``: in-process ``torch.Tensor.copy_`` (the ceiling for anything that copies on the CPU).
 
-Ratios: every backend against ``raw_nixl``, ``tcp`` against ``raw_socket`` and ``torch`` against ``raw_gloo``.
-Wired into ``tandem bench kv``.
+Ratios: every backend against ``raw_nixl``, ``tcp`` against ``raw_socket`` and ``torch`` against ``raw_gloo``; and
+``raw_socket`` and ``raw_gloo`` against ``raw_nixl``, the carriers' own ceilings: tcp and the torch backend on CPU
+(gloo) move every byte over a loopback TCP socket, so no amount of work in those backends takes them past what a
+plain socket or gloo pair reaches against NIXL's shared memory. Wired into ``tandem bench kv``.
 """
 
 from __future__ import annotations
@@ -332,6 +334,11 @@ def run_kv_bench(
             ratios[size]["tcp/raw_socket"] = row["tcp"] / row["raw_socket"]  # type: ignore[operator]
         if row.get("torch") is not None and row.get("raw_gloo"):
             ratios[size]["torch/raw_gloo"] = row["torch"] / row["raw_gloo"]  # type: ignore[operator]
+        # Carrier ceilings: tcp and gloo (the torch backend on CPU) move their bytes over loopback TCP, so a plain
+        # socket's and a plain gloo pair's rate against raw NIXL bound what those backends can reach against it.
+        for carrier in ("raw_socket", "raw_gloo"):
+            if row.get(carrier) and row.get("raw_nixl"):
+                ratios[size][f"{carrier}/raw_nixl"] = row[carrier] / row["raw_nixl"]  # type: ignore[operator]
     return {"sizes_mib": list(sizes_mib), "gbps": gbps, "ratios": ratios, "layout": BENCH_LAYOUT.to_dict(),
             "repeats": repeats, "repeats_per_size": {s: repeats_for(s, repeats) for s in sizes_mib},
             "nixl_ucx_tls": nixl_tls or "UCX default"}

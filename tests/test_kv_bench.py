@@ -31,7 +31,7 @@ def test_kv_bench_cli_reports_the_backend_beside_its_baselines() -> None:
     row = bw["gbps"]["1"]
     names = ["memcpy", "raw_socket", "tcp"]
     if importlib.util.find_spec("nixl") is not None:
-        names += ["raw_nixl", "raw_nixl_no_progress_thread"]
+        names += ["raw_nixl", "raw_nixl_no_progress_thread", "raw_nixl_acked"]
     for name in names:
         assert 0 < row[name] < float("inf"), (name, row)
     assert "torch" not in row and "raw_gloo" not in row  # only what --backends asks for, and its baselines

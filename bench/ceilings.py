@@ -29,7 +29,6 @@ from engine.model_config import ModelConfig
 
 LARGE_SQUARE = 4096
 READ_BUFFER_MIN_BYTES = 512 << 20
-ELEMENT_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,9 +88,10 @@ def gemm_peak_gflops(cfg: ModelConfig, w: Workload, dtype: str, repeats: int = 5
     (up to 8192 rows, as the engine batches them) and a ``square``; the best of ``repeats`` each."""
     import torch
 
+    from engine.config import parse_dtype
     from engine.models.layers import linear, prepack_linear_weight
 
-    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    tdtype = parse_dtype(dtype, "cpu")
     rows = min(w.num_prompts * w.input_len, 8192)
     shapes = {(rows, i, o) for o, i in _layer_shapes(cfg, 0)} | {(square, square, square)}
     gen = torch.Generator().manual_seed(0)
@@ -108,13 +108,12 @@ def gemm_peak_gflops(cfg: ModelConfig, w: Workload, dtype: str, repeats: int = 5
 
 def read_bandwidth_gbps(dtype: str, repeats: int = 8) -> float:
     """GB/s of a streaming read (a sum) over a buffer of 16x the last-level cache (at least 512 MiB); best run."""
-    import torch
-
-    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    nbytes = max(READ_BUFFER_MIN_BYTES, 16 * _last_level_cache_bytes())
+    from engine.config import parse_dtype
     from engine.cpu_runtime import empty_on_huge_pages
 
-    buf = empty_on_huge_pages((nbytes // ELEMENT_BYTES[dtype],), tdtype).fill_(1.0)  # as the engine's weights are
+    tdtype = parse_dtype(dtype, "cpu")
+    nbytes = max(READ_BUFFER_MIN_BYTES, 16 * _last_level_cache_bytes())
+    buf = empty_on_huge_pages((nbytes // tdtype.itemsize,), tdtype).fill_(1.0)  # as the engine's weights are
     seconds = _best_seconds(buf.sum, repeats)
     return buf.numel() * buf.element_size() / seconds / 1e9
 
@@ -141,7 +140,9 @@ def measure(cfg: ModelConfig, w: Workload, dtype: str) -> dict[str, Any]:
     flops = matmul_flops(cfg, w)
     floor_s = flops / (peak * 1e9)
     bandwidth = read_bandwidth_gbps(dtype)
-    bytes_per_token = weights_per_token(cfg) * ELEMENT_BYTES[dtype]
+    from engine.config import parse_dtype
+
+    bytes_per_token = weights_per_token(cfg) * parse_dtype(dtype, "cpu").itemsize
     return {
         "gemm_gflops": gemm, "gemm_peak_gflops": peak, "matmul_gflop": flops / 1e9, "floor_s": floor_s,
         "tokens_per_s": w.num_prompts * w.output_len / floor_s,

@@ -229,9 +229,11 @@ def _side_transformers(a: argparse.Namespace, prompts: list[list[int]]) -> dict[
     import torch
     from transformers import AutoModelForCausalLM
 
+    from engine.config import parse_dtype
+
     if a.threads:
         torch.set_num_threads(a.threads)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
+    dtype = parse_dtype(a.dtype, "cpu")
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype)
     model.eval()

@@ -252,12 +252,15 @@ def bench_raw_nixl(nbytes: int, repeats: int, tls: str = "", progress_thread: bo
             deadline = time.monotonic() + 60
             while state == "PROC" and time.monotonic() < deadline:
                 state = agent.check_xfer_state(handle)
-            while acked and state == "DONE" and not agent.get_new_notifs() and time.monotonic() < deadline:
-                pass
+            replied = not acked
+            while not replied and state == "DONE" and time.monotonic() < deadline:
+                replied = bool(agent.get_new_notifs())
             elapsed = time.perf_counter() - t0
             handle.release()
             if state != "DONE":
                 raise RuntimeError(f"raw NIXL transfer ended in {state}")
+            if not replied:  # an ack that never came is a failed sample, not a 60 s one
+                raise RuntimeError("raw NIXL target did not acknowledge the WRITE within 60 s")
             if i:
                 times.append(elapsed)
         with contextlib.suppress(Exception):

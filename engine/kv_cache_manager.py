@@ -27,9 +27,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
         """Longest cached prefix of the request, in whole blocks, leaving at least one token to compute.
 
-        The last token must always be computed: its logits produce the next token.
+        The last token must always be computed: its logits produce the next token. A request that wants prompt
+        logprobs gets no hits: its prompt's hidden states are needed.
         """
-        if not self.pool.enable_prefix_caching:
+        if not self.pool.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return []
         hits: list[KVBlock] = []
         max_blocks = (request.num_tokens - 1) // self.block_size

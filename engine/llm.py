@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -20,6 +20,7 @@ class CompletionOutput:
     stop_reason: int | str | None
     num_cached_tokens: int
     logprobs: list[TokenLogprobs]
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.., when asked for
 
 
 class LLM:
@@ -61,5 +62,6 @@ class LLM:
             out = final[rid]
             text = out.text if p.stop else self.tokenizer.decode(out.token_ids, p.skip_special_tokens)
             results.append(CompletionOutput(out.prompt_token_ids, list(out.token_ids), text, out.finish_reason,
-                                            out.stop_reason, out.num_cached_tokens, list(out.logprobs)))
+                                            out.stop_reason, out.num_cached_tokens, list(out.logprobs),
+                                            list(out.prompt_logprobs)))
         return results

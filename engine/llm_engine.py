@@ -53,6 +53,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     text: str = ""
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.., when asked for
 
 
 def _eos_ids(model_dir: Path, config_eos: tuple[int, ...], tok_eos: int | None) -> tuple[int, ...]:
@@ -132,6 +133,9 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids out of range [0, {vocab}): {bad[:5]}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, extra_keys=self.extra_keys,
                       block_size=self.block_size)
@@ -272,6 +276,7 @@ class LLMEngine:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             logprobs=req.logprobs,
             text=detok.text if detok is not None else "",
+            prompt_logprobs=req.prompt_logprobs,
         )
 
     # ---- introspection -------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 
 from engine.attention import AttentionMetadata, build_metadata, native_attention_supported
 from engine.models.decoder import Attention, CausalLM
+from engine.prompt_logprobs import add_prompt_logprobs
 from engine.request import Request
 from engine.sampler import Sampler, SampleResult
 from engine.scheduler import SchedulerOutput
@@ -103,6 +104,8 @@ class ModelRunner:
                 after_layer: Callable[[int], None] | None = None) -> tuple[list[Request], SampleResult | None]:
         inputs = self.prepare(out)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, after_layer=after_layer)
+        if any(r.params.prompt_logprobs is not None for r in out.requests):
+            add_prompt_logprobs(hidden, out.requests, out.num_new_tokens, self.model.compute_logits)
         if not inputs.sample_requests:
             return [], None
         rows = hidden if inputs.sample_rows is None else hidden.index_select(0, inputs.sample_rows)

@@ -72,6 +72,7 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.., when asked for
     generator: torch.Generator | None = None
     first_token_time: float | None = None
 

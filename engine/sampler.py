@@ -1,8 +1,9 @@
 """Batched token sampling.
 
 Order of operations, per row: penalties on the raw logits (repetition over prompt+output, presence/frequency over
-output), then greedy argmax, or temperature, top-k, top-p and min-p filtering followed by a draw. Logprobs are those
-of the model's raw distribution (before penalties and temperature), as OpenAI and vLLM report them.
+output), then the request's ``logit_bias`` added, then greedy argmax, or temperature, top-k, top-p and min-p
+filtering followed by a draw. Logprobs are those of the model's raw distribution (before penalties, bias and
+temperature), as vLLM reports them by default.
 
 Reproducibility: a request with a seed draws from its own ``torch.Generator`` using one exponential variate per
 vocabulary entry per step (the Gumbel-max trick, ``argmax(p / E)``). The draw depends only on the request's own
@@ -34,13 +35,15 @@ class Sampler:
         n = len(requests)
         raw = logits
         params = [r.params for r in requests]
-        if all(p.greedy and not p.needs_penalties for p in params):
+        if all(p.greedy and not p.needs_processing for p in params):
             tokens = logits.argmax(dim=-1)
         else:
             logits = logits.clone()
             for i, r in enumerate(requests):
                 if r.params.needs_penalties:
                     _apply_penalties(logits[i], r)
+                if r.params.logit_bias:
+                    apply_logit_bias(logits[i], r.params.logit_bias)
             tokens = torch.empty(n, dtype=torch.long, device=logits.device)
             greedy_rows = [i for i, p in enumerate(params) if p.greedy]
             if greedy_rows:
@@ -95,6 +98,13 @@ def filtered_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float)
     if min_p > 0.0:
         probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
     return probs / probs.sum()
+
+
+def apply_logit_bias(row: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> None:
+    """Add each ``(token_id, bias)`` to ``row`` in place (ids are validated against the vocabulary upstream)."""
+    ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=row.device)
+    vals = torch.tensor([b for _, b in bias], dtype=row.dtype, device=row.device)
+    row.index_add_(0, ids, vals)
 
 
 def _apply_penalties(row: torch.Tensor, r: Request) -> None:

@@ -31,6 +31,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -53,6 +55,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        for entry in self.logit_bias:
+            if len(entry) != 2 or entry[0] < 0 or not -100 <= entry[1] <= 100:
+                raise ValueError(f"logit_bias entries must be (token_id >= 0, bias in [-100, 100]), got {entry!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if isinstance(self.stop, str) or isinstance(self.stop_token_ids, int):
@@ -65,6 +72,11 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def needs_processing(self) -> bool:
+        """Whether the logits change before the pick (penalties or a logit bias)."""
+        return bool(self.logit_bias) or self.needs_penalties
 
     @property
     def needs_filters(self) -> bool:

@@ -144,6 +144,7 @@ class PrefillService(WorkerService):
                                   first_text=self.engine.tokenizer.decode(out.token_ids))
         if out.logprobs:
             resp.first_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
+        resp.prompt_logprobs.extend(logprob_to_proto(lp) for lp in out.prompt_logprobs)
         return resp
 
     # ---- the transfer, on the engine loop thread -----------------------------------------------------------

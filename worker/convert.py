@@ -27,6 +27,8 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         include_stop_str_in_output=p.include_stop_str_in_output,
         skip_special_tokens=not p.keep_special_tokens,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -37,7 +39,10 @@ def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
         frequency_penalty=s.frequency_penalty, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
         include_stop_str_in_output=s.include_stop_str_in_output, keep_special_tokens=not s.skip_special_tokens,
+        logit_bias=dict(s.logit_bias),
     )
+    if s.prompt_logprobs is not None:
+        msg.prompt_logprobs = s.prompt_logprobs
     if s.seed is not None:
         msg.seed = s.seed
     if s.logprobs is not None:
@@ -67,6 +72,8 @@ def chunk_from_outputs(outs: list[RequestOutput], sent_tokens: int) -> pb.TokenC
     chunk = pb.TokenChunk(token_ids=token_ids, text="".join(out.new_text for out in outs),
                           logprobs=[logprob_to_proto(lp) for lp in lps],
                           num_cached_tokens=last.num_cached_tokens, num_prompt_tokens=len(last.prompt_token_ids))
+    if not sent_tokens and last.prompt_logprobs:  # the request's first chunk
+        chunk.prompt_logprobs.extend(logprob_to_proto(lp) for lp in last.prompt_logprobs)
     if last.finished:
         chunk.finish_reason = last.finish_reason or ""
         if last.stop_reason is not None:

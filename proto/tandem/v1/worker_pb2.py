@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/tandem/v1/worker.proto\x12\ttandem.v1\"\xa8\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x01\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x1b\n\x13keep_special_tokens\x18\x10 \x01(\x08\x12<\n\nlogit_bias\x18\x11 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"{\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\"O\n\x0fReserveResponse\x12\x13\n\x0b\x64\x65stination\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"\x90\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x13\n\x0b\x64\x65stination\x18\x04 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\"\xe8\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x33\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x17.tandem.v1.TokenLogprobH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x12\n\nfirst_text\x18\x05 \x01(\t\x12\x30\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprobB\x10\n\x0e_first_logprob\"\x9c\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x33\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x17.tandem.v1.TokenLogprobH\x00\x88\x01\x01\x12\x18\n\x10min_chunk_tokens\x18\x04 \x01(\rB\x10\n\x0e_first_logprob\"\x84\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x18\n\x10min_chunk_tokens\x18\x04 \x01(\r\"\xec\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xce\x01\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x04 \x01(\t\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x12\n\nkv_backend\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x17\n\x0fhash_extra_keys\x18\t \x03(\t\x12\x14\n\x0csession_port\x18\n \x01(\r\"\r\n\x0bLoadRequest\"\xe7\x01\n\x0cLoadResponse\x12\x0f\n\x07waiting\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0ewaiting_for_kv\x18\x03 \x01(\r\x12\x15\n\ractive_tokens\x18\x04 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x13\n\x0bused_blocks\x18\x06 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x07 \x01(\r\x12\x1b\n\x13transfers_in_flight\x18\x08 \x01(\r\x12\x13\n\x0bheld_blocks\x18\t \x01(\r\x12\x14\n\x0ckv_event_seq\x18\n \x01(\x04\"$\n\x0fKVEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\"M\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06hashes\x18\x03 \x03(\x06\x12\r\n\x05kinds\x18\x04 \x01(\x0c\"\x11\n\x0fSnapshotRequest\"B\n\x10SnapshotResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06hashes\x18\x03 \x03(\x06\"M\n\x0eSessionRequest\x12,\n\x08generate\x18\x01 \x03(\x0b\x32\x1a.tandem.v1.GenerateRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"k\n\x0cSessionChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.tandem.v1.TokenChunk\x12\x12\n\nerror_code\x18\x03 \x01(\r\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"7\n\x0cSessionReply\x12\'\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x17.tandem.v1.SessionChunk\"\x0e\n\x0c\x44rainRequest\"\"\n\rDrainResponse\x12\x11\n\tin_flight\x18\x01 \x01(\r2\xc5\x05\n\x06Worker\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12;\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x15.tandem.v1.TokenChunk0\x01\x12?\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x15.tandem.v1.TokenChunk0\x01\x12\x41\n\x07Session\x12\x19.tandem.v1.SessionRequest\x1a\x17.tandem.v1.SessionReply(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12=\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x19.tandem.v1.HealthResponse\x12\x37\n\x04Load\x12\x16.tandem.v1.LoadRequest\x1a\x17.tandem.v1.LoadResponse\x12\x41\n\x08KVEvents\x12\x1a.tandem.v1.KVEventsRequest\x1a\x17.tandem.v1.KVEventBatch0\x01\x12\x43\n\x08Snapshot\x12\x1a.tandem.v1.SnapshotRequest\x1a\x1b.tandem.v1.SnapshotResponse\x12:\n\x05\x44rain\x12\x17.tandem.v1.DrainRequest\x1a\x18.tandem.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/tandem/v1/worker.proto\x12\ttandem.v1\"\xa8\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x01\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x1b\n\x13keep_special_tokens\x18\x10 \x01(\x08\x12<\n\nlogit_bias\x18\x11 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"{\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\"O\n\x0fReserveResponse\x12\x13\n\x0b\x64\x65stination\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"\x90\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x13\n\x0b\x64\x65stination\x18\x04 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\"\xe8\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x33\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x17.tandem.v1.TokenLogprobH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x12\n\nfirst_text\x18\x05 \x01(\t\x12\x30\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprobB\x10\n\x0e_first_logprob\"\xb6\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x33\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x17.tandem.v1.TokenLogprobH\x00\x88\x01\x01\x12\x18\n\x10min_chunk_tokens\x18\x04 \x01(\r\x12\x18\n\x10\x66irst_token_sent\x18\x05 \x01(\x08\x42\x10\n\x0e_first_logprob\"\x84\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x18\n\x10min_chunk_tokens\x18\x04 \x01(\r\"\xec\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xce\x01\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x04 \x01(\t\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x12\n\nkv_backend\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x17\n\x0fhash_extra_keys\x18\t \x03(\t\x12\x14\n\x0csession_port\x18\n \x01(\r\"\r\n\x0bLoadRequest\"\x91\x02\n\x0cLoadResponse\x12\x0f\n\x07waiting\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0ewaiting_for_kv\x18\x03 \x01(\r\x12\x15\n\ractive_tokens\x18\x04 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x13\n\x0bused_blocks\x18\x06 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x07 \x01(\r\x12\x1b\n\x13transfers_in_flight\x18\x08 \x01(\r\x12\x13\n\x0bheld_blocks\x18\t \x01(\r\x12\x14\n\x0ckv_event_seq\x18\n \x01(\x04\x12\x0e\n\x06paused\x18\x0b \x01(\r\x12\x18\n\x10generated_tokens\x18\x0c \x01(\x04\"$\n\x0fKVEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\"M\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06hashes\x18\x03 \x03(\x06\x12\r\n\x05kinds\x18\x04 \x01(\x0c\"\x11\n\x0fSnapshotRequest\"B\n\x10SnapshotResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06hashes\x18\x03 \x03(\x06\"l\n\x0eSessionRequest\x12,\n\x08generate\x18\x01 \x03(\x0b\x32\x1a.tandem.v1.GenerateRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\x12\r\n\x05pause\x18\x03 \x03(\t\x12\x0e\n\x06resume\x18\x04 \x03(\t\"k\n\x0cSessionChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.tandem.v1.TokenChunk\x12\x12\n\nerror_code\x18\x03 \x01(\r\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"7\n\x0cSessionReply\x12\'\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x17.tandem.v1.SessionChunk\"\x0e\n\x0c\x44rainRequest\"\"\n\rDrainResponse\x12\x11\n\tin_flight\x18\x01 \x01(\r2\xc5\x05\n\x06Worker\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12;\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x15.tandem.v1.TokenChunk0\x01\x12?\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x15.tandem.v1.TokenChunk0\x01\x12\x41\n\x07Session\x12\x19.tandem.v1.SessionRequest\x1a\x17.tandem.v1.SessionReply(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12=\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x19.tandem.v1.HealthResponse\x12\x37\n\x04Load\x12\x16.tandem.v1.LoadRequest\x1a\x17.tandem.v1.LoadResponse\x12\x41\n\x08KVEvents\x12\x1a.tandem.v1.KVEventsRequest\x1a\x17.tandem.v1.KVEventBatch0\x01\x12\x43\n\x08Snapshot\x12\x1a.tandem.v1.SnapshotRequest\x1a\x1b.tandem.v1.SnapshotResponse\x12:\n\x05\x44rain\x12\x17.tandem.v1.DrainRequest\x1a\x18.tandem.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,41 +50,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLRESPONSE']._serialized_start=1088
   _globals['_PREFILLRESPONSE']._serialized_end=1320
   _globals['_DECODEREQUEST']._serialized_start=1323
-  _globals['_DECODEREQUEST']._serialized_end=1479
-  _globals['_GENERATEREQUEST']._serialized_start=1482
-  _globals['_GENERATEREQUEST']._serialized_end=1614
-  _globals['_TOKENCHUNK']._serialized_start=1617
-  _globals['_TOKENCHUNK']._serialized_end=1853
-  _globals['_ABORTREQUEST']._serialized_start=1855
-  _globals['_ABORTREQUEST']._serialized_end=1889
-  _globals['_ABORTRESPONSE']._serialized_start=1891
-  _globals['_ABORTRESPONSE']._serialized_end=1921
-  _globals['_HEALTHREQUEST']._serialized_start=1923
-  _globals['_HEALTHREQUEST']._serialized_end=1938
-  _globals['_HEALTHRESPONSE']._serialized_start=1941
-  _globals['_HEALTHRESPONSE']._serialized_end=2147
-  _globals['_LOADREQUEST']._serialized_start=2149
-  _globals['_LOADREQUEST']._serialized_end=2162
-  _globals['_LOADRESPONSE']._serialized_start=2165
-  _globals['_LOADRESPONSE']._serialized_end=2396
-  _globals['_KVEVENTSREQUEST']._serialized_start=2398
-  _globals['_KVEVENTSREQUEST']._serialized_end=2434
-  _globals['_KVEVENTBATCH']._serialized_start=2436
-  _globals['_KVEVENTBATCH']._serialized_end=2513
-  _globals['_SNAPSHOTREQUEST']._serialized_start=2515
-  _globals['_SNAPSHOTREQUEST']._serialized_end=2532
-  _globals['_SNAPSHOTRESPONSE']._serialized_start=2534
-  _globals['_SNAPSHOTRESPONSE']._serialized_end=2600
-  _globals['_SESSIONREQUEST']._serialized_start=2602
-  _globals['_SESSIONREQUEST']._serialized_end=2679
-  _globals['_SESSIONCHUNK']._serialized_start=2681
-  _globals['_SESSIONCHUNK']._serialized_end=2788
-  _globals['_SESSIONREPLY']._serialized_start=2790
-  _globals['_SESSIONREPLY']._serialized_end=2845
-  _globals['_DRAINREQUEST']._serialized_start=2847
-  _globals['_DRAINREQUEST']._serialized_end=2861
-  _globals['_DRAINRESPONSE']._serialized_start=2863
-  _globals['_DRAINRESPONSE']._serialized_end=2897
-  _globals['_WORKER']._serialized_start=2900
-  _globals['_WORKER']._serialized_end=3609
+  _globals['_DECODEREQUEST']._serialized_end=1505
+  _globals['_GENERATEREQUEST']._serialized_start=1508
+  _globals['_GENERATEREQUEST']._serialized_end=1640
+  _globals['_TOKENCHUNK']._serialized_start=1643
+  _globals['_TOKENCHUNK']._serialized_end=1879
+  _globals['_ABORTREQUEST']._serialized_start=1881
+  _globals['_ABORTREQUEST']._serialized_end=1915
+  _globals['_ABORTRESPONSE']._serialized_start=1917
+  _globals['_ABORTRESPONSE']._serialized_end=1947
+  _globals['_HEALTHREQUEST']._serialized_start=1949
+  _globals['_HEALTHREQUEST']._serialized_end=1964
+  _globals['_HEALTHRESPONSE']._serialized_start=1967
+  _globals['_HEALTHRESPONSE']._serialized_end=2173
+  _globals['_LOADREQUEST']._serialized_start=2175
+  _globals['_LOADREQUEST']._serialized_end=2188
+  _globals['_LOADRESPONSE']._serialized_start=2191
+  _globals['_LOADRESPONSE']._serialized_end=2464
+  _globals['_KVEVENTSREQUEST']._serialized_start=2466
+  _globals['_KVEVENTSREQUEST']._serialized_end=2502
+  _globals['_KVEVENTBATCH']._serialized_start=2504
+  _globals['_KVEVENTBATCH']._serialized_end=2581
+  _globals['_SNAPSHOTREQUEST']._serialized_start=2583
+  _globals['_SNAPSHOTREQUEST']._serialized_end=2600
+  _globals['_SNAPSHOTRESPONSE']._serialized_start=2602
+  _globals['_SNAPSHOTRESPONSE']._serialized_end=2668
+  _globals['_SESSIONREQUEST']._serialized_start=2670
+  _globals['_SESSIONREQUEST']._serialized_end=2778
+  _globals['_SESSIONCHUNK']._serialized_start=2780
+  _globals['_SESSIONCHUNK']._serialized_end=2887
+  _globals['_SESSIONREPLY']._serialized_start=2889
+  _globals['_SESSIONREPLY']._serialized_end=2944
+  _globals['_DRAINREQUEST']._serialized_start=2946
+  _globals['_DRAINREQUEST']._serialized_end=2960
+  _globals['_DRAINRESPONSE']._serialized_start=2962
+  _globals['_DRAINRESPONSE']._serialized_end=2996
+  _globals['_WORKER']._serialized_start=2999
+  _globals['_WORKER']._serialized_end=3708
 # @@protoc_insertion_point(module_scope)

@@ -124,16 +124,18 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., first_text: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprob", "min_chunk_tokens")
+    __slots__ = ("request_id", "first_token_id", "first_logprob", "min_chunk_tokens", "first_token_sent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     MIN_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_SENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_logprob: TokenLogprob
     min_chunk_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., min_chunk_tokens: _Optional[int] = ...) -> None: ...
+    first_token_sent: bool
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., min_chunk_tokens: _Optional[int] = ..., first_token_sent: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "min_chunk_tokens")
@@ -212,7 +214,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("waiting", "running", "waiting_for_kv", "active_tokens", "free_blocks", "used_blocks", "total_blocks", "transfers_in_flight", "held_blocks", "kv_event_seq")
+    __slots__ = ("waiting", "running", "waiting_for_kv", "active_tokens", "free_blocks", "used_blocks", "total_blocks", "transfers_in_flight", "held_blocks", "kv_event_seq", "paused", "generated_tokens")
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_KV_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +225,8 @@ class LoadResponse(_message.Message):
     TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     running: int
     waiting_for_kv: int
@@ -233,7 +237,9 @@ class LoadResponse(_message.Message):
     transfers_in_flight: int
     held_blocks: int
     kv_event_seq: int
-    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., active_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., held_blocks: _Optional[int] = ..., kv_event_seq: _Optional[int] = ...) -> None: ...
+    paused: int
+    generated_tokens: int
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., active_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., held_blocks: _Optional[int] = ..., kv_event_seq: _Optional[int] = ..., paused: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class KVEventsRequest(_message.Message):
     __slots__ = ("after_seq",)
@@ -268,12 +274,16 @@ class SnapshotResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("generate", "abort")
+    __slots__ = ("generate", "abort", "pause", "resume")
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     generate: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
     abort: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, generate: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., abort: _Optional[_Iterable[str]] = ...) -> None: ...
+    pause: _containers.RepeatedScalarFieldContainer[str]
+    resume: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, generate: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., abort: _Optional[_Iterable[str]] = ..., pause: _Optional[_Iterable[str]] = ..., resume: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SessionChunk(_message.Message):
     __slots__ = ("request_id", "chunk", "error_code", "error")

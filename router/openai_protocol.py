@@ -2,7 +2,17 @@
 
 Parsing validates every field and raises :class:`APIError` with the HTTP status, OpenAI error type and the
 offending parameter, so the gateway can answer ``{"error": {...}}`` exactly as OpenAI does. The result is a
-:class:`GenerationRequest`: token ids (tokenized once, here in the router) plus wire sampling params.
+:class:`GenerationRequest`: token ids (tokenized once, here in the router; one list per prompt of a batched
+``/v1/completions`` request) plus wire sampling params.
+
+Nothing accepted is ignored. Every field of OpenAI's and vLLM's request schemas that changes what is generated or
+how it is returned is either implemented or refused with a 400 naming it (:data:`UNSUPPORTED`; e.g. ``tools``,
+``response_format`` other than ``{"type": "text"}``, ``guided_*``, ``suffix``, beam search), refused only when it
+asks for something other than the default. Fields outside both schemas are ignored, as vLLM does (OpenAI itself
+refuses them): SDKs and harnesses add bookkeeping fields (``user``, ``metadata``, ``store``, ``service_tier``, new
+ones every release) that change no output, and refusing them would break clients for nothing, while every field
+that could change output is named in the list. The list holds the fields of both schemas as of this writing; a
+field added to either later is ignored until it is added here.
 """
 
 from __future__ import annotations
@@ -18,6 +28,35 @@ from proto.tandem.v1 import worker_pb2 as pb
 MAX_N = 16
 MAX_STOP = 8
 MAX_LOGPROBS = 20
+MAX_BEST_OF = 20
+MAX_PROMPTS = 64
+MAX_SEQUENCES = 256  # prompts x best_of: the sequences one request may start
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+
+_ABSENT = object()
+
+
+def _not(*defaults: Any) -> Any:
+    """A check that a field is unsupported unless it holds one of ``defaults`` (or is absent or null)."""
+    return lambda v: v is not None and not any(v == d and type(v) is type(d) for d in defaults)
+
+
+# Known fields that would change output and are not implemented: each refused (400 naming it) when it asks for
+# anything but the default. The structured-output fields wait for the structured-output issue.
+UNSUPPORTED: dict[str, Any] = {
+    "response_format": lambda v: v is not None and v != {"type": "text"},
+    "tools": _not([]), "tool_choice": _not("none"), "functions": _not([]), "function_call": _not("none"),
+    "guided_json": _not(), "guided_regex": _not(), "guided_choice": _not(), "guided_grammar": _not(),
+    "guided_decoding_backend": _not(), "guided_whitespace_pattern": _not(), "structured_outputs": _not(),
+    "suffix": _not(""), "use_beam_search": _not(False), "length_penalty": _not(1, 1.0), "early_stopping": _not(False),
+    "allowed_token_ids": _not(), "bad_words": _not([]), "truncate_prompt_tokens": _not(),
+    "skip_special_tokens": _not(True), "spaces_between_special_tokens": _not(True),
+    "return_tokens_as_token_ids": _not(False), "prompt_embeds": _not(),
+    "audio": _not(), "modalities": _not(["text"]), "prediction": _not(), "web_search_options": _not(),
+    "reasoning_effort": _not(), "documents": _not(), "chat_template": _not(), "chat_template_kwargs": _not({}),
+    "continue_final_message": _not(False), "add_generation_prompt": _not(True), "mm_processor_kwargs": _not(),
+    "cache_salt": _not(), "logits_processors": _not([]), "vllm_xargs": _not({}), "kv_transfer_params": _not(),
+}
 
 
 class APIError(Exception):
@@ -37,6 +76,11 @@ class APIError(Exception):
 
 @dataclass(slots=True)
 class GenerationRequest:
+    """One parsed request. ``prompts`` holds every prompt (several only in a batched ``/v1/completions``);
+    ``prompt_token_ids`` is the first. Each prompt runs ``best_of`` sequences, of which the ``n`` with the highest
+    cumulative logprob are answered (all of them when ``best_of == n``); choice ``index`` is ``prompt * n + j``,
+    as OpenAI numbers them."""
+
     request_id: str
     model: str
     chat: bool
@@ -49,6 +93,18 @@ class GenerationRequest:
     logprobs: int | None = None  # top-N alternatives wanted (0 = only the sampled token's logprob)
     want_logprobs: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    prompts: list[list[int]] = field(default_factory=list)
+    best_of: int = 1
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, as the client asked (None: not asked)
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            self.prompts = [self.prompt_token_ids]
+        self.best_of = max(self.best_of, self.n)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
 
 
 _NUMBER = (int, float)  # a tuple: ``int | float`` would build a union object on every call
@@ -101,19 +157,28 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str
     if model != served_model:
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{served_model}'", "model",
                        code="model_not_found")
-    ids = _chat_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer, vocab_size)
-    if len(ids) >= max_model_len:
+    _refuse_unsupported(body, chat)
+    prompts = [_chat_ids(body, tokenizer)] if chat else _prompts(body, tokenizer, vocab_size)
+    n = _num(body, "n", 1, 1, MAX_N, integer=True)
+    best_of = _num(body, "best_of", n, 1, MAX_BEST_OF, integer=True)
+    if best_of < n:
+        raise APIError(400, f"'best_of' ({best_of}) must be at least 'n' ({n})", "best_of")
+    if best_of * len(prompts) > MAX_SEQUENCES:
+        raise APIError(400, f"{len(prompts)} prompts x best_of {best_of} is more than {MAX_SEQUENCES} sequences",
+                       "best_of" if best_of > 1 else "prompt")
+    longest = max(len(ids) for ids in prompts)
+    where = "messages" if chat else "prompt"
+    if longest >= max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
-                       f"prompt has {len(ids)} tokens.", "messages" if chat else "prompt",
-                       code="context_length_exceeded")
-    room = max_model_len - len(ids)
+                       f"prompt has {longest} tokens.", where, code="context_length_exceeded")
+    room = max_model_len - longest
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
         max_tokens = room if chat else min(16, room)  # OpenAI's defaults: all the room (chat), 16 (completions)
     max_tokens = _num({"max_tokens": max_tokens}, "max_tokens", 16, 1, 1 << 20, integer=True)
-    if len(ids) + max_tokens > max_model_len:
+    if longest + max_tokens > max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                       f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for "
+                       f"requested {longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} for "
                        "the completion).", "max_tokens", code="context_length_exceeded")
     # Sampling fields: only those present are checked (most requests carry one or two of them).
     fields: dict[str, Any] = {"max_tokens": max_tokens, **_SAMPLING_DEFAULTS}
@@ -129,21 +194,30 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str
     stop = _stops(body)
     if stop:
         fields["stop"] = stop
-    if body.get("ignore_eos"):
-        fields["ignore_eos"] = True
+    for flag in ("ignore_eos", "include_stop_str_in_output"):
+        v = body.get(flag)
+        if v is not None and not isinstance(v, bool):
+            raise APIError(400, f"'{flag}' must be a boolean", flag)
+        if v:
+            fields[flag] = True
     params = pb.SamplingParams(**fields)
     if body.get("seed") is not None:
         params.seed = _num(body, "seed", 0, -(1 << 63), (1 << 63) - 1, integer=True)
     for name in ("stop_token_ids",):
         if body.get(name) is not None:
             v = body[name]
-            if not isinstance(v, list) or not all(isinstance(t, int) and 0 <= t < vocab_size for t in v):
+            if not isinstance(v, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in v):
                 raise APIError(400, f"'{name}' must be a list of token ids in [0, {vocab_size})", name)
             params.stop_token_ids.extend(v)
-    n = _num(body, "n", 1, 1, MAX_N, integer=True)
+    bias = _logit_bias(body.get("logit_bias"), vocab_size)
+    if bias:
+        params.logit_bias.update(bias)
     logprobs: int | None = None
     if chat:
-        if body.get("logprobs"):
+        lp = body.get("logprobs")
+        if lp is not None and not isinstance(lp, bool):
+            raise APIError(400, "'logprobs' must be a boolean", "logprobs")
+        if lp:
             logprobs = _num(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
         elif body.get("top_logprobs") is not None:
             raise APIError(400, "'top_logprobs' requires 'logprobs': true", "top_logprobs")
@@ -151,38 +225,96 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str
         logprobs = _num(body, "logprobs", 0, 0, 5, integer=True)
     if logprobs is not None:
         params.logprobs = logprobs
+    elif best_of > n:
+        params.logprobs = 0  # the candidates are ranked by their cumulative logprob
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError(400, "'stream' must be a boolean", "stream")
+    if stream and best_of > n:
+        raise APIError(400, "'best_of' greater than 'n' cannot be streamed: the best candidates are known only at "
+                       "the end", "best_of")
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise APIError(400, "'stream_options' must be an object", "stream_options")
     if opts and not stream:
         raise APIError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options")
-    echo = bool(body.get("echo", False)) and not chat
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise APIError(400, "'echo' must be a boolean", "echo")
+    prompt_logprobs = None
+    if body.get("prompt_logprobs") is not None:
+        prompt_logprobs = _num(body, "prompt_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
+    # Echo with logprobs scores the prompt too: the prompt's logprobs, from the prefill pass.
+    wanted = [k for k in (prompt_logprobs, logprobs if echo else None) if k is not None]
+    if wanted:
+        params.prompt_logprobs = max(wanted)
     prefix = "chatcmpl" if chat else "cmpl"
     return GenerationRequest(request_id=f"{prefix}-{os.urandom(16).hex()}", model=model, chat=chat,
-                             prompt_token_ids=ids, params=params, n=n, stream=stream,
+                             prompt_token_ids=prompts[0], params=params, n=n, stream=stream,
                              include_usage=bool(opts.get("include_usage", False)), echo=echo,
-                             logprobs=logprobs, want_logprobs=logprobs is not None)
+                             logprobs=logprobs, want_logprobs=logprobs is not None, prompts=prompts,
+                             best_of=best_of, prompt_logprobs=prompt_logprobs)
 
 
-def _prompt_ids(body: dict[str, Any], tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
+    for name, v in body.items():
+        refuse = UNSUPPORTED.get(name)
+        if refuse is not None and refuse(v):
+            raise APIError(400, f"'{name}' is not supported by this server", name, code="unsupported_parameter")
+    # Defaults that differ by endpoint: completions add the tokenizer's special tokens, a chat template has them.
+    special = body.get("add_special_tokens")
+    if special is not None and special is not (not chat):
+        raise APIError(400, f"'add_special_tokens': {special!r} is not supported on this endpoint",
+                       "add_special_tokens", code="unsupported_parameter")
+    if chat and body.get("echo") not in (None, False):  # vLLM's chat echo (the last message) is not implemented
+        raise APIError(400, "'echo' is not supported on chat completions", "echo", code="unsupported_parameter")
+
+
+def _logit_bias(bias: Any, vocab_size: int) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}`` (keys are strings in JSON) → ``{id: bias}``, each bias in [-100, 100]."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise APIError(400, "'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+    out: dict[int, float] = {}
+    for key, v in bias.items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise APIError(400, f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
+        if not 0 <= tid < vocab_size:
+            raise APIError(400, f"'logit_bias' token id {tid} is outside [0, {vocab_size})", "logit_bias")
+        out[tid] = float(_checked("logit_bias", v, -100, 100, False))
+    return out
+
+
+def _prompts(body: dict[str, Any], tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
+    """``prompt`` as OpenAI takes it: a string, a list of token ids, or a list of either (a batch)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise APIError(400, f"'prompt' takes at most {MAX_PROMPTS} prompts", "prompt")
+        return [_prompt_ids(p, tokenizer, vocab_size, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_prompt_ids(prompt, tokenizer, vocab_size, "prompt")]
+
+
+def _prompt_ids(prompt: Any, tokenizer: Tokenizer, vocab_size: int, where: str) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise APIError(400, "'prompt' must not be empty", "prompt")
+            raise APIError(400, f"'{where}' must not be empty", "prompt")
         return tokenizer.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
-            raise APIError(400, f"prompt token ids must be in [0, {vocab_size}); got {bad[:3]}", "prompt")
+            raise APIError(400, f"{where}: token ids must be in [0, {vocab_size}); got {bad[:3]}", "prompt")
         return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise APIError(400, "batched prompts are not supported; send one prompt per request", "prompt")
-    raise APIError(400, "'prompt' must be a non-empty string or a list of token ids", "prompt")
+    raise APIError(400, f"'{where}' must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
 def _chat_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:

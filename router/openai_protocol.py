@@ -158,7 +158,7 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{served_model}'", "model",
                        code="model_not_found")
     _refuse_unsupported(body, chat)
-    prompts = [_chat_ids(body, tokenizer)] if chat else _prompts(body, tokenizer, vocab_size)
+    prompts = [chat_token_ids(body, tokenizer)] if chat else _prompts(body, tokenizer, vocab_size)
     n = _num(body, "n", 1, 1, MAX_N, integer=True)
     best_of = _num(body, "best_of", n, 1, MAX_BEST_OF, integer=True)
     if best_of < n:
@@ -317,7 +317,7 @@ def _prompt_ids(prompt: Any, tokenizer: Tokenizer, vocab_size: int, where: str) 
     raise APIError(400, f"'{where}' must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
-def _chat_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+def chat_token_ids(body: dict[str, Any], tokenizer: Tokenizer, add_generation_prompt: bool = True) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list", "messages")
@@ -328,16 +328,16 @@ def _chat_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
                            f"messages[{i}].role")
         content = m.get("content")
         if isinstance(content, list):  # content parts: keep the text ones
-            texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if len(texts) != len(content):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported",
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise APIError(400, f"messages[{i}].content: only text parts (with a string 'text') are supported",
                                f"messages[{i}].content")
             content = "".join(texts)
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string", f"messages[{i}].content")
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     try:
-        return tokenizer.encode_chat(clean, add_generation_prompt=True)
+        return tokenizer.encode_chat(clean, add_generation_prompt=add_generation_prompt)
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
 

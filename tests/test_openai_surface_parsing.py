@@ -151,3 +151,9 @@ def test_prompt_logprobs_take_vllms_shape_and_best_indexes_rank() -> None:
     assert prompt_logprobs(text, [_lp(2, -0.5, (3, -0.25), (2, -0.5))], 1) == [
         None, {"3": {"logprob": -0.25, "decoded_token": "def"}, "2": {"logprob": -0.5, "decoded_token": "bc"}}]
     assert best_indexes([-3.0, -1.0, -2.0, -1.0], 2) == [1, 3]
+
+
+def test_poison_values_are_400s_not_exceptions(tok: Tokenizer) -> None:
+    refused(tok, "stop_token_ids", stop_token_ids=[True])
+    refused(tok, "messages[0].content", chat=True, messages=[{"role": "user",
+                                                              "content": [{"type": "text", "text": 5}]}])

@@ -332,7 +332,7 @@ def chat_token_ids(body: dict[str, Any], tokenizer: Tokenizer, add_generation_pr
             if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
                 raise APIError(400, f"messages[{i}].content: only text parts (with a string 'text') are supported",
                                f"messages[{i}].content")
-            content = "".join(texts)
+            content = "".join(t for t in texts if isinstance(t, str))
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string", f"messages[{i}].content")
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})

@@ -1,5 +1,10 @@
-"""OpenAI response pieces the gateway assembles: logprobs in the completions and chat shapes, echoed prompts,
-vLLM's ``prompt_logprobs``, and the best ``n`` of ``best_of`` candidates.
+"""OpenAI response pieces the gateway assembles: each choice's state, logprobs in the completions and chat shapes,
+echoed prompts, vLLM's ``prompt_logprobs``, and the best ``n`` of ``best_of`` candidates.
+
+A request runs ``best_of`` sequences per prompt (a :class:`Choice` each, numbered ``prompt * best_of + j``); the
+answer shows the ``n`` of each prompt with the highest cumulative logprob, renumbered ``prompt * n + rank`` as
+OpenAI numbers a batch's choices (when ``best_of == n``, every sequence, numbered as it ran; only then may a
+request stream).
 
 Completions logprobs follow OpenAI's legacy shape: ``tokens``, ``token_logprobs``, ``top_logprobs`` (a dict per
 token that always holds the sampled token besides the top-N alternatives, so ``logprobs=1`` gives the sampled
@@ -14,11 +19,106 @@ without vLLM's ``rank``, which the workers do not compute.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import Tokenizer
 from proto.tandem.v1 import worker_pb2 as pb
+from router.openai_protocol import GenerationRequest, usage
 
 TokenText = Callable[[int], str]  # a token id's text (special tokens included)
+Decode = Callable[[list[int]], str]  # token ids' text
+
+
+@dataclass(slots=True)
+class Choice:
+    """One running sequence of a request: its prompt, what it generated so far, and where its stream stands."""
+
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    cached: int = 0
+    prompt: list[int] = field(default_factory=list)
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked for
+    offset: int = 0  # text_offset of the next streamed token
+    started: bool = False  # its first stream chunk is written (the echo, prompt logprobs went with it)
+
+
+def new_choice(req: GenerationRequest, index: int, tokenizer: Tokenizer) -> Choice:
+    """Sequence ``index`` of ``req``: it runs prompt ``index // best_of``."""
+    return Choice(index, IncrementalDetokenizer(tokenizer, tuple(req.params.stop),
+                                                req.params.include_stop_str_in_output),
+                  prompt=req.prompts[index // req.best_of])
+
+
+def take_prompt_logprobs(c: Choice, chunk: pb.TokenChunk) -> None:
+    """The prompt logprobs a chunk carries (a request's first; a migrated request's retry scores a longer prompt,
+    whose first entries are the same: the first attempt's are kept)."""
+    if chunk.prompt_logprobs and not c.prompt_logprobs:
+        c.prompt_logprobs.extend(chunk.prompt_logprobs[:max(len(c.prompt) - 1, 0)])
+
+
+def shown(req: GenerationRequest, choices: list[Choice]) -> list[Choice]:
+    """The choices the answer shows: the ``n`` best of each prompt's ``best_of``, renumbered."""
+    if req.best_of == req.n:
+        return choices
+    out = []
+    for p in range(len(req.prompts)):
+        cands = choices[p * req.best_of:(p + 1) * req.best_of]
+        for rank, i in enumerate(best_indexes([cumulative_logprob(c.logprobs) for c in cands], req.n)):
+            cands[i].index = p * req.n + rank
+            out.append(cands[i])
+    return out
+
+
+def final_body(req: GenerationRequest, choices: list[Choice], tok: TokenText, decode: Decode) -> dict[str, Any]:
+    """The whole non-streamed answer. Usage counts every prompt once and every generated token (all candidates)."""
+    out: dict[str, Any] = {"id": req.request_id, "created": req.created, "model": req.model,
+                           "usage": usage(req.num_prompt_tokens, sum(len(c.token_ids) for c in choices),
+                                          max((c.cached for c in choices), default=0))}
+    best = shown(req, choices)
+    if req.chat:
+        out["object"] = "chat.completion"
+        out["choices"] = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                           "logprobs": chat_logprobs(tok, c.logprobs) if req.want_logprobs else None,
+                           "finish_reason": c.finish_reason} for c in best]
+        if req.prompt_logprobs is not None and best:
+            out["prompt_logprobs"] = prompt_logprobs(tok, best[0].prompt_logprobs, req.prompt_logprobs)
+    else:
+        out["object"] = "text_completion"
+        out["choices"] = []
+        for c in best:
+            c.started = False
+            c.offset = 0
+            out["choices"].append(completion_piece(req, c, c.text, c.logprobs, tok, decode))
+    return out
+
+
+def completion_piece(req: GenerationRequest, c: Choice, text: str, lps: Sequence[pb.TokenLogprob],
+                     tok: TokenText, decode: Decode) -> dict[str, Any]:
+    """A completions choice object for ``text`` and its tokens' ``lps``: the whole answer, or one stream chunk.
+    The choice's first piece carries the echoed prompt (text, and its tokens' logprobs) and vLLM's
+    ``prompt_logprobs``; ``text_offset`` runs on from the previous piece."""
+    extra: dict[str, Any] = {}
+    head: dict[str, Any] | None = None
+    if not c.started:
+        c.started = True
+        if req.echo:
+            text = decode(c.prompt) + text
+            if req.want_logprobs:
+                head, c.offset = completion_logprobs(tok, c.prompt_logprobs, 0, lead=c.prompt[0])
+        if req.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = prompt_logprobs(tok, c.prompt_logprobs, req.prompt_logprobs)
+    lp = None
+    if req.want_logprobs:
+        lp, c.offset = completion_logprobs(tok, lps, c.offset)
+        if head is not None:
+            lp = joined(head, lp)
+    return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason, **extra}
 
 
 def completion_logprobs(tok: TokenText, lps: Sequence[pb.TokenLogprob], offset: int,

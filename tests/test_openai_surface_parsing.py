@@ -13,7 +13,15 @@ import pytest
 from engine.tokenizer import Tokenizer
 from proto.tandem.v1 import worker_pb2 as pb
 from router.openai_protocol import UNSUPPORTED, APIError, GenerationRequest, parse_request
-from router.openai_responses import best_indexes, completion_logprobs, joined, prompt_logprobs
+from router.openai_responses import (
+    Choice,
+    best_indexes,
+    completion_logprobs,
+    final_body,
+    joined,
+    new_choice,
+    prompt_logprobs,
+)
 
 MODEL = "tiny"
 VOCAB = 512
@@ -157,3 +165,34 @@ def test_poison_values_are_400s_not_exceptions(tok: Tokenizer) -> None:
     refused(tok, "stop_token_ids", stop_token_ids=[True])
     refused(tok, "messages[0].content", chat=True, messages=[{"role": "user",
                                                               "content": [{"type": "text", "text": 5}]}])
+
+
+def _done(req: GenerationRequest, tok: Tokenizer, index: int, ids: list[int], values: list[float]) -> Choice:
+    c = new_choice(req, index, tok)
+    c.token_ids, c.text, c.finish_reason = ids, tok.decode(ids), "length"
+    c.logprobs = [_lp(t, v) for t, v in zip(ids, values, strict=True)]
+    c.prompt_logprobs = [_lp(t, -1.0) for t in c.prompt[1:]]
+    return c
+
+
+def test_best_of_shows_the_n_best_of_each_prompt_renumbered(tok: Tokenizer) -> None:
+    req = parse(tok, prompt=["a b", "c d"], n=1, best_of=3)
+    scores = [[-3.0, -1.0, -2.0], [-0.5, -4.0, -0.1]]
+    choices = [_done(req, tok, p * 3 + j, [10 + j], [scores[p][j]]) for p in range(2) for j in range(3)]
+    assert [c.prompt for c in choices] == [req.prompts[0]] * 3 + [req.prompts[1]] * 3
+    body = final_body(req, choices, lambda t: tok.decode([t]), tok.decode)
+    assert [(ch["index"], ch["text"]) for ch in body["choices"]] == [(0, tok.decode([11])), (1, tok.decode([12]))]
+    assert body["choices"][0]["logprobs"] is None  # ranked by logprob, not asked for
+    assert body["usage"]["prompt_tokens"] == req.num_prompt_tokens and body["usage"]["completion_tokens"] == 6
+
+
+def test_echo_with_logprobs_puts_the_prompt_first_with_a_null_and_offsets_from_zero(tok: Tokenizer) -> None:
+    req = parse(tok, prompt="Hello there", echo=True, logprobs=1)
+    c = _done(req, tok, 0, [40, 41], [-0.5, -0.25])
+    piece = final_body(req, [c], lambda t: tok.decode([t], skip_special_tokens=False), tok.decode)["choices"][0]
+    lp = piece["logprobs"]
+    assert piece["text"] == tok.decode(c.prompt) + c.text
+    assert lp["token_logprobs"] == [None] + [-1.0] * (len(c.prompt) - 1) + [-0.5, -0.25]
+    assert lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+    assert len(lp["tokens"]) == len(c.prompt) + 2
+    assert lp["text_offset"] == sorted(lp["text_offset"])

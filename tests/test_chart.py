@@ -137,6 +137,8 @@ def test_default_renders_the_operator_alone(chart: Path) -> None:
     container = operator["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["tandem"] and container["args"][:2] == ["operator", "run"]
     assert "--all-namespaces" in container["args"]
+    assert [p["name"] for p in container["ports"]] == ["health"]  # metrics only with monitoring on
+    assert not [a for a in container["args"] if a.startswith("--metrics-port")]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     account = _one(docs, "ServiceAccount")["metadata"]["name"]
     assert operator["spec"]["template"]["spec"]["serviceAccountName"] == account
@@ -222,6 +224,7 @@ def test_monitoring_objects_scrape_the_operator_only_when_on(chart: Path) -> Non
     docs = _render(chart, "-f", str(CHART / "ci" / "monitoring-on-values.yaml"))
     pod = _one(docs, "Deployment")["spec"]["template"]
     port_names = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert "--metrics-port=9090" in pod["spec"]["containers"][0]["args"]
     service, monitor = _one(docs, "Service"), _one(docs, "ServiceMonitor")
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()

@@ -321,3 +321,9 @@ def test_notes_name_the_prerequisite_and_how_to_scale(chart: Path) -> None:
     assert "KubeRay's operator is a prerequisite" in notes
     assert "kubectl -n tandem-system scale tt/t-decode --replicas 3" in notes
     assert "Secret serving-mtls" in notes
+
+
+def test_kubernetes_older_than_1_30_is_refused(chart: Path) -> None:
+    assert _render(chart, "--kube-version", "1.30.0")
+    proc = _run("template", "t", str(chart), "--kube-version", "1.29.9", ok=False)
+    assert proc.returncode != 0 and "kubeVersion" in proc.stderr, proc.stderr

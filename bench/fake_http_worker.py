@@ -5,7 +5,7 @@ Peer routers speak HTTP to their workers, so this is the same stand-in as ``benc
 ``POST /v1/completions`` (and ``/generate``) answers ``tokens`` tokens of text, as one JSON body or as one SSE event
 per token (usage last when asked for), finish reason ``length``; the start-up and health probes a router makes
 (``/health``, ``/health_generate``, ``/get_server_info``, ``/get_model_info``, ``/v1/models``) are answered too.
-It runs on Tandem's own HTTP server (router/http.py), in one process.
+It runs on the gateway's own HTTP stack (router/asgi.py on granian, router/http_server.py), in one process.
 
 Run: ``python -m bench.fake_http_worker --port 0 --tokens 8``; prints ``READY <port>``, stops on SIGTERM/SIGINT.
 """
@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 import orjson
 
-from router.http import HTTPServer, Request, Response, StreamResponse
+from router.asgi import ASGIApp, HTTPConfig, Request, Response, StreamResponse
+from router.http_server import HTTPServer
 from router.serve import stop_on_signals
 
 _WORDS = [f" w{i}" for i in range(64)]
@@ -81,12 +82,14 @@ class FakeHTTPWorker:
 
 
 async def serve(tokens: int, model: str, model_path: str, host: str, port: int) -> int:
-    server = HTTPServer(FakeHTTPWorker(tokens, model, model_path).handle)
+    config = HTTPConfig()
+    server = HTTPServer(ASGIApp(FakeHTTPWorker(tokens, model, model_path).handle, config, lambda path, status: None),
+                        config)
     bound = await server.start(host, port)
     print(f"READY {bound}", flush=True)
     stop = stop_on_signals()
     await stop.wait()
-    await server.stop(0.5)
+    await server.stop()
     return 0
 
 

@@ -7,12 +7,14 @@ another worker pair mid-way continues byte for byte. A client that disconnects c
 the request on every worker it reached. ``x-tandem-explain: 1`` on a request returns the routing decision and its
 cost breakdown in the ``x-tandem-route`` response header.
 
-Two paths serve a request. The coroutine path (``handle``) runs a handler task per request and serves everything.
-The express lane (``express``, called by the HTTP server with a loop iteration's new requests) starts a non-streamed
-single choice with no task, future or generator at all: parsed, planned and written to its worker's session from
-the server's callback, absorbed chunk by chunk from the session's reader, answered from the session's completion
-callback. Anything it does not finish that way (a failed attempt, a disaggregated plan) continues in a task on the
-same dispatcher code, and anything else (streams, ``n`` > 1, other endpoints) goes to ``handle`` already parsed.
+Each request is its own ASGI call (router/asgi.py, served by granian: router/http_server.py): it is parsed and
+validated, in a thread when its body is large (JSON, tokenisation and chat templating; ``tokenizers`` releases the
+GIL), before it joins anything shared; then admitted (router/admission.py: a bounded number in flight per worker
+tier, 429 with ``Retry-After`` beyond), then dispatched. A prompt longer than ``max_prompt_bytes`` is refused with
+413 before it is tokenised. One request's bad input or failure answers that request only.
+
+API keys (auth/api_keys.py): with keys configured, every endpoint but ``/health`` needs ``Authorization: Bearer
+KEY`` (401 otherwise), and ``x-tandem-explain`` is honoured only for an admin key.
 """
 
 from __future__ import annotations
@@ -21,23 +23,25 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from auth.api_keys import ApiKeys
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 from proto.tandem.v1 import worker_pb2 as pb
-from router.dispatch import Attempts, Dispatcher, DispatchError, Plan
-from router.http import Request, Response, StreamResponse
+from router.admission import Admission, AdmissionConfig, retry_after_header
+from router.asgi import Request, Response, StreamResponse
+from router.dispatch import Dispatcher, DispatchError, Plan
 from router.metrics import RouterMetrics
 from router.openai_protocol import APIError, GenerationRequest, parse_request, usage
-from router.session import SessionError
 
 log = logging.getLogger(__name__)
-MAX_BODY = 8 << 20
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 @dataclass(slots=True)
@@ -45,7 +49,10 @@ class GatewayConfig:
     model_name: str
     max_model_len: int
     vocab_size: int
-    max_waiting_per_worker: int = 256
+    max_prompt_bytes: int = 2 << 20  # UTF-8 bytes of prompt text (or chat contents): 413 beyond, before tokenising
+    inline_parse_bytes: int = 4096  # bodies up to this are parsed on the loop (tens of µs); larger ones in a thread
+    parse_threads: int = 2
+    metrics_on_main_port: bool = True  # False: /metrics is served on a port of its own (router/http_server.py)
     # A non-streaming request is answered once, at the end, so the workers may send its tokens in chunks of this
     # many (worker.proto's output pacing): one gRPC message for a short answer instead of one per token.
     collect_chunk_tokens: int = 32
@@ -55,6 +62,8 @@ class GatewayConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.collect_chunk_tokens < 0:
             raise ValueError(f"collect_chunk_tokens must be >= 0, got {self.collect_chunk_tokens}")
+        if self.max_prompt_bytes < 1 or self.inline_parse_bytes < 0 or self.parse_threads < 1:
+            raise ValueError("max_prompt_bytes and parse_threads must be >= 1, inline_parse_bytes >= 0")
 
 
 @dataclass(slots=True)
@@ -73,26 +82,41 @@ _Item = tuple[Choice, str, list[pb.TokenLogprob]] | BaseException  # one streame
 
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer, dispatcher: Dispatcher,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, keys: ApiKeys | None = None,
+                 admission: AdmissionConfig | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.keys = keys or ApiKeys()
+        self.admission = Admission(admission or AdmissionConfig(), dispatcher.pool, metrics)
+        self._parser = ThreadPoolExecutor(config.parse_threads, thread_name_prefix="tandem-parse")
         self.routes: dict[tuple[str, str], Any] = {
             ("POST", "/v1/completions"): self.completions, ("POST", "/v1/chat/completions"): self.chat_completions,
-            ("GET", "/v1/models"): self.models, ("GET", "/health"): self.health,
-            ("GET", "/metrics"): self.render_metrics}
+            ("GET", "/v1/models"): self.models, ("GET", "/health"): self.health}
+        if config.metrics_on_main_port:
+            self.routes[("GET", "/metrics")] = self.render_metrics
+        self.paths = frozenset(path for _, path in self.routes) | {"/metrics"}
         dispatcher.on_decision = self._count_decision
+
+    def count(self, path: str, status: int) -> None:
+        """Count one response (every status, refusals by the HTTP layer included) by endpoint and status."""
+        self.metrics.requests.labels(path if path in self.paths else "other", str(status)).inc()
+
+    def close(self) -> None:
+        self._parser.shutdown(wait=False, cancel_futures=True)
 
     def _count_decision(self, plan: Plan) -> None:
         self.metrics.decisions.labels(plan.mode, plan.reason).inc()
 
     async def handle(self, request: Request) -> Response | StreamResponse:
-        """The HTTP server's handler (router/http.py): route, run, and answer errors OpenAI's way."""
+        """The ASGI app's handler (router/asgi.py): authenticate, route, run, and answer errors OpenAI's way."""
         routes = self.routes
         method = "GET" if request.method == "HEAD" else request.method
         route = routes.get((method, request.path))
         try:
+            if request.path != "/health":
+                self.authenticate(request)
             if route is None:
                 if any(path == request.path for _, path in routes):
                     raise APIError(405, f"method {request.method} is not allowed on {request.path}")
@@ -102,9 +126,20 @@ class Gateway:
         except APIError as e:
             return self._error(request, e, known=route is not None)
 
+    def authenticate(self, request: Request) -> None:
+        """401 without a valid key (when keys are configured); ``request.explain`` for an admin key only."""
+        caller = self.keys.check(request.headers.get("authorization"))
+        if caller is None:
+            given = "authorization" in request.headers
+            raise APIError(401, "Incorrect API key provided." if given else
+                           "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.",
+                           code="invalid_api_key")
+        request.explain = caller.admin and request.headers.get("x-tandem-explain") == "1"
+
     def _error(self, request: Request, e: APIError, known: bool = True) -> Response:
-        self.metrics.requests.labels(request.path if known else "other", str(e.status)).inc()
-        headers = {"Retry-After": str(max(1, round(e.retry_after)))} if e.retry_after else None
+        headers = {"Retry-After": retry_after_header(e.retry_after)} if e.retry_after else None
+        if e.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
         return _json(e.body(), status=e.status, headers=headers)
 
     # ---- endpoints -----------------------------------------------------------------------------------------
@@ -133,30 +168,57 @@ class Gateway:
     # ---- the work ------------------------------------------------------------------------------------------
 
     async def _serve(self, request: Request, chat: bool) -> Response | StreamResponse:
-        if request.state is not None:  # parsed and admitted by the express lane, which handed it over
-            req, t0 = request.state
-        else:
-            t0 = time.perf_counter()
-            req = self._parse(request, chat)
-            self.admit()
+        t0 = time.perf_counter()
+        req = await self._parse(request, chat)
+        with self.admitted():
             self.metrics.prompt_tokens.inc(len(req.prompt_token_ids) * req.n)
-        choices = [self._choice(req, i) for i in range(req.n)]
-        plans: list[Plan] = []
-        if req.stream:
-            return await self._stream(request, req, choices, plans,
-                                      request.headers.get("x-tandem-explain") == "1", t0)
-        if len(choices) == 1:
-            await self._collect(req, choices[0], plans)  # no task to fan out to
-        else:
-            await asyncio.gather(*(self._collect(req, c, plans) for c in choices))
-        return self._answer(request, req, choices, plans, t0)
+            choices = [self._choice(req, i) for i in range(req.n)]
+            plans: list[Plan] = []
+            if req.stream:
+                return await self._stream(request, req, choices, plans, request.explain, t0)
+            if len(choices) == 1:
+                await self._collect(req, choices[0], plans)  # no task to fan out to
+            else:
+                await asyncio.gather(*(self._collect(req, c, plans) for c in choices))
+            return self._answer(request, req, choices, plans, t0)
 
-    def _parse(self, request: Request, chat: bool) -> GenerationRequest:
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Hold an admission slot for the block's duration (429 or 503 raised when none is free)."""
+        self.admission.enter()
         try:
-            body = orjson.loads(request.body)
-        except orjson.JSONDecodeError:
-            raise APIError(400, "request body is not valid JSON") from None
+            yield
+        finally:
+            self.admission.leave()
+
+    async def _parse(self, request: Request, chat: bool) -> GenerationRequest:
+        return await self.parse(request.body, chat, len(request.body))
+
+    async def parse(self, raw: bytes | dict[str, Any], chat: bool, size: int) -> GenerationRequest:
+        """Parse and validate a body of about ``size`` bytes: on the loop when it is small, in the parser threads
+        when it is not."""
+        if size <= self.config.inline_parse_bytes:
+            return self.parse_body(raw, chat)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._parser, self.parse_body, raw, chat)
+
+    def parse_body(self, raw: bytes | dict[str, Any], chat: bool) -> GenerationRequest:
+        """JSON → a validated, tokenised request (any thread). The prompt's bytes are capped before tokenising."""
         cfg = self.config
+        if isinstance(raw, bytes | bytearray):
+            try:
+                body = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                raise APIError(400, "request body is not valid JSON") from None
+            # A JSON string is at least as long as its UTF-8 text, so a small body needs no walk.
+            if len(raw) > cfg.max_prompt_bytes and _prompt_bytes(body, chat) > cfg.max_prompt_bytes:
+                raise APIError(413, f"the prompt is longer than {cfg.max_prompt_bytes} bytes",
+                               "messages" if chat else "prompt")
+        else:
+            body = raw
+            if _prompt_bytes(body, chat) > cfg.max_prompt_bytes:
+                raise APIError(413, f"the prompt is longer than {cfg.max_prompt_bytes} bytes",
+                               "messages" if chat else "prompt")
         return parse_request(body, chat, self.tokenizer, cfg.model_name, cfg.max_model_len, cfg.vocab_size)
 
     def _choice(self, req: GenerationRequest, index: int) -> Choice:
@@ -167,107 +229,13 @@ class Gateway:
                 t0: float) -> Response:
         """The whole answer of a request whose choices are all done."""
         self.metrics.e2e.observe(time.perf_counter() - t0)
-        self.metrics.requests.labels(request.path, "200").inc()
-        headers = ({"x-tandem-route": _route_header(plans)} if request.headers.get("x-tandem-explain") == "1"
-                   else None)
+        headers = {"x-tandem-route": _route_header(plans)} if request.explain else None
         return _json(self._final_body(req, choices), headers=headers)
 
-    # ---- the express lane (router/http.py) -----------------------------------------------------------------
-
-    def express(self, batch: list[Request]) -> None:
-        """Start a loop iteration's new requests with no task each: a non-streamed single choice that plans
-        colocated is sent on its worker's session from here and answered from the session's completion
-        callback; a failed attempt continues in a task with the same retries and migration as the coroutine
-        path (``Dispatcher.recover``, then ``collect``); a disaggregated plan runs in a task from the start;
-        streams, ``n`` > 1 and every other endpoint go to ``handle``, already parsed where they were."""
-        for request in batch:
-            try:
-                self._express_one(request)
-            except APIError as e:
-                request.answer(self._error(request, e))
-            except DispatchError as e:
-                request.answer(self._error(request, APIError(e.status, e.message, retry_after=e.retry_after)))
-
-    def _express_one(self, request: Request) -> None:
-        path = request.path
-        if request.method != "POST" or (path != "/v1/completions" and path != "/v1/chat/completions"):
-            request.fallback()
-            return
-        t0 = time.perf_counter()
-        req = self._parse(request, path == "/v1/chat/completions")
-        self.admit()
-        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids) * req.n)
-        if req.stream or req.n != 1:
-            request.state = (req, t0)
-            request.fallback()
-            return
-        c = self._choice(req, 0)
-        plans: list[Plan] = []
-        d = self.dispatcher
-        plan = d.first_plan(req.prompt_token_ids, plans)
-        base = f"{req.request_id}-0"
-        if plan.mode != "colocated" or plan.decode.session is None:
-            request.continue_in(self._express_rest(request, req, c, plans, t0, Attempts(plan=plan)))
-            return
-        generated: list[int] = []
-        absorb = self._sink(req, c)
-
-        def sink(chunk: pb.TokenChunk) -> bool:
-            generated.extend(chunk.token_ids)
-            return absorb(chunk)
-
-        def done(err: BaseException | None) -> None:
-            request.on_cancel = None
-            if err is None:
-                d.release(plan)
-                self.metrics.cached_tokens.inc(c.cached)
-                request.answer(self._answer(request, req, [c], plans, t0))
-            else:
-                request.continue_in(self._express_rest(request, req, c, plans, t0, Attempts(generated), (plan, err)))
-
-        try:
-            cancel = plan.decode.session.submit(
-                pb.GenerateRequest(request_id=f"{base}.0", prompt_token_ids=req.prompt_token_ids, params=req.params,
-                                   min_chunk_tokens=self.config.collect_chunk_tokens),
-                d.config.rpc_timeout_s, sink, done)
-        except SessionError as e:
-            done(e)
-            return
-
-        def on_cancel() -> None:  # the client went away
-            cancel()
-            d.release(plan)
-            self.metrics.cached_tokens.inc(c.cached)
-
-        request.on_cancel = on_cancel
-
-    async def _express_rest(self, request: Request, req: GenerationRequest, c: Choice, plans: list[Plan],
-                            t0: float, state: Attempts,
-                            failed: tuple[Plan, BaseException] | None = None) -> Response:
-        """The rest of an express request, in a task: recover from its failed first attempt (if it failed), then
-        continue it as ``_collect`` would."""
-        base = f"{req.request_id}-0"
-        d = self.dispatcher
-        try:
-            if failed is not None:
-                await d.recover(failed[1], failed[0], base, state)
-            await d.collect(base, req.prompt_token_ids, req.params, self._sink(req, c), plans,
-                            self.config.collect_chunk_tokens, attempts=state)
-        except DispatchError as e:
-            return self._error(request, APIError(e.status, e.message, retry_after=e.retry_after))
-        finally:
-            self.metrics.cached_tokens.inc(c.cached)
-        return self._answer(request, req, [c], plans, t0)
-
     def admit(self) -> None:
-        pool = self.dispatcher.pool
-        decode = pool.available("decode")
-        if not decode:
-            raise APIError(503, "no decode worker is available", retry_after=1.0)
-        waiting = sum(w.last_load.waiting for w in decode if w.last_load is not None)
-        if waiting > self.config.max_waiting_per_worker * len(decode):
-            raise APIError(429, f"server overloaded: {waiting} requests queued", err_type="rate_limit_error",
-                           retry_after=1.0)
+        """Check that a request would be admitted now (no slot is taken: see ``admitted``)."""
+        self.admission.enter()
+        self.admission.leave()
 
     def _params_for(self, req: GenerationRequest, index: int) -> pb.SamplingParams:
         if not index or not req.params.HasField("seed"):
@@ -409,7 +377,6 @@ class Gateway:
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             self.metrics.e2e.observe(time.perf_counter() - t0)
-            self.metrics.requests.labels(request.path, "200").inc()
             return resp
         finally:
             for t in tasks:
@@ -499,3 +466,23 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 
 def _route_header(plans: list[Plan]) -> str:
     return " | ".join(f"{p.mode}:{p.reason}:{p.breakdown}" for p in plans)[:4000]
+
+
+def _prompt_bytes(body: Any, chat: bool) -> int:
+    """UTF-8 bytes of a body's prompt text (completions: ``prompt``, a string or a list of them; chat: every
+    message's string content and text parts). Anything of another shape counts 0: ``parse_request`` refuses it."""
+    if not isinstance(body, dict):
+        return 0
+    texts: list[Any] = []
+    if chat:
+        messages = body.get("messages")
+        for m in messages if isinstance(messages, list) else ():
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                texts.extend(p.get("text") for p in content if isinstance(p, dict))
+            else:
+                texts.append(content)
+    else:
+        prompt = body.get("prompt")
+        texts.extend(prompt if isinstance(prompt, list) else [prompt])
+    return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts if isinstance(t, str))

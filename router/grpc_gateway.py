@@ -9,6 +9,10 @@ One ``Complete`` call::
 Everything after the request is parsed is the HTTP path's own code, so both APIs give the same tokens, text and
 errors for the same request. A cancelled call (client gone, deadline) cancels the handler, which aborts the
 request on every worker it reached, as a dropped HTTP connection does.
+
+With API keys configured (auth/api_keys.py), every call carries ``authorization: Bearer KEY`` metadata; a missing
+or bad key gets ``UNAUTHENTICATED``. A call holds an admission slot (router/admission.py) from its first chunk to
+its last; beyond the bound it gets ``RESOURCE_EXHAUSTED``, as HTTP gets 429.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from proto.tandem.v1 import gateway_pb2 as gpb
 from proto.tandem.v1 import gateway_pb2_grpc as gpb_grpc
 from router.dispatch import Plan
 from router.gateway import Choice, Gateway
-from router.openai_protocol import APIError, parse_request
+from router.openai_protocol import APIError, GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,10 @@ _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition
 
 def status_for(http_status: int) -> grpc.StatusCode:
     """The gRPC status of an HTTP gateway error."""
+    if http_status == 401:
+        return grpc.StatusCode.UNAUTHENTICATED
+    if http_status == 413:
+        return grpc.StatusCode.INVALID_ARGUMENT
     if http_status == 404:
         return grpc.StatusCode.NOT_FOUND
     if http_status == 429:
@@ -73,23 +81,42 @@ class GatewayServicer(gpb_grpc.GatewayServicer):
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        keys = self.gateway.keys
+        if not keys.enabled:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        if keys.check(metadata.get("authorization")) is None:
+            self.gateway.metrics.requests.labels(_PATH, "401").inc()
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "Incorrect or missing API key: send "
+                                "'authorization: Bearer KEY' metadata")
+
     async def Models(self, request: gpb.ModelsRequest, context: grpc.aio.ServicerContext) -> gpb.ModelsResponse:
+        await self._authenticate(context)
         cfg = self.gateway.config
         return gpb.ModelsResponse(models=[gpb.ModelInfo(id=cfg.model_name, max_model_len=cfg.max_model_len)])
 
     async def Complete(self, request: gpb.CompleteRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gpb.CompleteChunk]:
         gw = self.gateway
-        cfg = gw.config
         metrics = gw.metrics
         t0 = time.perf_counter()
+        await self._authenticate(context)
+        admitted = contextlib.ExitStack()
         try:
-            req = parse_request(completions_body(request), False, gw.tokenizer, cfg.model_name, cfg.max_model_len,
-                                cfg.vocab_size)
-            gw.admit()
+            req = await gw.parse(completions_body(request), False, request.ByteSize())
+            admitted.enter_context(gw.admitted())
         except APIError as e:
             metrics.requests.labels(_PATH, str(e.status)).inc()
             await context.abort(status_for(e.status), e.message)
+        with admitted:
+            async for chunk in self._complete(req, context, t0):
+                yield chunk
+
+    async def _complete(self, req: GenerationRequest, context: grpc.aio.ServicerContext,
+                        t0: float) -> AsyncIterator[gpb.CompleteChunk]:
+        gw = self.gateway
+        metrics = gw.metrics
         metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         choice = Choice(0, IncrementalDetokenizer(gw.tokenizer, tuple(req.params.stop),
                                                   req.params.include_stop_str_in_output))

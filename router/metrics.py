@@ -152,6 +152,9 @@ class RouterMetrics:
                                                    _LAT).labels()
         self.requests: _Family = self._counter("tandem_requests", "Requests by endpoint and HTTP status",
                                                ("endpoint", "status"))
+        self.admission_rejected: _Family = self._counter("tandem_admission_rejected",
+                                                         "Requests refused with 429 by admission control, by tier",
+                                                         ("tier",))
         self.decisions: _Family = self._counter("tandem_router_decisions", "Routing decisions by mode and reason",
                                                 ("mode", "reason"))
         self.prompt_tokens: CounterValue = self._counter("tandem_prompt_tokens", "Prompt tokens received").labels()

@@ -1,16 +1,16 @@
 """``python -m router.serve``: a standalone router in front of given workers, in one process or several.
 
-One process: build the router (tokenizer, worker pool, KV index following every worker's event stream), bind the
-HTTP gateway (and with ``--grpc-port`` the client gRPC API, ``proto/tandem/v1/gateway.proto``, announced by a
-``GRPC <port>`` line), freeze the start-up heap out of the GC's way, print ``READY <port>``, serve until
-SIGTERM/SIGINT.
+One process: build the router (tokenizer, worker pool, KV index following every worker's event stream), serve the
+HTTP gateway on granian's embedded server (router/http_server.py; with ``--grpc-port`` the client gRPC API too,
+``proto/tandem/v1/gateway.proto``, announced by a ``GRPC <port>`` line; with ``--metrics-port`` ``/metrics`` on a
+port of its own, a ``METRICS <port>`` line), freeze the start-up heap out of the GC's way, print ``READY <port>``,
+serve until SIGTERM/SIGINT.
 
-``--processes N`` (> 1): this process only supervises. It starts N one-process routers on the same port with
-``SO_REUSEPORT`` (the kernel spreads incoming connections across them): the first binds the port (a free one if
-``--port 0``), the others join it. Each is a full router that follows the same workers and so builds its own KV
-index from the same events, the same index. The load each one books is its own; every router still sees the
-others' work through the workers' ``Load`` reports. Once every child is ready the supervisor prints one
-``READY <port>``; a signal stops them all, and the supervisor exits when any child dies.
+``--processes N`` (> 1): granian's own multi-process server runs N worker processes on the port; each builds a full
+router in its ASGI lifespan (``process_app``, its flags passed in ``TANDEM_ROUTER_ARGV``) and follows the same
+workers, so each builds the same KV index from the same events. The load each one books is its own; every router
+still sees the others' work through the workers' ``Load`` reports. This process prints ``READY <port>`` once every
+worker process has built its router.
 
 Run: ``python -m router.serve --model DIR --workers 127.0.0.1:7001,127.0.0.1:7002 --port 8000 --processes 2``.
 """
@@ -20,14 +20,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import logging
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.asgi import ASGIApp, HTTPConfig
+    from router.server import Router, RouterConfig
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +104,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on the READY line)")
-    p.add_argument("--processes", type=int, default=1, help="router processes sharing the port (SO_REUSEPORT)")
+    p.add_argument("--processes", type=int, default=1, help="router processes on the port (granian's workers)")
     p.add_argument("--grpc-port", type=int, default=None,
                    help="also serve the client gRPC API (tandem.v1.Gateway) here; 0 picks a free port (GRPC line)")
     p.add_argument("--min-uncached-tokens", type=int, default=64)
@@ -103,7 +112,47 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-dead-after", type=float, default=10.0, metavar="S",
                    help="fail over every request on a worker that answers no probe for S seconds")
     p.add_argument("--log-level", default="WARNING")
-    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set on a supervisor's children
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; 'admin:KEY' for an "
+                   "admin key, which may ask for x-tandem-explain)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="a file of API keys, one per line ('admin:KEY' for an admin key, '#' comments)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve /metrics on this port only (0: a free one, printed as METRICS <port>); without it "
+                   "/metrics is on the gateway's port, behind the API keys if any")
+    p.add_argument("--header-read-timeout", type=float, default=10.0, metavar="S",
+                   help="close a connection whose request head (or next request, when idle) takes longer (<= 60)")
+    p.add_argument("--body-read-timeout", type=float, default=30.0, metavar="S", help="408 after this")
+    p.add_argument("--no-keep-alive", action="store_true", help="close each connection after one response")
+    p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="413 for a larger request body")
+    p.add_argument("--max-prompt-bytes", type=int, default=2 << 20, help="413 for a longer prompt (UTF-8 bytes)")
+    p.add_argument("--max-requests-per-decode-worker", type=int, default=256,
+                   help="admission: requests in flight in this router per decode worker; 429 beyond")
+    p.add_argument("--max-requests-per-prefill-worker", type=int, default=256,
+                   help="admission: requests in flight in this router per prefill worker; 429 beyond")
+    p.add_argument("--retry-after", type=float, default=1.0, metavar="S", help="Retry-After of a 429 or 503")
+
+
+def http_config(args: argparse.Namespace) -> HTTPConfig:
+    from router.asgi import HTTPConfig
+
+    return HTTPConfig(header_read_timeout_s=args.header_read_timeout, body_read_timeout_s=args.body_read_timeout,
+                      keep_alive=not args.no_keep_alive, max_body_bytes=args.max_body_bytes)
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """The router these flags describe (ValueError on a bad value)."""
+    from router.admission import AdmissionConfig
+    from router.server import RouterConfig
+
+    admission = AdmissionConfig(max_per_decode_worker=args.max_requests_per_decode_worker,
+                                max_per_prefill_worker=args.max_requests_per_prefill_worker,
+                                retry_after_s=args.retry_after)
+    return RouterConfig(model=args.model, workers=tuple(a for a in args.workers.split(",") if a), redis=args.redis,
+                        served_model_name=args.served_model_name, min_uncached_tokens=args.min_uncached_tokens,
+                        block_size=args.block_size, worker_dead_after_s=args.worker_dead_after,
+                        api_keys=tuple(args.api_key), api_key_file=args.api_key_file, http=http_config(args),
+                        admission=admission, max_prompt_bytes=args.max_prompt_bytes, metrics_port=args.metrics_port)
 
 
 def stop_on_signals() -> asyncio.Event:
@@ -117,21 +166,18 @@ def stop_on_signals() -> asyncio.Event:
 
 
 async def _serve_one(args: argparse.Namespace) -> int:
-    from router.server import RouterConfig, build_router
+    from router.server import build_router
 
-    workers = tuple(a for a in args.workers.split(",") if a)
-    router = await build_router(RouterConfig(model=args.model, workers=workers, redis=args.redis,
-                                             served_model_name=args.served_model_name,
-                                             min_uncached_tokens=args.min_uncached_tokens,
-                                             block_size=args.block_size,
-                                             worker_dead_after_s=args.worker_dead_after))
-    port = await router.serve_http(args.host, args.port, reuse_port=bool(args.reuse_port))
+    router = await build_router(router_config(args))
+    port = await router.serve_http(args.host, args.port)
     grpc_server = None
     if args.grpc_port is not None:
         from router.grpc_gateway import start_grpc_gateway
 
         grpc_server, grpc_port = await start_grpc_gateway(router.gateway, args.host, args.grpc_port)
         print(f"GRPC {grpc_port}", flush=True)
+    if args.metrics_port is not None:
+        print(f"METRICS {await router.serve_metrics(args.host, args.metrics_port)}", flush=True)
     gc.collect()
     gc.freeze()  # the start-up heap (tokenizer, protobuf, gRPC) never becomes garbage: keep it out of GC passes
     print(f"READY {port}", flush=True)
@@ -143,44 +189,119 @@ async def _serve_one(args: argparse.Namespace) -> int:
     return 0
 
 
-def _child_cmd(args: argparse.Namespace, port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "router.serve", "--model", args.model, "--workers", args.workers, "--host",
-           args.host, "--port", str(port), "--processes", "1", "--reuse-port", "--min-uncached-tokens",
-           str(args.min_uncached_tokens), "--block-size", str(args.block_size), "--worker-dead-after",
-           str(args.worker_dead_after), "--log-level", args.log_level]
-    if args.redis:
-        cmd += ["--redis", args.redis]
-    if args.served_model_name:
-        cmd += ["--served-model-name", args.served_model_name]
-    if args.grpc_port is not None:
-        cmd += ["--grpc-port", str(args.grpc_port)]  # gRPC binds with SO_REUSEPORT too
-    return cmd
+_ARGV_ENV = "TANDEM_ROUTER_ARGV"
+_READY_ENV = "TANDEM_ROUTER_READY_DIR"
 
 
-def _supervise(args: argparse.Namespace) -> int:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    children: list[ReadyProcess] = []
+def child_argv(args: argparse.Namespace, port: int, grpc_port: int | None) -> list[str]:
+    """The flags each worker process of ``--processes N`` builds its router from: the parent's, with the ports
+    resolved (granian binds by number in each process) and one process each."""
+    argv = ["--model", args.model, "--workers", args.workers, "--host", args.host, "--port", str(port),
+            "--min-uncached-tokens", str(args.min_uncached_tokens), "--block-size", str(args.block_size),
+            "--worker-dead-after", str(args.worker_dead_after), "--log-level", args.log_level,
+            "--header-read-timeout", str(args.header_read_timeout), "--body-read-timeout",
+            str(args.body_read_timeout), "--max-body-bytes", str(args.max_body_bytes), "--max-prompt-bytes",
+            str(args.max_prompt_bytes), "--max-requests-per-decode-worker", str(args.max_requests_per_decode_worker),
+            "--max-requests-per-prefill-worker", str(args.max_requests_per_prefill_worker), "--retry-after",
+            str(args.retry_after)]
+    for key in args.api_key:
+        argv += ["--api-key", key]
+    for flag, value in (("--redis", args.redis), ("--served-model-name", args.served_model_name),
+                        ("--api-key-file", args.api_key_file)):
+        if value:
+            argv += [flag, value]
+    if grpc_port is not None:
+        argv += ["--grpc-port", str(grpc_port)]  # gRPC binds with SO_REUSEPORT in each process
+    if args.no_keep_alive:
+        argv.append("--no-keep-alive")
+    return argv
+
+
+class _ProcessRouter:
+    """One granian worker process's router, built in the ASGI lifespan."""
+
+    def __init__(self, args: argparse.Namespace, ready_dir: str | None) -> None:
+        self.args = args
+        self.ready_dir = ready_dir
+        self.router: Router | None = None
+        self.grpc_server: object | None = None
+
+    async def startup(self) -> None:
+        from router.server import build_router
+
+        args = self.args
+        logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.router = await build_router(router_config(args))
+        if args.grpc_port is not None:
+            from router.grpc_gateway import start_grpc_gateway
+
+            self.grpc_server, _ = await start_grpc_gateway(self.router.gateway, args.host, args.grpc_port)
+        gc.collect()
+        gc.freeze()
+        if self.ready_dir:
+            Path(self.ready_dir, str(os.getpid())).touch()
+
+    async def shutdown(self) -> None:
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(1.0)  # type: ignore[attr-defined]
+        if self.router is not None:
+            await self.router.close()
+
+    async def handle(self, request: object) -> object:
+        assert self.router is not None, "a request before the router was built"
+        return await self.router.gateway.handle(request)  # type: ignore[arg-type]
+
+    def count(self, path: str, status: int) -> None:
+        if self.router is not None:
+            self.router.gateway.count(path, status)
+
+
+def process_app() -> ASGIApp:
+    """granian's factory target for ``--processes N``: the gateway app of one worker process."""
+    from router.asgi import ASGIApp
+    from router.gateway import GENERATE_PATHS
+
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    args = p.parse_args(json.loads(os.environ[_ARGV_ENV]))
+    holder = _ProcessRouter(args, os.environ.get(_READY_ENV))
+    return ASGIApp(holder.handle, http_config(args), holder.count, watch=GENERATE_PATHS,  # type: ignore[arg-type]
+                   on_startup=holder.startup, on_shutdown=holder.shutdown)
+
+
+def _serve_processes(args: argparse.Namespace) -> int:
+    from router.http_server import free_port, serve_processes
+
+    if args.metrics_port is not None:
+        print("error: --metrics-port needs --processes 1 (each process keeps its own metrics)", file=sys.stderr)
+        return 2
+    router_config(args)  # flags checked here, before any process starts
+    port = args.port or free_port(args.host)
+    grpc_port = None if args.grpc_port is None else (args.grpc_port or free_port(args.host))
+    ready_dir = tempfile.mkdtemp(prefix="tandem-router-")
+    os.environ[_ARGV_ENV] = json.dumps(child_argv(args, port, grpc_port))
+    os.environ[_READY_ENV] = ready_dir
+
+    def announce() -> None:
+        deadline = time.monotonic() + 120.0
+        while time.monotonic() < deadline:
+            if len(os.listdir(ready_dir)) >= args.processes:
+                if grpc_port is not None:
+                    print(f"GRPC {grpc_port}", flush=True)
+                print(f"READY {port}", flush=True)
+                return
+            time.sleep(0.05)
+        print(f"error: {args.processes} router processes not ready within 120 s", file=sys.stderr, flush=True)
+
+    threading.Thread(target=announce, daemon=True).start()
     try:
-        first = ReadyProcess.start("router-0", _child_cmd(args, args.port))
-        children.append(first)
-        for i in range(1, args.processes):
-            children.append(ReadyProcess.start(f"router-{i}", _child_cmd(args, first.port)))
-        print(f"READY {first.port}", flush=True)
-        while not stop.wait(0.2):
-            dead = [c for c in children if c.proc.poll() is not None]
-            if dead:
-                print(f"error: {dead[0].name} exited with {dead[0].proc.returncode}:\n{dead[0].tail()}",
-                      file=sys.stderr)
-                return 1
-        return 0
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        serve_processes("router.serve:process_app", args.host, port, args.processes, http_config(args))
     finally:
-        for c in children:
-            c.stop()
+        for name in os.listdir(ready_dir):
+            Path(ready_dir, name).unlink(missing_ok=True)
+        os.rmdir(ready_dir)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -195,8 +316,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    try:
+        router_config(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.processes > 1:
-        return _supervise(args)
+        return _serve_processes(args)
     t0 = time.monotonic()
     rc = asyncio.run(_serve_one(args))
     log.info("router stopped after %.1fs", time.monotonic() - t0)

@@ -1,4 +1,5 @@
-"""Assembling a router: tokenizer, worker pool, KV index, load tracker, selectors, dispatcher, gateway, metrics.
+"""Assembling a router: tokenizer, worker pool, KV index, load tracker, selectors, dispatcher, gateway, metrics,
+and its HTTP serving (the gateway's ASGI app on granian; ``/metrics`` on its own port when one is given).
 
 The KV index is fed by the workers' KV event streams (the in-process bus: each router follows each worker
 directly). Both selectors share the index and the load tracker, so prefill and decode choices see the same view.
@@ -7,16 +8,20 @@ directly). Both selectors share the index and the load tracker, so prefill and d
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from auth.api_keys import ApiKeys
+from auth.credentials import Credentials
 from engine.block_hash import extra_keys_for
 from engine.tokenizer import Tokenizer
 from proto.tandem.v1 import worker_pb2 as pb
+from router.admission import AdmissionConfig
+from router.asgi import ASGIApp, HTTPConfig, Request, Response
 from router.cost import CostConfig
 from router.dispatch import DisaggConfig, Dispatcher
-from router.gateway import MAX_BODY, Gateway, GatewayConfig
-from router.http import HTTPServer
+from router.gateway import GENERATE_PATHS, Gateway, GatewayConfig
+from router.http_server import HTTPServer
 from router.kv_index import KVIndex
 from router.load import LoadTracker
 from router.metrics import RouterMetrics
@@ -37,10 +42,19 @@ class RouterConfig:
     temperature: float = 0.1
     seed: int = 0
     worker_dead_after_s: float = 10.0  # a worker silent this long has its requests failed over (router/pool.py)
+    credentials: Credentials | None = None  # workers' mTLS and cluster token (None: this process's token, no TLS)
+    api_keys: tuple[str, ...] = ()  # ``KEY`` or ``admin:KEY`` (auth/api_keys.py)
+    api_key_file: str | None = None
+    http: HTTPConfig = field(default_factory=HTTPConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    max_prompt_bytes: int = 2 << 20
+    metrics_port: int | None = None  # /metrics on a port of its own (and not on the gateway's)
 
     def __post_init__(self) -> None:
         if not self.workers and not self.redis:
             raise ValueError("a router needs worker addresses or a Redis URL to discover them")
+        if self.metrics_port is not None and self.metrics_port < 0:
+            raise ValueError(f"metrics_port must be >= 0, got {self.metrics_port}")
 
 
 @dataclass(slots=True)
@@ -50,21 +64,44 @@ class Router:
     dispatcher: Dispatcher
     gateway: Gateway
 
+    http_config: HTTPConfig = field(default_factory=HTTPConfig)
     bus: RedisBus | None = None
     http: HTTPServer | None = None
+    metrics_http: HTTPServer | None = None
 
-    async def serve_http(self, host: str, port: int, reuse_port: bool = False) -> int:
-        """Serve the OpenAI gateway on ``host:port`` (0: a free port; ``reuse_port``: share it with other router
-        processes through SO_REUSEPORT); return the bound port."""
-        self.http = HTTPServer(self.gateway.handle, max_body=MAX_BODY, express=self.gateway.express)
-        return await self.http.start(host, port, reuse_port=reuse_port)
+    def app(self) -> ASGIApp:
+        """The gateway as an ASGI app (router/asgi.py)."""
+        return ASGIApp(self.gateway.handle, self.http_config, self.gateway.count, watch=GENERATE_PATHS)
+
+    def metrics_app(self) -> ASGIApp:
+        """``/metrics`` alone, for a port of its own."""
+        gateway = self.gateway
+
+        async def handle(request: Request) -> Response:
+            if request.path != "/metrics":
+                return Response(b'{"error":{"message":"only /metrics is served here"}}', status=404)
+            return await gateway.render_metrics(request)
+
+        return ASGIApp(handle, self.http_config, gateway.count)
+
+    async def serve_http(self, host: str, port: int) -> int:
+        """Serve the OpenAI gateway on ``host:port`` (0: a free port) on granian; return the bound port."""
+        self.http = HTTPServer(self.app(), self.http_config)
+        return await self.http.start(host, port)
+
+    async def serve_metrics(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` on ``host:port`` (0: a free port); return the bound port."""
+        self.metrics_http = HTTPServer(self.metrics_app(), self.http_config)
+        return await self.metrics_http.start(host, port)
 
     async def close(self) -> None:
-        if self.http is not None:
-            await self.http.stop()
+        for server in (self.http, self.metrics_http):
+            if server is not None:
+                await server.stop()
         if self.bus is not None:
             await self.bus.close()
         await self.pool.close()
+        self.gateway.close()
 
 
 def _max_model_len(model: Path) -> tuple[int, int]:
@@ -82,7 +119,8 @@ async def build_router(cfg: RouterConfig) -> Router:
     # the pool follows each worker's own event stream (the in-process bus).
     extra = extra_keys_for(model=model.name)
     pool = WorkerPool(list(cfg.workers), index=None if cfg.redis else index, load=load,
-                      hashing=(cfg.block_size, extra), dead_after_s=cfg.worker_dead_after_s)
+                      hashing=(cfg.block_size, extra), dead_after_s=cfg.worker_dead_after_s,
+                      credentials=cfg.credentials)
     try:
         await pool.start()
     except BaseException:
@@ -106,6 +144,8 @@ async def build_router(cfg: RouterConfig) -> Router:
     dispatcher = Dispatcher(pool, prefill_sel, decode_sel, DisaggConfig(min_uncached_tokens=cfg.min_uncached_tokens))
     stats = dispatcher.stats
     metrics = RouterMetrics(pool, retries=lambda: stats.retries, migrations=lambda: stats.migrations)
-    gateway = Gateway(GatewayConfig(cfg.served_model_name or model.name, max_len, vocab), tokenizer, dispatcher,
-                      metrics)
-    return Router(pool, index, dispatcher, gateway, bus)
+    gateway = Gateway(GatewayConfig(cfg.served_model_name or model.name, max_len, vocab,
+                                    max_prompt_bytes=cfg.max_prompt_bytes,
+                                    metrics_on_main_port=cfg.metrics_port is None),
+                      tokenizer, dispatcher, metrics, ApiKeys.load(cfg.api_keys, cfg.api_key_file), cfg.admission)
+    return Router(pool, index, dispatcher, gateway, cfg.http, bus)

@@ -194,20 +194,22 @@ def test_worker_killed_mid_stream_migrates_and_the_client_sees_an_exact_stream(
 
 
 def test_router_processes_started_by_a_supervisor_get_every_routing_flag() -> None:
-    """``router.serve --processes N`` re-runs itself N times: each child must route as the parent was told to (a
-    child on the default block size would refuse workers on another, and one on the default dead-after would
-    wait longer than asked)."""
+    """``router.serve --processes N`` has granian start N worker processes, each building its router from the flags
+    it is handed: each must route as the parent was told to (a router on the default block size would refuse
+    workers on another, and one on the default dead-after would wait longer than asked)."""
     import argparse
 
-    from router.serve import _child_cmd, add_router_args
+    from router.serve import add_router_args, child_argv
 
     p = argparse.ArgumentParser()
     add_router_args(p)
     args = p.parse_args(["--model", "/m", "--workers", "127.0.0.1:1", "--processes", "2", "--block-size", "32",
-                         "--worker-dead-after", "3.5", "--min-uncached-tokens", "7"])
-    child = p.parse_args(_child_cmd(args, 8123)[3:])
+                         "--worker-dead-after", "3.5", "--min-uncached-tokens", "7", "--api-key", "admin:k",
+                         "--max-requests-per-decode-worker", "9"])
+    child = p.parse_args(child_argv(args, 8123, None))
     assert (child.block_size, child.worker_dead_after, child.min_uncached_tokens) == (32, 3.5, 7)
-    assert (child.port, child.processes, child.reuse_port) == (8123, 1, True)
+    assert (child.port, child.processes, child.api_key, child.max_requests_per_decode_worker) == (
+        8123, 1, ["admin:k"], 9)
 
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
@@ -451,8 +453,8 @@ def test_client_that_goes_away_mid_stream_is_aborted_on_its_worker(router: Route
 
 def test_client_that_goes_away_before_a_whole_answer_is_aborted_on_its_worker(
         router: RouterThread, two_workers: list[WorkerProcess], checkpoint: Callable[[str], Path]) -> None:
-    """The same for a non-streamed request (the gateway's express lane: no handler task to cancel, the session
-    request is given up from the connection's ``on_cancel``): the worker stops it and frees its blocks."""
+    """The same for a non-streamed request (the ASGI app's disconnect watcher cancels its handler while it waits
+    for the whole answer): the worker stops it and frees its blocks."""
     model = checkpoint("llama").name
     assert all(ld.running == 0 for ld in _wait_idle(two_workers, 30))
     body = json.dumps({"model": model, "prompt": list(range(90, 110)), "max_tokens": 4000, "temperature": 0,
@@ -474,17 +476,16 @@ def test_overload_and_no_worker_get_429_and_503_with_retry_after(router: RouterT
                                                                  checkpoint: Callable[[str], Path]) -> None:
     """A queue past the admission limit is 429 and a router with no live decode worker is 503, both OpenAI-style
     errors with a Retry-After header; once the queue is back under the limit the same request is served. (The
-    limit is lowered below the workers' real, empty queues rather than flooding them.)"""
+    router's count of requests in flight is raised past the admission limit rather than flooding the workers.)"""
     model = checkpoint("llama").name
     body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 2}
-    limit = router.call(lambda r: r.gateway.config.max_waiting_per_worker)
-    router.call(lambda r: setattr(r.gateway.config, "max_waiting_per_worker", -1))
+    router.call(lambda r: setattr(r.gateway.admission, "in_flight", r.gateway.admission.in_flight + 100_000))
     try:
         r = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["type"] == "rate_limit_error" and "overloaded" in r.json()["error"]["message"]
     finally:
-        router.call(lambda r: setattr(r.gateway.config, "max_waiting_per_worker", limit))
+        router.call(lambda r: setattr(r.gateway.admission, "in_flight", r.gateway.admission.in_flight - 100_000))
     assert httpx.post(router.url + "/v1/completions", json=body, timeout=30).status_code == 200
 
     lone = start_worker("decode", str(checkpoint("llama")), "tcp", [*FLAGS, "--worker-id", "lone"])

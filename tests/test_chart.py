@@ -196,11 +196,11 @@ def test_a_deployment_in_an_unwatched_namespace_is_refused(chart: Path) -> None:
     assert proc.returncode != 0 and "leaves unwatched" in proc.stderr
 
 
-def test_gpu_scenario_asks_two_gpus_per_replica_with_tolerations(chart: Path) -> None:
+def test_gpu_scenario_asks_one_gpu_per_rank_at_tp_2_with_tolerations(chart: Path) -> None:
     spec = _one(_render(chart, "-f", str(CHART / "ci" / "gpu-tp2-values.yaml")), "TandemDeployment")["spec"]
     for tier in ("prefill", "decode"):
         assert spec[tier]["tp"] == 2
-        assert spec[tier]["resources"]["limits"]["nvidia.com/gpu"] == 2
+        assert spec[tier]["resources"]["limits"]["nvidia.com/gpu"] == 1  # per rank: two GPUs a replica
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec[tier]["tolerations"]
 
 

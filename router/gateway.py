@@ -1,5 +1,6 @@
-"""OpenAI-compatible HTTP gateway: ``/v1/completions``, ``/v1/chat/completions`` (JSON or SSE), ``/v1/models``,
-``/health`` and ``/metrics``.
+"""OpenAI-compatible HTTP gateway: ``/v1/completions``, ``/v1/chat/completions`` (JSON or SSE), ``/v1/models``
+and ``/v1/models/{id}``, ``/tokenize``, ``/detokenize``, ``/version`` (router/openai_endpoints.py), ``/health`` and
+``/metrics``. Response bodies and stream pieces are shaped in router/openai_responses.py.
 
 Tokenization happens once, here; workers see token ids only. Text is produced here too, by one incremental
 detokenizer per choice over the token ids the workers stream (stop strings included), so a stream migrated to
@@ -23,22 +24,31 @@ import asyncio
 import contextlib
 import logging
 import time
+import urllib.parse
 from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from auth.api_keys import ApiKeys
-from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 from proto.tandem.v1 import worker_pb2 as pb
 from router.admission import Admission, AdmissionConfig, retry_after_header
 from router.asgi import Request, Response, StreamResponse
 from router.dispatch import Dispatcher, DispatchError, Plan
 from router.metrics import RouterMetrics
+from router.openai_endpoints import UtilityEndpoints
 from router.openai_protocol import APIError, GenerationRequest, parse_request, usage
+from router.openai_responses import (
+    Choice,
+    chat_logprobs,
+    completion_piece,
+    final_body,
+    new_choice,
+    take_prompt_logprobs,
+)
 
 log = logging.getLogger(__name__)
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -66,17 +76,6 @@ class GatewayConfig:
             raise ValueError("max_prompt_bytes and parse_threads must be >= 1, inline_parse_bytes >= 0")
 
 
-@dataclass(slots=True)
-class Choice:
-    index: int
-    detok: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
-    cached: int = 0
-
-
 _Item = tuple[Choice, str, list[pb.TokenLogprob]] | BaseException  # one streamed chunk of a choice, or its error
 
 
@@ -93,7 +92,11 @@ class Gateway:
         self._parser = ThreadPoolExecutor(config.parse_threads, thread_name_prefix="tandem-parse")
         self.routes: dict[tuple[str, str], Any] = {
             ("POST", "/v1/completions"): self.completions, ("POST", "/v1/chat/completions"): self.chat_completions,
-            ("GET", "/v1/models"): self.models, ("GET", "/health"): self.health}
+            ("GET", "/v1/models"): self.models, ("GET", "/health"): self.health,
+            ("POST", "/tokenize"): self.tokenize, ("POST", "/detokenize"): self.detokenize,
+            ("GET", "/version"): self.version}
+        self.extras = UtilityEndpoints(tokenizer, config.model_name, config.max_model_len, config.vocab_size,
+                                       config.max_prompt_bytes)
         if config.metrics_on_main_port:
             self.routes[("GET", "/metrics")] = self.render_metrics
         self.paths = frozenset(path for _, path in self.routes) | {"/metrics"}
@@ -114,6 +117,8 @@ class Gateway:
         routes = self.routes
         method = "GET" if request.method == "HEAD" else request.method
         route = routes.get((method, request.path))
+        if route is None and method == "GET" and request.path.startswith("/v1/models/"):
+            route = self.model_by_id
         try:
             if request.path != "/health":
                 self.authenticate(request)
@@ -149,6 +154,18 @@ class Gateway:
             {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "tandem",
              "max_model_len": self.config.max_model_len}]})
 
+    async def model_by_id(self, request: Request) -> Response:
+        return _json(self.extras.model(urllib.parse.unquote(request.path[len("/v1/models/"):])))
+
+    async def tokenize(self, request: Request) -> Response:
+        return _json(await self.extras.tokenize(request.body))
+
+    async def detokenize(self, request: Request) -> Response:
+        return _json(await self.extras.detokenize(request.body))
+
+    async def version(self, request: Request) -> Response:
+        return _json(self.extras.version())
+
     async def health(self, request: Request) -> Response:
         pool = self.dispatcher.pool
         decode = pool.available("decode")
@@ -171,8 +188,8 @@ class Gateway:
         t0 = time.perf_counter()
         req = await self._parse(request, chat)
         with self.admitted():
-            self.metrics.prompt_tokens.inc(len(req.prompt_token_ids) * req.n)
-            choices = [self._choice(req, i) for i in range(req.n)]
+            self.metrics.prompt_tokens.inc(req.num_prompt_tokens * req.best_of)
+            choices = [self._choice(req, i) for i in range(len(req.prompts) * req.best_of)]
             plans: list[Plan] = []
             if req.stream:
                 return await self._stream(request, req, choices, plans, request.explain, t0)
@@ -222,8 +239,7 @@ class Gateway:
         return parse_request(body, chat, self.tokenizer, cfg.model_name, cfg.max_model_len, cfg.vocab_size)
 
     def _choice(self, req: GenerationRequest, index: int) -> Choice:
-        return Choice(index, IncrementalDetokenizer(self.tokenizer, tuple(req.params.stop),
-                                                    req.params.include_stop_str_in_output))
+        return new_choice(req, index, self.tokenizer)
 
     def _answer(self, request: Request, req: GenerationRequest, choices: list[Choice], plans: list[Plan],
                 t0: float) -> Response:
@@ -246,12 +262,14 @@ class Gateway:
         return params
 
     def _run(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> AsyncGenerator[pb.TokenChunk, None]:
-        return self.dispatcher.run(f"{req.request_id}-{c.index}", req.prompt_token_ids, self._params_for(req, c.index),
-                                   plans, 0 if req.stream else self.config.collect_chunk_tokens)
+        return self.dispatcher.run(f"{req.request_id}-{c.index}", c.prompt or req.prompt_token_ids,
+                                   self._params_for(req, c.index), plans,
+                                   0 if req.stream else self.config.collect_chunk_tokens)
 
     def _absorb(self, req: GenerationRequest, c: Choice, chunk: pb.TokenChunk) -> str:
         """Take one chunk into ``c`` (tokens, text, logprobs, finish reason); return its new text."""
         c.cached = max(c.cached, chunk.num_cached_tokens)
+        take_prompt_logprobs(c, chunk)
         if c.detok.stop:  # token by token: the token that completes a stop string ends the choice
             new = ""
             for tok in chunk.token_ids:
@@ -299,7 +317,7 @@ class Gateway:
     async def _collect(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> None:
         """Run one choice to its end for an answer sent whole: each chunk is absorbed as the session reads it."""
         try:
-            await self.dispatcher.collect(f"{req.request_id}-{c.index}", req.prompt_token_ids,
+            await self.dispatcher.collect(f"{req.request_id}-{c.index}", c.prompt or req.prompt_token_ids,
                                           self._params_for(req, c.index), self._sink(req, c), plans,
                                           self.config.collect_chunk_tokens)
         except DispatchError as e:
@@ -308,22 +326,7 @@ class Gateway:
             self.metrics.cached_tokens.inc(c.cached)
 
     def _final_body(self, req: GenerationRequest, choices: list[Choice]) -> dict[str, Any]:
-        completion = sum(len(c.token_ids) for c in choices)
-        out: dict[str, Any] = {"id": req.request_id, "created": req.created, "model": req.model,
-                               "usage": usage(len(req.prompt_token_ids), completion,
-                                              max((c.cached for c in choices), default=0))}
-        if req.chat:
-            out["object"] = "chat.completion"
-            out["choices"] = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                               "logprobs": self._chat_logprobs(c.logprobs) if req.want_logprobs else None,
-                               "finish_reason": c.finish_reason} for c in choices]
-        else:
-            prompt_text = self.tokenizer.decode(req.prompt_token_ids) if req.echo else ""
-            out["object"] = "text_completion"
-            out["choices"] = [{"index": c.index, "text": prompt_text + c.text,
-                               "logprobs": self._completion_logprobs(c.logprobs) if req.want_logprobs else None,
-                               "finish_reason": c.finish_reason} for c in choices]
-        return out
+        return final_body(req, choices, self._tok, self.tokenizer.decode)
 
     async def _stream(self, request: Request, req: GenerationRequest, choices: list[Choice],
                       plans: list[Plan], explain: bool, t0: float) -> StreamResponse:
@@ -359,19 +362,20 @@ class Gateway:
                         self.metrics.itl.observe(now - last)
                     last = now
                     if req.chat:
-                        lp = self._chat_logprobs(lps) if req.want_logprobs else None
+                        lp = chat_logprobs(self._tok, lps) if req.want_logprobs else None
                         if text or lps:
                             await _sse(resp, self._chunk(req, obj, c.index, {"content": text}, None, lp))
                         if c.finish_reason:
                             await _sse(resp, self._chunk(req, obj, c.index, {}, c.finish_reason, None))
                     else:
-                        lp = self._completion_logprobs(lps) if req.want_logprobs else None
-                        await _sse(resp, self._chunk(req, obj, c.index, text, c.finish_reason, lp))
+                        await _sse(resp, {"id": req.request_id, "object": obj, "created": req.created,
+                                          "model": req.model, "choices": [completion_piece(
+                                              req, c, text, lps, self._tok, self.tokenizer.decode)]})
             if not started:
                 await resp.prepare(request)
             if req.include_usage:
                 await _sse(resp, {"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
-                                  "choices": [], "usage": usage(len(req.prompt_token_ids),
+                                  "choices": [], "usage": usage(req.num_prompt_tokens,
                                                                 sum(len(c.token_ids) for c in choices),
                                                                 max(c.cached for c in choices))})
             await resp.write(b"data: [DONE]\n\n")
@@ -436,23 +440,6 @@ class Gateway:
     def _tok(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _chat_logprobs(self, lps: list[pb.TokenLogprob]) -> dict[str, Any]:
-        def entry(tid: int, lp: float) -> dict[str, Any]:
-            s = self._tok(tid)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-
-        return {"content": [{**entry(lp.token_id, lp.logprob),
-                             "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]} for lp in lps]}
-
-    def _completion_logprobs(self, lps: list[pb.TokenLogprob]) -> dict[str, Any]:
-        tokens = [self._tok(lp.token_id) for lp in lps]
-        offsets, pos = [], 0
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self._tok(t.token_id): t.logprob for t in lp.top} for lp in lps],
-                "text_offset": offsets}
 
 
 async def _sse(resp: StreamResponse, obj: dict[str, Any]) -> None:

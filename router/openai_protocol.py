@@ -244,6 +244,8 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str
     prompt_logprobs = None
     if body.get("prompt_logprobs") is not None:
         prompt_logprobs = _num(body, "prompt_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
+        if chat and stream:  # vLLM's chat stream has no place for them either
+            raise APIError(400, "'prompt_logprobs' cannot be streamed on chat completions", "prompt_logprobs")
     # Echo with logprobs scores the prompt too: the prompt's logprobs, from the prefill pass.
     wanted = [k for k in (prompt_logprobs, logprobs if echo else None) if k is not None]
     if wanted:

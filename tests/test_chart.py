@@ -136,7 +136,7 @@ def test_default_renders_the_operator_alone(chart: Path) -> None:
     operator = _one(docs, "Deployment")
     container = operator["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["tandem"] and container["args"][:2] == ["operator", "run"]
-    assert "--all-namespaces" in container["args"]
+    assert container["args"] == ["operator", "run", "--liveness=http://0.0.0.0:8080/healthz"]  # every namespace
     assert [p["name"] for p in container["ports"]] == ["health"]  # metrics only with monitoring on
     assert not [a for a in container["args"] if a.startswith("--metrics-port")]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -187,7 +187,7 @@ def test_rbac_with_watched_namespaces_is_a_role_per_namespace(chart: Path) -> No
     bindings = _by_kind(docs, "RoleBinding")
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["serving", "staging"]
     args = _one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "--namespace=serving" in args and "--namespace=staging" in args and "--all-namespaces" not in args
+    assert [a for a in args if a.startswith("--namespace")] == ["--namespace=serving", "--namespace=staging"]
 
 
 def test_a_deployment_in_an_unwatched_namespace_is_refused(chart: Path) -> None:
@@ -327,3 +327,20 @@ def test_kubernetes_older_than_1_30_is_refused(chart: Path) -> None:
     assert _render(chart, "--kube-version", "1.30.0")
     proc = _run("template", "t", str(chart), "--kube-version", "1.29.9", ok=False)
     assert proc.returncode != 0 and "kubeVersion" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("values", ["default-values.yaml", "watch-namespaces-values.yaml"])
+def test_operator_args_are_accepted_by_the_tandem_cli(chart: Path, values: str) -> None:
+    """The container's command line parsed by the real `tandem` argument parser (cli/main.py)."""
+    import importlib.util
+
+    if importlib.util.find_spec("cli.operator") is None:
+        pytest.skip("`tandem operator` is not in this checkout yet (cli/operator.py)")
+    from cli.main import build_parser
+
+    container = _one(_render(chart, "-f", str(CHART / "ci" / values)), "Deployment")["spec"]["template"]["spec"][
+        "containers"][0]
+    assert container["command"] == ["tandem"]
+    args = build_parser().parse_args(container["args"])
+    assert args.liveness == "http://0.0.0.0:8080/healthz"
+    assert args.namespace == ([] if values.startswith("default") else ["serving", "staging"])

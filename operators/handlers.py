@@ -1,0 +1,248 @@
+"""The kopf handlers of the operator, registered into a registry built per ``OperatorConfig``.
+
+Level-triggered, in three loops that all run the same ``reconcile``:
+
+- TandemDeployment created, changed or resumed (``on.create/update/resume``): render and apply every owned
+  object. An API-server failure raises ``kopf.TemporaryError(delay=...)``; a bad spec does not raise at all:
+  it sets ``Degraded=True`` (reason ``InvalidSpec``) and posts one Warning Event per distinct message, and
+  nothing is retried until the spec changes.
+- An owned object changed (``on.event`` on each owned kind, filtered by ``managed-by``): the same reconcile,
+  which patches a hand-edited owned field back (NVIDIA Dynamo #4420) and writes nothing otherwise.
+- A timer per TandemDeployment: reconcile again (a missed event is repaired within one interval), read the
+  controller's ``Status``, forward any tier whose controller-side desired count differs from its TandemTier
+  (``SetReplicas``), and write ``.status`` of the TandemDeployment and its TandemTiers when they changed.
+
+A TandemTier change (``kubectl scale``, an HPA, KEDA, the planner) is forwarded at once by ``on.event`` on
+TandemTiers: its ``spec.replicas`` clamped to ``[minReplicas, maxReplicas]`` of the TandemDeployment goes to
+``Control.SetReplicas``; a clamp posts a Warning Event. Only changed values are forwarded (the timer covers a
+controller that restarted and forgot).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import kopf
+from kubernetes_asyncio.client import ApiException
+
+from operators.apply import Outcome, apply
+from operators.config import OperatorConfig
+from operators.control import ControlClients, ControlError
+from operators.kube import KINDS, Kube
+from operators.labels import GROUP, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGED_BY, VERSION
+from operators.render import render
+from operators.spec import DeploymentSpec, SpecError, parse
+from operators.status import (
+    deployment_status,
+    invalid_spec_conditions,
+    tier_desired,
+    tier_status,
+    with_transition_times,
+)
+
+TD_PLURAL = "tandemdeployments"
+TT_PLURAL = "tandemtiers"
+MONITORING_GROUP = "monitoring.coreos.com"
+OWNED = [KINDS[k] for k in ("RayCluster", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy",
+                            "ServiceMonitor")]
+_MEMO_KEY = "tandem"
+
+
+@dataclass(slots=True)
+class Runtime:
+    """What the handlers share for the operator's life (kept in kopf's memo)."""
+
+    kube: Kube
+    control: ControlClients
+    forwarded: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (ns, td, tier) -> last SetReplicas
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _runtime(memo: Any) -> Runtime:
+    rt = memo.get(_MEMO_KEY)
+    assert isinstance(rt, Runtime), "the startup handler did not run"
+    return rt
+
+
+def _set_conditions(body: kopf.Body, patch: kopf.Patch, conditions: list[dict[str, str]]) -> bool:
+    previous = list((body.get("status") or {}).get("conditions") or [])
+    timed = with_transition_times(conditions, previous, _now())
+    if timed == previous:
+        return False
+    patch.status["conditions"] = timed
+    return True
+
+
+async def reconcile(cfg: OperatorConfig, rt: Runtime, body: kopf.Body, namespace: str, patch: kopf.Patch,
+                    logger: logging.Logger | logging.LoggerAdapter[Any]) -> DeploymentSpec | None:
+    """Apply every owned object; None (and Degraded, and an Event) for a spec that cannot be reconciled."""
+    try:
+        monitoring = await rt.kube.has_group(MONITORING_GROUP)
+        objs = render(dict(body), namespace, monitoring=monitoring)
+    except SpecError as e:
+        if _set_conditions(body, patch, invalid_spec_conditions(str(e))):
+            patch.status["observedGeneration"] = body.get("metadata", {}).get("generation")
+            kopf.warn(body, reason="InvalidSpec", message=str(e))
+            logger.warning("invalid spec: %s", e)
+        return None
+    except ApiException as e:
+        raise kopf.TemporaryError(f"API discovery failed: {e.status} {e.reason}", delay=cfg.retry_delay_s) from e
+    changed = []
+    for obj in objs:
+        try:
+            outcome = await apply(rt.kube, obj)
+        except ApiException as e:
+            raise kopf.TemporaryError(f"{obj['kind']} {obj['metadata']['name']}: {e.status} {e.reason}",
+                                      delay=cfg.retry_delay_s) from e
+        if outcome is not Outcome.UNCHANGED:
+            changed.append(f"{obj['kind']}/{obj['metadata']['name']} {outcome.value}")
+    if changed:
+        logger.info("reconciled: %s", ", ".join(changed))
+    return parse(dict(body))
+
+
+async def _forward(cfg: OperatorConfig, rt: Runtime, namespace: str, td: str, tier: str, replicas: int) -> None:
+    address = cfg.control_address_for(td, namespace)
+    await rt.control.set_replicas(address, tier, replicas)
+    rt.forwarded[(namespace, td, tier)] = replicas
+
+
+async def observe(cfg: OperatorConfig, rt: Runtime, body: kopf.Body, namespace: str, patch: kopf.Patch,
+                  logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+    """The timer: reconcile, then actual state from the controller and the owned objects into ``.status``."""
+    spec = await reconcile(cfg, rt, body, namespace, patch, logger)
+    if spec is None:
+        return
+    tiers = {t.name: await rt.kube.get(KINDS["TandemTier"], namespace, f"{spec.name}-{t.name}") for t in spec.tiers}
+    desired = {name: tier_desired(spec, name, obj) for name, obj in tiers.items()}
+    address = cfg.control_address_for(spec.name, namespace)
+    control, control_error = None, None
+    try:
+        control = await rt.control.status(address)
+        for name, want in desired.items():
+            got = control.get(name)
+            if got is None or got.desired != want:
+                await _forward(cfg, rt, namespace, spec.name, name, want)
+                logger.info("forwarded %s replicas=%d to the controller (it had %s)", name, want,
+                            None if got is None else got.desired)
+    except ControlError as e:
+        control_error = str(e)
+    router = await rt.kube.get(KINDS["Deployment"], namespace, f"{spec.name}-router")
+    status = deployment_status(spec, body.get("metadata", {}).get("generation"), desired, control, control_error,
+                               router)
+    conditions = status.pop("conditions")
+    current = dict(body.get("status") or {})
+    for key, value in status.items():
+        if current.get(key) != value:
+            patch.status[key] = value
+    _set_conditions(body, patch, conditions)
+    for name, obj in tiers.items():
+        if obj is None:
+            continue
+        want_status = tier_status(spec, name, desired[name], (control or {}).get(name))
+        have = obj.get("status") or {}
+        if any(have.get(k) != v for k, v in want_status.items()):
+            await rt.kube.patch({"apiVersion": obj["apiVersion"], "kind": obj["kind"],
+                                 "metadata": {"name": obj["metadata"]["name"], "namespace": namespace},
+                                 "status": want_status}, subresource="status")
+
+
+async def forward_tier(cfg: OperatorConfig, rt: Runtime, body: kopf.Body, namespace: str,
+                       logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+    """A TandemTier changed: forward its clamped replicas to the controller if they differ from the last sent."""
+    td_name, tier = body.get("spec", {}).get("deployment"), body.get("spec", {}).get("tier")
+    if not td_name or not tier:
+        return
+    td = await rt.kube.get(KINDS["TandemDeployment"], namespace, td_name)
+    if td is None:
+        return
+    try:
+        spec = parse(td)
+    except SpecError:
+        return  # the TandemDeployment's own handlers report it
+    if spec.tier(tier) is None:
+        return
+    asked = body.get("spec", {}).get("replicas")
+    want = tier_desired(spec, tier, dict(body))
+    if rt.forwarded.get((namespace, td_name, tier)) == want:
+        return
+    if asked is not None and int(asked) != want:
+        t = spec.tier(tier)
+        assert t is not None
+        kopf.warn(body, reason="Clamped", message=f"replicas {asked} clamped to {want}: the TandemDeployment "
+                                                  f"allows [{t.min_replicas}, {t.max_replicas}]")
+    try:
+        await _forward(cfg, rt, namespace, td_name, tier, want)
+    except ControlError as e:
+        logger.warning("%s; the status timer retries", e)
+        return
+    logger.info("forwarded %s replicas=%d to the controller", tier, want)
+
+
+def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
+    """A fresh registry with every handler of the operator, bound to ``cfg``."""
+    registry = kopf.OperatorRegistry()
+    td_resource = (GROUP, VERSION, TD_PLURAL)
+
+    if cfg.kube_url is not None:
+        @kopf.on.login(registry=registry)
+        def login(**_: Any) -> kopf.ConnectionInfo:
+            return kopf.ConnectionInfo(server=str(cfg.kube_url))
+
+    @kopf.on.startup(registry=registry)
+    async def startup(memo: Any, settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.posting.level = logging.WARNING  # Events for problems only
+        memo[_MEMO_KEY] = Runtime(await Kube.connect(cfg.kube_url), ControlClients(cfg.control_timeout_s))
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(memo: Any, **_: Any) -> None:
+        rt = memo.get(_MEMO_KEY)
+        if isinstance(rt, Runtime):
+            await rt.control.close()
+            await rt.kube.close()
+
+    @kopf.on.resume(*td_resource, registry=registry)
+    @kopf.on.create(*td_resource, registry=registry)
+    @kopf.on.update(*td_resource, registry=registry)
+    async def reconcile_deployment(body: kopf.Body, namespace: str | None, patch: kopf.Patch, memo: Any,
+                                   logger: kopf.Logger, **_: Any) -> None:
+        await reconcile(cfg, _runtime(memo), body, namespace or "default", patch, logger)
+
+    @kopf.timer(*td_resource, interval=cfg.status_interval_s, initial_delay=cfg.status_initial_delay_s,
+                registry=registry)
+    async def observe_deployment(body: kopf.Body, namespace: str | None, patch: kopf.Patch, memo: Any,
+                                 logger: kopf.Logger, **_: Any) -> None:
+        await observe(cfg, _runtime(memo), body, namespace or "default", patch, logger)
+
+    @kopf.on.event(GROUP, VERSION, TT_PLURAL, registry=registry)
+    async def tier_changed(body: kopf.Body, namespace: str | None, memo: Any, logger: kopf.Logger, type: str,
+                           **_: Any) -> None:
+        if type in (None, "ADDED", "MODIFIED") and namespace:  # None: the first listing, before the watch
+            await forward_tier(cfg, _runtime(memo), body, namespace, logger)
+
+    for kind in OWNED:
+        group, _, version = kind.api_version.rpartition("/")
+
+        @kopf.on.event(group, version, kind.plural, id=f"owned_{kind.plural}", labels={LABEL_MANAGED_BY: MANAGED_BY},
+                       registry=registry)
+        async def owned_changed(body: kopf.Body, namespace: str | None, memo: Any, logger: kopf.Logger, type: str,
+                                **_: Any) -> None:
+            td_name = body.get("metadata", {}).get("labels", {}).get(LABEL_DEPLOYMENT)
+            if type not in ("MODIFIED", "DELETED") or not td_name or not namespace:
+                return
+            rt = _runtime(memo)
+            td = await rt.kube.get(KINDS["TandemDeployment"], namespace, td_name)
+            if td is None or td.get("metadata", {}).get("deletionTimestamp"):
+                return
+            try:  # the patch of a TandemDeployment's status belongs to its own handlers: discard it here
+                await reconcile(cfg, rt, kopf.Body(cast(kopf.RawBody, td)), namespace, kopf.Patch(), logger)
+            except kopf.TemporaryError as e:
+                logger.warning("re-asserting %s/%s: %s", body.get("kind"), body.get("metadata", {}).get("name"), e)
+
+    return registry

@@ -1,0 +1,144 @@
+"""The KubeRay ``RayCluster`` of a TandemDeployment: a head pod that runs ``tandem controller``, one worker group
+per tier.
+
+Head pod: KubeRay's ``ray-head`` container, plus a ``controller`` container running ``tandem controller
+--ray-address auto`` against that head (they share ``/tmp/ray``, where a Ray driver finds the cluster and its
+raylet). The Control port is declared on ``ray-head`` because KubeRay's head Service (``<td>-head-svc``) exposes
+that container's ports.
+
+Worker groups: one pod holds one replica's ranks; each rank's requests and limits (``nvidia.com/gpu`` included) are
+multiplied by ``tp*pp`` (or ``ep``). Each pod advertises the custom Ray resource ``tandem_<tier>`` once per rank, so
+a placement-group bundle that asks for one unit of it lands only on its own tier's group. In-tree autoscaling is
+on and the operator sets no group ``replicas``: the controller creates placement groups, KubeRay's autoscaler adds
+pods for the pending ones and removes idle pods after the drain.
+
+Ray's own ports are pinned so the tier NetworkPolicy can open exactly them between the cluster's pods.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from operators import pods
+from operators.config import CONTROL_PORT
+from operators.labels import (
+    WORKER_GRPC_PORT,
+    WORKER_KV_PORT,
+    WORKER_SESSION_PORT,
+    labels,
+    metadata,
+)
+from operators.spec import DeploymentSpec, TierSpec
+
+RAY_VERSION = "2.60.0"
+RAY_GCS_PORT = 6379
+RAY_PORTS = {  # rayStartParams -> port; workers' Ray worker processes use RAY_WORKER_PORTS
+    "node-manager-port": 8077,
+    "object-manager-port": 8076,
+    "metrics-export-port": 8080,
+    "dashboard-agent-grpc-port": 8078,
+    "dashboard-agent-listen-port": 52365,
+    "runtime-env-agent-port": 8079,
+}
+RAY_WORKER_PORTS = (10002, 10999)
+_RAY_TMP = {"name": "ray-tmp", "emptyDir": {}}
+_RAY_TMP_MOUNT = {"name": "ray-tmp", "mountPath": "/tmp/ray"}
+
+
+def ray_resource(tier: str) -> str:
+    return f"tandem_{tier}"
+
+
+def controller_args(spec: DeploymentSpec) -> list[str]:
+    """``tandem controller``'s flags (cli/controller.py) for this TandemDeployment."""
+    decode = spec.tier("decode")
+    assert decode is not None
+    prefill = spec.tier("prefill")
+    worker_flags = ["--dtype", spec.model.dtype, *pods.credential_flags(spec)]
+    return ["controller", "--model", spec.model.path, "--redis", pods.redis_url(spec),
+            "--prefill", str(prefill.replicas if prefill else 0), "--decode", str(decode.replicas),
+            "--control-port", str(CONTROL_PORT), "--host", "0.0.0.0", "--kv-backend", decode.kv_backend,
+            "--ranks", str(decode.ranks), "--ray-address", "auto",
+            *(f"--worker-flag={flag}" for flag in worker_flags)]
+
+
+def _env(spec: DeploymentSpec) -> dict[str, Any]:
+    env = pods.env(spec)
+    return {"env": env} if env else {}
+
+
+def _start_params(extra: dict[str, str]) -> dict[str, str]:
+    params = {k: str(v) for k, v in RAY_PORTS.items()}
+    params["min-worker-port"], params["max-worker-port"] = (str(p) for p in RAY_WORKER_PORTS)
+    return {**params, **extra}
+
+
+def _head(spec: DeploymentSpec) -> dict[str, Any]:
+    image = {"image": spec.image.ref, "imagePullPolicy": spec.image.pull_policy}
+    controller: dict[str, Any] = {"name": "controller", **image, "command": ["tandem"]}
+    return {
+        "serviceType": "ClusterIP",
+        "rayStartParams": _start_params({"num-cpus": "0", "dashboard-host": "0.0.0.0"}),
+        "template": {
+            "metadata": {"labels": labels(spec.name, "controller")},
+            "spec": {
+                "containers": [
+                    {"name": "ray-head", **image,
+                     "ports": [{"name": "gcs-server", "containerPort": RAY_GCS_PORT},
+                               {"name": "dashboard", "containerPort": 8265},
+                               {"name": "client", "containerPort": 10001},
+                               {"name": "control", "containerPort": CONTROL_PORT}],
+                     "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
+                     "volumeMounts": [_RAY_TMP_MOUNT]},
+                    {**controller, "args": controller_args(spec), **_env(spec),
+                     "readinessProbe": {"tcpSocket": {"port": CONTROL_PORT}, "periodSeconds": 5},
+                     "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}},
+                     "volumeMounts": [_RAY_TMP_MOUNT, *pods.volume_mounts(spec)]},
+                ],
+                "volumes": [_RAY_TMP, *pods.volumes(spec)],
+            },
+        },
+    }
+
+
+def _worker_group(spec: DeploymentSpec, tier: TierSpec) -> dict[str, Any]:
+    resources = json.dumps({ray_resource(tier.name): tier.ranks})
+    pod: dict[str, Any] = {
+        "containers": [{
+            "name": "ray-worker", "image": spec.image.ref, "imagePullPolicy": spec.image.pull_policy,
+            "ports": [{"name": "grpc", "containerPort": WORKER_GRPC_PORT},
+                      {"name": "session", "containerPort": WORKER_SESSION_PORT},
+                      {"name": "kv", "containerPort": WORKER_KV_PORT}],
+            **_env(spec),
+            **({"resources": tier.pod_resources()} if tier.pod_resources() else {}),
+            "volumeMounts": [_RAY_TMP_MOUNT, *pods.volume_mounts(spec)],
+        }],
+        "volumes": [_RAY_TMP, *pods.volumes(spec)],
+    }
+    if tier.node_selector:
+        pod["nodeSelector"] = dict(tier.node_selector)
+    if tier.tolerations:
+        pod["tolerations"] = list(tier.tolerations)
+    return {
+        "groupName": tier.name,
+        "minReplicas": tier.min_replicas,
+        "maxReplicas": tier.max_replicas,
+        "rayStartParams": _start_params({"resources": resources}),
+        "template": {"metadata": {"labels": labels(spec.name, tier.name)}, "spec": pod},
+    }
+
+
+def render_raycluster(spec: DeploymentSpec, namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": metadata(spec.name, namespace, spec.name, "controller"),
+        "spec": {
+            "rayVersion": RAY_VERSION,
+            "enableInTreeAutoscaling": True,
+            "autoscalerOptions": {"upscalingMode": "Default", "idleTimeoutSeconds": 60},
+            "headGroupSpec": _head(spec),
+            "workerGroupSpecs": [_worker_group(spec, t) for t in spec.tiers],
+        },
+    }

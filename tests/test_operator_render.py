@@ -1,0 +1,174 @@
+"""The operator's pure parts: spec validation, render (names, labels, ports, sizing), the owned-field comparison,
+the render CLI's errors, and that the operator never imports torch or ray. No Kubernetes API is involved."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import yaml
+
+from operators.apply import is_subset, owned_view
+from operators.render import render
+from operators.spec import SpecError, parse, scale_quantity
+
+BASE = yaml.safe_load("""
+apiVersion: tandem.dev/v1alpha1
+kind: TandemDeployment
+metadata: {name: llama}
+spec:
+  model: {source: {pvc: {claimName: models, path: llama-3-8b}}, dtype: bfloat16}
+  router: {replicas: 2}
+  prefill: {replicas: 2, tp: 1, kvBackend: nixl}
+  decode: {scaling: {min: 1, max: 4}, tp: 2, kvBackend: nixl,
+           resources: {requests: {cpu: "500m", memory: 16Gi}, limits: {nvidia.com/gpu: "1"}}}
+  redis: {url: "rediss://redis.example:6380/0", passwordSecret: {name: redis, key: password}}
+""")
+
+
+def _td(**spec_changes: Any) -> dict[str, Any]:
+    td = copy.deepcopy(BASE)
+    for key, value in spec_changes.items():
+        td["spec"][key] = value
+    return td
+
+
+def _by_name(objs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def test_render_names_labels_and_ports_follow_the_contract() -> None:
+    objs = _by_name(render(_td(), "serving"))
+    assert set(objs) == {("TandemTier", "llama-prefill"), ("TandemTier", "llama-decode"), ("RayCluster", "llama"),
+                         ("Deployment", "llama-router"), ("Service", "llama-router"),
+                         ("Service", "llama-router-metrics"), ("PodDisruptionBudget", "llama-router"),
+                         ("PodDisruptionBudget", "llama-prefill"), ("PodDisruptionBudget", "llama-decode"),
+                         ("NetworkPolicy", "llama-workers"), ("NetworkPolicy", "llama-head")}
+    for o in objs.values():
+        labels = o["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "tandem" and labels["app.kubernetes.io/instance"] == "llama"
+        assert labels["app.kubernetes.io/managed-by"] == "tandem-operator"
+        assert labels["tandem.dev/deployment"] == "llama" and o["metadata"]["namespace"] == "serving"
+        assert o["metadata"]["ownerReferences"][0]["kind"] == "TandemDeployment"
+    svc = objs[("Service", "llama-router")]["spec"]["ports"]
+    assert [(p["name"], p["port"]) for p in svc] == [("http", 8000), ("grpc", 8001)]
+    assert objs[("Service", "llama-router-metrics")]["spec"]["ports"][0]["port"] == 9090
+    ray = objs[("RayCluster", "llama")]["spec"]
+    head = ray["headGroupSpec"]["template"]["spec"]["containers"]
+    assert {"name": "control", "containerPort": 9400} in head[0]["ports"]
+    assert head[1]["command"] == ["tandem"] and head[1]["args"][0] == "controller"
+    groups = {g["groupName"]: g for g in ray["workerGroupSpecs"]}
+    assert set(groups) == {"prefill", "decode"}
+    decode = groups["decode"]["template"]
+    assert decode["metadata"]["labels"]["tandem.dev/tier"] == "decode"
+    worker = decode["spec"]["containers"][0]
+    assert [(p["name"], p["containerPort"]) for p in worker["ports"]] == [("grpc", 7100), ("session", 7101),
+                                                                          ("kv", 7200)]
+    # One pod per replica: tp=2 ranks, each rank's resources doubled ("500m" * 2 == "1", as the API server says).
+    assert worker["resources"] == {"requests": {"cpu": "1", "memory": "32Gi"}, "limits": {"nvidia.com/gpu": "2"}}
+    assert (groups["decode"]["minReplicas"], groups["decode"]["maxReplicas"]) == (1, 4)
+    assert "replicas" not in groups["decode"]  # KubeRay's autoscaler owns it
+    tier = objs[("TandemTier", "llama-decode")]["spec"]
+    assert tier == {"deployment": "llama", "tier": "decode", "replicas": 1, "minReplicas": 1, "maxReplicas": 4}
+    router = objs[("Deployment", "llama-router")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--redis" in router["args"]
+    redis_url = router["args"][router["args"].index("--redis") + 1]
+    assert redis_url == "rediss://:$(TANDEM_REDIS_PASSWORD)@redis.example:6380/0"  # never the password itself
+
+
+def test_network_policy_lets_only_the_router_reach_worker_ports_and_only_workers_reach_kv() -> None:
+    policy = _by_name(render(_td(), "serving"))[("NetworkPolicy", "llama-workers")]["spec"]
+    rules = {tuple(p["port"] for p in r["ports"]): r["from"][0]["podSelector"]["matchExpressions"][0]["values"]
+             for r in policy["ingress"][:2]}
+    assert rules == {(7100, 7101): ["router", "controller"], (7200,): ["prefill", "decode"]}
+    assert policy["podSelector"]["matchExpressions"][0]["values"] == ["prefill", "decode"]
+
+
+def test_colocated_in_cluster_redis_and_monitoring_switch_their_objects() -> None:
+    td = _td(redis={"inCluster": True})
+    del td["spec"]["prefill"]
+    names = set(_by_name(render(td, "ns", monitoring=True)))
+    assert ("Deployment", "llama-redis") in names and ("Service", "llama-redis") in names
+    assert ("ServiceMonitor", "llama") in names and ("TandemTier", "llama-prefill") not in names
+    assert ("PodDisruptionBudget", "llama-prefill") not in names
+    args = _by_name(render(td, "ns"))[("RayCluster", "llama")]["spec"]["headGroupSpec"]["template"]["spec"][
+        "containers"][1]["args"]
+    assert args[args.index("--prefill") + 1] == "0"
+    assert ("ServiceMonitor", "llama") not in set(_by_name(render(td, "ns", monitoring=False)))
+
+
+def test_render_is_deterministic() -> None:
+    assert render(_td(), "serving") == render(_td(), "serving")
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"decode": {"replicas": 2, "scaling": {"min": 1, "max": 2}}}, "replicas and scaling are exclusive"),
+    ({"decode": {"scaling": {"min": 3, "max": 2}}}, "min=3 is greater than max=2"),
+    ({"decode": {"replicas": 1, "kvBackend": "rdma"}}, "kvBackend 'rdma' is not one of"),
+    ({"decode": {"replicas": 1, "tp": 2, "ep": 3}}, "ep=3 must be a multiple of tp=2"),
+    ({"decode": {"replicas": 1, "tp": 0}}, "tp must be >= 1"),
+    ({"decode": {"replicas": 1, "resources": {"limits": {"nvidia.com/gpu": "1.5"}}}}, "whole number"),
+    ({"redis": {"url": "redis://r:6379", "inCluster": True}}, "exactly one of url, inCluster"),
+    ({"redis": {"inCluster": True, "passwordSecret": {"name": "r", "key": "p"}}}, "goes with url"),
+    ({"model": {"source": {"pvc": {"claimName": "m"}, "hostPath": {"path": "/m"}}}}, "exactly one of pvc"),
+    ({"router": {"replicas": 0}}, "router.replicas must be >= 1"),
+    ({"decode": None}, "spec.decode is required"),
+    ({"decode": {"replicas": "many"}}, "spec:"),
+])
+def test_bad_specs_raise_a_spec_error_naming_the_field(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(SpecError, match=None) as e:
+        render(_td(**change), "ns")
+    assert message in str(e.value)
+
+
+def test_scale_quantity_keeps_the_suffix() -> None:
+    assert [scale_quantity(q, 2) for q in ("500m", "16Gi", "1.5", "1", "250m")] == ["1", "32Gi", "3", "2", "500m"]
+    with pytest.raises(SpecError):
+        scale_quantity("1e3", 2)
+
+
+def test_owned_fields_compare_as_a_subset_and_empty_fields_match_missing_ones() -> None:
+    assert is_subset({"a": 1, "b": {"c": [1, {"d": 2}]}}, {"a": 1, "x": 0, "b": {"c": [1, {"d": 2, "e": 3}]}})
+    assert not is_subset({"b": {"c": [1]}}, {"b": {"c": [1, 2]}})
+    assert is_subset({"emptyDir": {}, "env": []}, {})
+    assert not is_subset({"replicas": 2}, {"replicas": 5})
+
+
+def test_a_tandem_tier_scaled_by_hand_keeps_its_replicas_until_the_deployment_changes_its_own() -> None:
+    tier = next(o for o in render(_td(), "ns") if o["metadata"]["name"] == "llama-decode")
+    live = copy.deepcopy(tier)
+    live["spec"]["replicas"] = 3  # kubectl scale
+    assert is_subset(owned_view(tier, live), live)
+    changed = next(o for o in render(_td(decode={"scaling": {"min": 2, "max": 4}}), "ns")
+                   if o["metadata"]["name"] == "llama-decode")
+    assert owned_view(changed, live)["spec"]["replicas"] == 2
+
+
+def test_ranks_are_tp_times_pp_or_ep() -> None:
+    spec = parse(_td(decode={"replicas": 1, "tp": 2, "pp": 2}))
+    assert spec.tier("decode").ranks == 4  # type: ignore[union-attr]
+    assert parse(_td(decode={"replicas": 1, "tp": 2, "ep": 8})).tier("decode").ranks == 8  # type: ignore[union-attr]
+
+
+def test_render_cli_rejects_a_bad_spec_with_exit_code_2(tmp_path: Any) -> None:
+    bad = _td(decode={"scaling": {"min": 3, "max": 1}})
+    path = tmp_path / "td.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    out = subprocess.run([sys.executable, "-m", "cli.main", "operator", "render", "-f", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "min=3 is greater than max=1" in out.stderr
+    path.write_text("kind: ConfigMap\n")
+    out = subprocess.run([sys.executable, "-m", "cli.main", "operator", "render", "-f", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "no TandemDeployment" in out.stderr
+
+
+def test_the_operator_never_imports_torch_or_ray() -> None:
+    code = ("import sys, operators.handlers, operators.render, cli.operator; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
-def tiny(checkpoint: Callable[[str], Path]) -> tuple[Path, LLM, torch.nn.Module]:
+def tiny(checkpoint: Callable[[str], Path]) -> tuple[Path, LLM, Any]:
     from transformers import AutoModelForCausalLM
 
     path = checkpoint("llama")
@@ -33,7 +34,7 @@ def _bias_against(llm: LLM) -> dict[int, float]:
     return {plain[0]: -100.0, plain[1]: -30.0, up: 6.5}
 
 
-def test_greedy_with_logit_bias_matches_transformers_sequence_bias(tiny: tuple[Path, LLM, torch.nn.Module]) -> None:
+def test_greedy_with_logit_bias_matches_transformers_sequence_bias(tiny: tuple[Path, LLM, Any]) -> None:
     _, llm, hf = tiny
     bias = _bias_against(llm)
     plain = llm.generate([PROMPT], SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))[0].token_ids
@@ -49,7 +50,7 @@ def test_greedy_with_logit_bias_matches_transformers_sequence_bias(tiny: tuple[P
     llm.engine.check_block_accounting()
 
 
-def _reference_seeded(hf: torch.nn.Module, bias: dict[int, float], temperature: float, seed: int) -> list[int]:
+def _reference_seeded(hf: Any, bias: dict[int, float], temperature: float, seed: int) -> list[int]:
     """transformers' logits + the bias, then the sampler's draw: softmax(logits / T) / Exp(1) noise, argmax, with
     one exponential variate per vocabulary entry per step from a generator seeded with ``seed``."""
     gen = torch.Generator().manual_seed(seed)
@@ -66,7 +67,7 @@ def _reference_seeded(hf: torch.nn.Module, bias: dict[int, float], temperature: 
 
 
 @pytest.mark.parametrize("seed", [7, 1234])
-def test_seeded_sampling_with_logit_bias_matches_a_torch_reference(tiny: tuple[Path, LLM, torch.nn.Module],
+def test_seeded_sampling_with_logit_bias_matches_a_torch_reference(tiny: tuple[Path, LLM, Any],
                                                                    seed: int) -> None:
     _, llm, hf = tiny
     bias = _bias_against(llm)
@@ -78,7 +79,7 @@ def test_seeded_sampling_with_logit_bias_matches_a_torch_reference(tiny: tuple[P
     llm.engine.check_block_accounting()
 
 
-def test_a_minus_100_bias_bans_a_token_in_every_row_of_a_mixed_batch(tiny: tuple[Path, LLM, torch.nn.Module]) -> None:
+def test_a_minus_100_bias_bans_a_token_in_every_row_of_a_mixed_batch(tiny: tuple[Path, LLM, Any]) -> None:
     _, llm, _ = tiny
     plain = llm.generate([PROMPT], SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))[0].token_ids
     banned = tuple((t, -100.0) for t in set(plain))

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from auth.credentials import Credentials
+from auth.grpc_client import attach
+from auth.grpc_client import channel as auth_channel
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 
@@ -39,9 +42,11 @@ class WorkerClient:
     stub: pb_grpc.WorkerStub
 
     @classmethod
-    def connect(cls, address: str) -> WorkerClient:
-        channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
-        return cls(address, channel, pb_grpc.WorkerStub(channel))
+    def connect(cls, address: str, creds: Credentials | None = None) -> WorkerClient:
+        """A client with ``creds`` (default: this process's cluster token, no TLS): Abort needs the token."""
+        creds = creds if creds is not None else Credentials.for_cluster()
+        channel = auth_channel(address, creds, options=[("grpc.max_receive_message_length", 64 << 20)])
+        return cls(address, channel, attach(pb_grpc.WorkerStub(channel), creds))
 
     def close(self) -> None:
         self.channel.close()

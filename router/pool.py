@@ -11,6 +11,10 @@ broken and its in-flight gRPC calls (registered in ``Worker.calls`` by the dispa
 request on it fails with ``UNAVAILABLE`` at once and is retried or migrated elsewhere, instead of waiting for the
 request's own deadline (minutes) on a host that crashed without closing its connections, a partitioned network or
 a stopped process. A worker that answers again is used again.
+
+Every channel carries the pool's credentials (auth/): mutual TLS when the router holds TLS files, on the gRPC
+channel and the session port alike, and the cluster token on every call, which the workers' admin RPCs
+(``Snapshot``, ``KVEvents``, ``Abort``, ``Drain``) require.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from typing import Any, Protocol
 
 import grpc
 
+from auth.credentials import Credentials
+from auth.grpc_client import aio_channel, attach
+from auth.tls import client_context
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from router.session import WorkerSession, host_of
@@ -62,6 +69,11 @@ class Worker:
     cutoffs: int = 0  # times it was cut off (tandem_router_worker_cutoffs_total)
 
     @property
+    def answering(self) -> bool:
+        """It has answered a probe, and the latest probe: its connections are alive, whatever the registry says."""
+        return self.last_seen > 0 and self.unanswered_since is None and not self.cut_off
+
+    @property
     def serves_prefill(self) -> bool:
         return self.role == "prefill"
 
@@ -73,9 +85,11 @@ class Worker:
 class WorkerPool:
     def __init__(self, addresses: list[str], index: IndexSink | None = None, load: LoadSink | None = None,
                  poll_interval_s: float = 0.2, hashing: tuple[int, tuple[str, ...]] | None = None,
-                 dead_after_s: float = 10.0) -> None:
+                 dead_after_s: float = 10.0, credentials: Credentials | None = None) -> None:
         """``hashing`` is the router's ``(block_size, extra_keys)``; a worker that reports another is refused.
-        ``dead_after_s``: how long a worker may answer no probe before everything on it is failed over."""
+        ``dead_after_s``: how long a worker may answer no probe before everything on it is failed over.
+        ``credentials``: TLS files and cluster token for the workers (default: this process's cluster token,
+        auth.credentials.Credentials.for_cluster, without TLS)."""
         if dead_after_s <= 0:
             raise ValueError(f"dead_after_s must be > 0, not {dead_after_s}")
         self.dead_after_s = dead_after_s
@@ -84,6 +98,9 @@ class WorkerPool:
         self.load = load
         self.hashing = hashing
         self.poll_interval_s = poll_interval_s
+        self.credentials = credentials if credentials is not None else Credentials.for_cluster()
+        tls = self.credentials.tls
+        self._ssl = None if tls is None else (client_context(tls), tls.server_name)
         self._closing = False
 
     async def start(self, ready_timeout_s: float = 60.0) -> None:
@@ -135,9 +152,9 @@ class WorkerPool:
             await self.remove(a)
 
     def _connect(self, w: Worker) -> None:
-        w.channel = grpc.aio.insecure_channel(w.address, options=[("grpc.max_receive_message_length", 64 << 20)])
-        w.stub = pb_grpc.WorkerStub(w.channel)
-        w.session = WorkerSession(w.stub, w.address)
+        w.channel = aio_channel(w.address, self.credentials, options=[("grpc.max_receive_message_length", 64 << 20)])
+        w.stub = attach(pb_grpc.WorkerStub(w.channel), self.credentials)
+        w.session = WorkerSession(w.stub, w.address, tls=self._ssl)
 
     def available(self, role: str) -> list[Worker]:
         """Healthy, non-draining workers that serve ``role`` (``prefill`` or ``decode``)."""

@@ -19,7 +19,8 @@ Two transports carry the same messages. The gRPC ``Session`` call is always ther
 names a ``session_port``, new streams open a plain TCP connection to it instead, with length-prefixed frames
 (``proto/framing.py``): one ``write`` and one ``data_received`` per message, where a grpc.aio round trip costs the
 router ~210 µs of CPU whatever the batch. A lost connection breaks the session exactly as a broken call does; a
-port that cannot be reached sends the session (and what was written to it) back to gRPC for a while.
+port that cannot be reached sends the session (and what was written to it) back to gRPC for a while. With TLS
+(``tls``: the pool's client context, auth/tls.py) the TCP connection is mutual TLS, as the gRPC channel is.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
@@ -88,9 +90,11 @@ def host_of(address: str) -> str:
 
 
 class WorkerSession:
-    def __init__(self, stub: Any, name: str = "") -> None:
+    def __init__(self, stub: Any, name: str = "", tls: tuple[ssl.SSLContext, str | None] | None = None) -> None:
+        """``tls``: (client context, the name the worker's certificate carries or None for the host dialled)."""
         self._stub = stub
         self.name = name
+        self.tls = tls
         self._call: Any = None
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[str, _Pending] = {}
@@ -385,8 +389,13 @@ class _TcpStream(asyncio.Protocol):
         self._connecting = loop.create_task(self._connect(loop, host, port))
 
     async def _connect(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> None:
+        tls = self.session.tls
         try:
-            await asyncio.wait_for(loop.create_connection(lambda: self, host, port), _CONNECT_TIMEOUT_S)
+            if tls is None:
+                connect = loop.create_connection(lambda: self, host, port)
+            else:
+                connect = loop.create_connection(lambda: self, host, port, ssl=tls[0], server_hostname=tls[1] or host)
+            await asyncio.wait_for(connect, _CONNECT_TIMEOUT_S)
         except (OSError, TimeoutError) as e:
             # Unreachable (a firewall, a port the network does not route, a worker that just died): what was
             # written goes on a gRPC stream instead, and so do later streams, rather than failing every request

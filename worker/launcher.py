@@ -1,4 +1,7 @@
-"""Start ``tandem worker`` processes on loopback and wait until they are ready; stop them by PID."""
+"""Start ``tandem worker`` processes on loopback and wait until they are ready; stop them by PID.
+
+Workers inherit this process's cluster token (auth/token.py, created here if there is none yet), so the router,
+tests and benches started from the same process can call their admin RPCs."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+
+from auth.token import ensure_cluster_token
 
 
 @dataclass(slots=True)
@@ -63,6 +68,7 @@ def start_worker(role: str, model: str, kv_backend: str = "tcp", extra: list[str
     (engine, OpenMP, gRPC, UCX), to those CPUs, as separate hosts or a kubelet CPU set would keep tiers apart."""
     cmd = [sys.executable, "-m", "cli.main", "worker", "--role", role, "--model", model, "--port", "0",
            "--kv-backend", resolve_kv_backend(kv_backend), *(extra or [])]
+    ensure_cluster_token()
     full_env = {**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})}
     pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,

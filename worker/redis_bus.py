@@ -2,9 +2,11 @@
 
 Keys (``P`` = ``tandem:<model key>``):
 
-- ``P:worker:<worker_id>``: JSON ``{address, role, worker_id, compat_hash, draining}``, set with a TTL of
+- ``P:worker:<worker_id>``: JSON ``{address, role, worker_id, compat_hash, draining, sig}``, signed with the
+  cluster token (auth/signing.py: routers ignore an entry whose ``sig`` does not check), set with a TTL of
   ``lease_s`` and refreshed every ``lease_s / 3``. A worker that dies simply stops refreshing: its entry
-  vanishes within one lease and routers stop sending it work.
+  vanishes within one lease. A Redis that restarts empty has every live worker's entry back within one refresh,
+  as the next heartbeat writes it again (the client reconnects on its own).
 - ``P:kv``: one Redis Stream for every worker's KV event batches (fields ``w`` worker id, ``s`` sequence number,
   ``h`` hashes as packed little-endian u64, ``k`` kinds). One stream means one global order, so every router
   replica that reads it applies the same events in the same order and builds the same index.
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 
 import redis
 
+from auth.signing import sign
+from auth.tls import TLSFiles, redis_tls_kwargs
 from engine.block_pool import KVEventBatch
 
 log = logging.getLogger(__name__)
@@ -50,16 +54,25 @@ class WorkerAd:
     compat_hash: str
     draining: bool = False
 
-    def to_json(self) -> str:
-        return json.dumps({"worker_id": self.worker_id, "address": self.address, "role": self.role,
-                           "compat_hash": self.compat_hash, "draining": self.draining})
+    def to_dict(self) -> dict[str, object]:
+        return {"worker_id": self.worker_id, "address": self.address, "role": self.role,
+                "compat_hash": self.compat_hash, "draining": self.draining}
+
+    def to_json(self, token: str | None = None) -> str:
+        """The entry as JSON, signed when there is a ``token``."""
+        return json.dumps(self.to_dict()) if token is None else sign(self.to_dict(), token)
 
 
 class RedisPublisher:
-    def __init__(self, url: str, model_key: str, ad: WorkerAd, lease_s: float = 3.0) -> None:
+    def __init__(self, url: str, model_key: str, ad: WorkerAd, lease_s: float = 3.0, token: str | None = None,
+                 tls: TLSFiles | None = None) -> None:
+        """``token``: the cluster token that signs the entry (unsigned without: routers ignore it); ``tls``: the
+        certificate and CA for a ``rediss://`` URL."""
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
-        self.client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0,
+                                           **redis_tls_kwargs(url, tls))  # type: ignore[arg-type]
+        self.token = token
         self.prefix = key_prefix(model_key)
         self.ad = ad
         self.lease_s = lease_s
@@ -80,7 +93,10 @@ class RedisPublisher:
 
     def set_draining(self) -> None:
         self.ad.draining = True
-        self._heartbeat()
+        try:
+            self._heartbeat()
+        except redis.RedisError as e:  # Redis is away: the publisher thread's next heartbeat carries the flag
+            log.warning("redis publisher: draining flag not written yet: %s", e)
 
     def stop(self) -> None:
         self._stop.set()
@@ -91,7 +107,7 @@ class RedisPublisher:
         self.client.close()
 
     def _heartbeat(self) -> None:
-        self.client.set(self.lease_key, self.ad.to_json(), px=int(self.lease_s * 1000))
+        self.client.set(self.lease_key, self.ad.to_json(self.token), px=int(self.lease_s * 1000))
 
     def _run(self) -> None:
         interval = self.lease_s / 3

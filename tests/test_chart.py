@@ -332,10 +332,6 @@ def test_kubernetes_older_than_1_30_is_refused(chart: Path) -> None:
 @pytest.mark.parametrize("values", ["default-values.yaml", "watch-namespaces-values.yaml"])
 def test_operator_args_are_accepted_by_the_tandem_cli(chart: Path, values: str) -> None:
     """The container's command line parsed by the real `tandem` argument parser (cli/main.py)."""
-    import importlib.util
-
-    if importlib.util.find_spec("cli.operator") is None:
-        pytest.skip("`tandem operator` is not in this checkout yet (cli/operator.py)")
     from cli.main import build_parser
 
     container = _one(_render(chart, "-f", str(CHART / "ci" / values)), "Deployment")["spec"]["template"]["spec"][

@@ -222,3 +222,15 @@ def test_every_cel_rule_compiles() -> None:
     for crd in CRDS.values():
         for r in rules(crd):
             env.compile(r.rule)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_tandemtiers_the_operator_renders_for_an_example_fit_the_tier_crd(path: Any) -> None:
+    from operators.render import render
+
+    tiers = [d for d in render(yaml.safe_load(path.read_text()), "serving") if d["kind"] == "TandemTier"]
+    assert sorted(t["spec"]["tier"] for t in tiers) == sorted(
+        t for t in ("prefill", "decode") if t in yaml.safe_load(path.read_text())["spec"])
+    for tier in tiers:
+        assert schema_errors(TT, tier) == []
+        assert cel_failures(TT, tier) == []

@@ -131,6 +131,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests-per-prefill-worker", type=int, default=256,
                    help="admission: requests in flight in this router per prefill worker; 429 beyond")
     p.add_argument("--retry-after", type=float, default=1.0, metavar="S", help="Retry-After of a 429 or 503")
+    from auth.credentials import add_args as add_credential_args
+
+    add_credential_args(p)  # the workers' cluster token and mTLS: --auth-token-file, --tls-cert/--tls-key/--tls-ca
 
 
 def http_config(args: argparse.Namespace) -> HTTPConfig:
@@ -142,6 +145,7 @@ def http_config(args: argparse.Namespace) -> HTTPConfig:
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
     """The router these flags describe (ValueError on a bad value)."""
+    from auth.credentials import from_args
     from router.admission import AdmissionConfig
     from router.server import RouterConfig
 
@@ -152,7 +156,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         served_model_name=args.served_model_name, min_uncached_tokens=args.min_uncached_tokens,
                         block_size=args.block_size, worker_dead_after_s=args.worker_dead_after,
                         api_keys=tuple(args.api_key), api_key_file=args.api_key_file, http=http_config(args),
-                        admission=admission, max_prompt_bytes=args.max_prompt_bytes, metrics_port=args.metrics_port)
+                        admission=admission, max_prompt_bytes=args.max_prompt_bytes, metrics_port=args.metrics_port,
+                        credentials=from_args(args))
 
 
 def stop_on_signals() -> asyncio.Event:
@@ -214,7 +219,9 @@ def child_argv(args: argparse.Namespace, port: int, grpc_port: int | None) -> li
         argv += ["--grpc-port", str(grpc_port)]  # gRPC binds with SO_REUSEPORT in each process
     if args.no_keep_alive:
         argv.append("--no-keep-alive")
-    return argv
+    from auth.credentials import from_args, to_flags
+
+    return argv + to_flags(from_args(args), args.auth_token_file)
 
 
 class _ProcessRouter:
@@ -317,10 +324,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:
-        router_config(args)
+        cfg = router_config(args)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if cfg.credentials is not None and cfg.credentials.token is None:
+        log.warning("no cluster token (--auth-token-file or $TANDEM_CLUSTER_TOKEN): workers refuse this router's "
+                    "Snapshot and Abort%s", ", and it ignores every Redis entry" if args.redis else "")
     if args.processes > 1:
         return _serve_processes(args)
     t0 = time.monotonic()

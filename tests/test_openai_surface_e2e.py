@@ -144,7 +144,7 @@ def test_logit_bias_changes_the_greedy_answer_as_transformers_sequence_bias_does
     r = client.completions.create(model=SERVED, prompt=ids, max_tokens=6, temperature=0,
                                   logit_bias={str(t): b for t, b in bias.items()},
                                   extra_body={"ignore_eos": True})
-    want = _greedy(hf, ids, 6, sequence_bias={(t,): b for t, b in bias.items()})
+    want = _greedy(hf, ids, 6, sequence_bias={(t,): float(b) for t, b in bias.items()})
     assert r.choices[0].text == tok.decode(want) and plain[0] not in want
 
 

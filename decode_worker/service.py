@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from engine.engine_loop import OutputSink
 from engine.llm_engine import LLMEngine
 from engine.request import TokenLogprobs
 from kvtransfer.base import KVReceiver, TransferState
@@ -95,6 +96,18 @@ class DecodeService(WorkerService):
         assert receiver is not None  # context.abort raised otherwise
         params = self._params(request.params, context)
         rid = request.request_id or uuid.uuid4().hex
+        try:
+            resp = self._call(self.reserve_op(request, params, rid, receiver))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if resp is None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "not enough free KV blocks for this prompt")
+        assert resp is not None  # context.abort raised otherwise
+        return resp
+
+    def reserve_op(self, request: pb.ReserveRequest, params: Any, rid: str,
+                   receiver: KVReceiver) -> Callable[[LLMEngine], pb.ReserveResponse | None]:
+        """The engine command behind ``Reserve``: None if the blocks are not there, ValueError if refused."""
         lease_s = (request.lease_ms or 30_000) / 1000.0
 
         def reserve(eng: LLMEngine) -> pb.ReserveResponse | None:
@@ -113,34 +126,41 @@ class DecodeService(WorkerService):
             return pb.ReserveResponse(destination=dest.to_bytes(), compat_hash=self.compat_hash,
                                       num_blocks=len(block_ids))
 
-        try:
-            resp = self._call(reserve)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if resp is None:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "not enough free KV blocks for this prompt")
-        assert resp is not None  # context.abort raised otherwise
-        return resp
+        return reserve
 
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.TokenChunk]:
+        rid = request.request_id
+        q = self._call(self.deliver_op(request, None))
+        if isinstance(q, str):
+            context.abort(self.refusal_code(rid), f"request {rid}: {q}")
+        assert isinstance(q, queue.SimpleQueue)  # Reserve opened it with open_stream
+        yield from self.stream_outputs(rid, q, context, min_chunk_tokens=request.min_chunk_tokens,
+                                       skip_first=request.first_token_sent)
+
+    def deliver_op(self, request: pb.DecodeRequest, sink: OutputSink | None) -> Callable[[LLMEngine], Any]:
+        """The engine command behind ``Decode``: hand over the first token; the request's outputs go to ``sink``
+        (None: the queue ``Reserve`` opened). Returns the sink, or why there is nothing to decode (a str)."""
         rid = request.request_id
         first_lp = logprob_from_proto(request.first_logprob) if request.HasField("first_logprob") else None
 
         def deliver(eng: LLMEngine) -> Any:
             p = self.pending.get(rid)
             q = self.loop.stream(rid)
-            if p is None or not isinstance(q, queue.SimpleQueue):  # Reserve opened it with open_stream
+            if p is None or q is None or p.first_token is not None:  # a second Decode for one reservation too
                 return self.failed.get(rid, "no reservation here (expired, aborted or never reserved)")
+            if sink is not None:
+                self.loop.attach(rid, sink)
+                q = sink
             p.first_token, p.first_logprob = request.first_token_id, first_lp
             if p.kv_done:
                 self._start(eng, rid)
             return q
 
-        q = self._call(deliver)
-        if isinstance(q, str):
-            code = grpc.StatusCode.NOT_FOUND if rid not in self.failed else grpc.StatusCode.UNAVAILABLE
-            context.abort(code, f"request {rid}: {q}")
-        yield from self.stream_outputs(rid, q, context, min_chunk_tokens=request.min_chunk_tokens)
+        return deliver
+
+    def refusal_code(self, rid: str) -> grpc.StatusCode:
+        """A Decode with nothing to decode: NOT_FOUND, or UNAVAILABLE when its transfer failed here."""
+        return grpc.StatusCode.NOT_FOUND if rid not in self.failed else grpc.StatusCode.UNAVAILABLE
 
     def _start(self, eng: LLMEngine, rid: str) -> None:
         p = self.pending.pop(rid)

@@ -26,12 +26,14 @@ import queue
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from engine.block_pool import KVBlock
-from engine.engine_loop import END
+from engine.engine_loop import END, OutputSink
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import Request
 from kvtransfer.base import DestinationInfo, KVSender, TransferState
@@ -89,6 +91,10 @@ class PrefillService(WorkerService):
         self._step_sends: list[Request] = []
         self._step_seen: object = None
         self.stall: tuple[int, float] | None = None  # fault injection: (layer, seconds)
+        # Fault injection: each transfer's last layer (and so its end) goes out this long after the prefill
+        # finished, while the first token has already gone back to the caller.
+        self.transfer_delay_s = 0.0
+        self._delayed: deque[tuple[float, str, int]] = deque()
         self.timings: deque[TransferTiming] = deque(maxlen=1024)
         self._done_at: dict[str, float] = {}  # perf_counter when the sender reported DONE (written on its thread)
         self.loop.after_layer = self._after_layer
@@ -108,30 +114,15 @@ class PrefillService(WorkerService):
         params = self._params(request.params, context)
         rid = request.request_id or uuid.uuid4().hex
         lease_s = (request.lease_ms or 30_000) / 1000.0
-        dest = None
-        if request.destination:
-            try:
-                dest = DestinationInfo.from_bytes(request.destination)
-                self.layout.check_compatible(dest.layout)
-            except CompatibilityError as e:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV handshake refused: {e}")
-            except ValueError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV destination: {e}")
-        one = dataclasses.replace(params, max_tokens=1, min_tokens=0, stop=(), logprobs=params.logprobs)
-
-        def add(eng: LLMEngine) -> queue.SimpleQueue[RequestOutput | None]:
-            q = self.loop.open_stream(rid)
-            try:
-                eng.add_request(list(request.prompt_token_ids), one, rid)
-            except ValueError:
-                self.loop.close_stream(rid)
-                raise
-            if dest is not None:
-                self.bootstrap[rid] = Bootstrap(dest, time.time() + lease_s)
-            return q
-
         try:
-            q = self.loop.call_sync(add)
+            dest = self.destination(request)
+        except CompatibilityError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV handshake refused: {e}")
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV destination: {e}")
+        q: queue.SimpleQueue[RequestOutput | None] = queue.SimpleQueue()
+        try:
+            self.loop.call_sync(self.prefill_op(request, rid, params, dest, lease_s, q))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         out = q.get(timeout=lease_s + 60)
@@ -140,6 +131,36 @@ class PrefillService(WorkerService):
         assert out is not None  # context.abort raised otherwise
         while q.get() is not END:
             pass
+        return self.prefill_response(out)
+
+    # ---- Prefill's parts, shared by the thread-per-call servicer above and worker/aio_service.py -------------
+
+    def destination(self, request: pb.PrefillRequest) -> DestinationInfo | None:
+        """The request's KV destination, checked against our layout (CompatibilityError, ValueError)."""
+        if not request.destination:
+            return None
+        dest = DestinationInfo.from_bytes(request.destination)
+        self.layout.check_compatible(dest.layout)
+        return dest
+
+    def prefill_op(self, request: pb.PrefillRequest, rid: str, params: Any, dest: DestinationInfo | None,
+                   lease_s: float, sink: OutputSink) -> Callable[[LLMEngine], None]:
+        """The engine command that starts a prefill: one token, its outputs to ``sink`` (ValueError if refused)."""
+        one = dataclasses.replace(params, max_tokens=1, min_tokens=0, stop=(), logprobs=params.logprobs)
+
+        def add(eng: LLMEngine) -> None:
+            self.loop.attach(rid, sink)
+            try:
+                eng.add_request(list(request.prompt_token_ids), one, rid)
+            except ValueError:
+                self.loop.detach(rid)
+                raise
+            if dest is not None:
+                self.bootstrap[rid] = Bootstrap(dest, time.time() + lease_s)
+
+        return add
+
+    def prefill_response(self, out: RequestOutput) -> pb.PrefillResponse:
         resp = pb.PrefillResponse(first_token_id=out.token_ids[0], num_cached_tokens=out.num_cached_tokens,
                                   first_text=self.engine.tokenizer.decode(out.token_ids))
         if out.logprobs:
@@ -161,6 +182,7 @@ class PrefillService(WorkerService):
         if not self._step_sends:
             return
         last = layer == self.engine.model_config.num_layers - 1
+        delay = last and self.transfer_delay_s > 0
         for req in list(self._step_sends):
             rid = req.request_id
             boot = self.bootstrap.get(rid)
@@ -172,12 +194,16 @@ class PrefillService(WorkerService):
                     src = self.engine.kv.block_ids(rid)[:nblocks]
                     self.sender.start(rid, boot.dest, src, boot.deadline_s)
                     boot.started = True
-                self.sender.send_layer(rid, layer)
+                if not delay:
+                    self.sender.send_layer(rid, layer)
                 if self.stall is not None and layer == self.stall[0]:
                     log.warning("fault injection: stalling %.1fs after layer %d of %s", self.stall[1], layer, rid)
                     time.sleep(self.stall[1])
                 if last:
-                    self.sender.finish(rid)
+                    if delay:  # fault injection: the last layer and the transfer's end go out later
+                        self._delayed.append((time.monotonic() + self.transfer_delay_s, rid, layer))
+                    else:
+                        self.sender.finish(rid)
                     nblocks = -(-req.num_prompt_tokens // self.engine.block_size)
                     held = self.engine.kv.block_tables[rid][:nblocks]
                     self.engine.pool.touch(held)
@@ -196,7 +222,20 @@ class PrefillService(WorkerService):
             self._done_at[request_id] = time.perf_counter()
         self.loop.call(_noop)
 
+    def _send_delayed(self) -> None:
+        now = time.monotonic()
+        while self._delayed and self._delayed[0][0] <= now:
+            _, rid, layer = self._delayed.popleft()
+            if rid in self.inflight:
+                try:
+                    self.sender.send_layer(rid, layer)
+                    self.sender.finish(rid)
+                except Exception as e:  # as in _after_layer: the transfer fails, the engine goes on
+                    log.warning("delayed transfer of %s failed: %s", rid, e)
+
     def _poll_transfers(self) -> None:
+        if self._delayed:
+            self._send_delayed()
         now = time.time()
         for rid in list(self.inflight):
             st = self.sender.poll(rid)
@@ -227,6 +266,10 @@ class PrefillService(WorkerService):
         self.bootstrap.pop(request_id, None)
         self._drop(request_id)
         return found
+
+    def role_in_flight(self) -> int:
+        """Transfers still streaming out of finished prefills: a drained worker waits for them (loop thread)."""
+        return len(self.inflight)
 
     def role_load(self, eng: LLMEngine) -> dict[str, int]:
         return {"transfers_in_flight": len(self.inflight),

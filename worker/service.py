@@ -1,5 +1,11 @@
 """The gRPC service every worker role shares: colocated generation, abort, health, load, KV events, drain.
 
+This class is the thread-per-call servicer (``grpc.server``, for in-process use); ``tandem worker`` serves the same
+service through ``worker/aio_service.py`` on ``grpc.aio``, where a stream holds no thread. Both share the engine
+commands defined here (``*_op``), the parking of requests whose client is not reading (``worker/parking.py``) and
+the in-flight count that drain waits on (``in_flight``: unfinished requests, parked ones and the role's pending
+KV transfers).
+
 Threads: gRPC handler threads block on per-request queues; the :class:`EngineLoop` thread owns the engine. KV
 events are copied off the engine after every step into a bounded ring (with sequence numbers), from which every
 ``KVEvents`` subscriber reads; a subscriber that falls behind the ring sees a sequence gap and resyncs with
@@ -12,7 +18,8 @@ import queue
 import threading
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,9 +31,11 @@ from engine.request import RequestStatus
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from worker.convert import chunk_from_outputs, params_from_proto
+from worker.parking import Parking
 from worker.session import WorkerSession
 
 EVENT_RING = 4096
+STALL_TIMEOUT_S = 60.0  # a request paused for its client (backpressure) this long fails
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -35,17 +44,28 @@ class WorkerService(pb_grpc.WorkerServicer):
     session_port = 0  # the plain-TCP Session transport's port (worker/session.py SessionListener), 0 if none
 
     def __init__(self, engine: LLMEngine, kv_backend: str = "none", worker_id: str | None = None,
-                 request_timeout_s: float = 600.0) -> None:
+                 request_timeout_s: float = 600.0, stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
         self.engine = engine
         self.loop = EngineLoop(engine)
+        self.generated_tokens = 0  # output tokens published, over every request (loop thread)
+        publish = self.loop.publish
+
+        def counted(out: RequestOutput) -> None:
+            self.generated_tokens += len(out.new_token_ids)
+            publish(out)
+
+        self.loop.publish = counted  # type: ignore[method-assign]
+        self.parking = Parking(stall_timeout_s, self.fail_request)
         self.worker_id = worker_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
         self.kv_backend = kv_backend
         self.request_timeout_s = request_timeout_s
         self.draining = False
         self._events: deque[KVEventBatch] = deque(maxlen=EVENT_RING)
         self._events_cv = threading.Condition()
+        self.event_listeners: set[Callable[[], None]] = set()  # called (loop thread) after each new batch
         self.publisher: Any = None  # worker.redis_bus.RedisPublisher when a Redis URL is configured
         self.loop.add_hook(self._collect_events)
+        self.loop.add_hook(lambda: self.parking.poll(self.engine))
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -101,8 +121,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         yield from session.replies()
 
     def stream_outputs(self, rid: str, q: queue.SimpleQueue[RequestOutput | None],
-                       context: grpc.ServicerContext, min_chunk_tokens: int = 0) -> Iterator[pb.TokenChunk]:
-        """Relay a request's outputs; abort it on the engine if the client goes away.
+                       context: grpc.ServicerContext, min_chunk_tokens: int = 0,
+                       skip_first: bool = False) -> Iterator[pb.TokenChunk]:
+        """Relay a request's outputs; abort it on the engine if the client goes away. ``skip_first``: the caller
+        already has the first token (``DecodeRequest.first_token_sent``), the stream starts at the second.
 
         One chunk per wake-up, not per step: outputs already queued behind the one that woke this thread (steps
         that ran while the client or this thread was slow) are merged into it, at no added latency. With
@@ -117,7 +139,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             out = self._next_output(q, rid, context)
             while out is not END:
                 if out.finish_reason == "error":
-                    context.abort(grpc.StatusCode.UNAVAILABLE, out.new_text or f"request {rid} failed")
+                    context.abort(self.error_code(rid), out.new_text or f"request {rid} failed")
                 batch.append(out)
                 held += len(out.new_token_ids)
                 if out.finished:
@@ -129,7 +151,11 @@ class WorkerService(pb_grpc.WorkerServicer):
                         break
                     out = self._next_output(q, rid, context)
             if batch:
-                yield chunk_from_outputs(batch, sent)
+                chunk = chunk_from_outputs(batch, sent)
+                if skip_first and not sent:
+                    chunk = without_first_token(chunk, batch[0])
+                if chunk.token_ids or chunk.finish_reason:
+                    yield chunk
                 sent += held
                 batch.clear()
                 held = 0
@@ -148,6 +174,11 @@ class WorkerService(pb_grpc.WorkerServicer):
                           f"{self.request_timeout_s:.0f} s")
             raise  # pragma: no cover - abort raises
 
+    def error_code(self, rid: str) -> grpc.StatusCode:
+        """The status a request that ended in error gets: UNAVAILABLE (the worker's failure, e.g. a KV transfer:
+        retried elsewhere), or FAILED_PRECONDITION when it stalled because its client read nothing (not retried)."""
+        return grpc.StatusCode.FAILED_PRECONDITION if self.parking.is_stall(rid) else grpc.StatusCode.UNAVAILABLE
+
     def abort_quietly(self, eng: LLMEngine, rid: str) -> None:
         if rid in eng.scheduler.requests:
             for out in eng.abort([rid]):
@@ -162,15 +193,19 @@ class WorkerService(pb_grpc.WorkerServicer):
     # ---- control -------------------------------------------------------------------------------------------
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        return pb.AbortResponse(found=self.loop.call_sync(self.abort_op(request.request_id)))
+
+    def abort_op(self, rid: str) -> Callable[[LLMEngine], bool]:
+        """The engine command behind ``Abort``: True if ``rid`` was found anywhere."""
         def abort(eng: LLMEngine) -> bool:
-            found = self.abort_local(request.request_id)
-            if request.request_id in eng.scheduler.requests:
-                for out in eng.abort([request.request_id]):
+            found = self.abort_local(rid)
+            if rid in eng.scheduler.requests:
+                for out in eng.abort([rid]):
                     self.loop.publish(out)
                 found = True
             return found
 
-        return pb.AbortResponse(found=self.loop.call_sync(abort))
+        return abort
 
     def abort_local(self, request_id: str) -> bool:
         """Role hook (loop thread): drop role-side state (transfers, holds) for ``request_id``."""
@@ -178,7 +213,9 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
         status = "SERVING" if self.loop.error is None else "FAILED"
-        return pb.HealthResponse(status=status, role=self.role, model=self.engine.config.model,
+        # The model's name, never its path: Health answers anyone who can reach the port.
+        model = Path(self.engine.config.model).name
+        return pb.HealthResponse(status=status, role=self.role, model=model,
                                  compat_hash=self.compat_hash, draining=self.draining, worker_id=self.worker_id,
                                  kv_backend=self.kv_backend, block_size=self.engine.block_size,
                                  hash_extra_keys=list(self.engine.extra_keys), session_port=self.session_port)
@@ -190,19 +227,33 @@ class WorkerService(pb_grpc.WorkerServicer):
         s = eng.scheduler
         # Prefill backlog: tokens still to compute (a decoding request contributes its one next token).
         active = sum(r.num_tokens - r.num_computed_tokens for r in s.running) + sum(r.num_tokens for r in s.waiting)
-        return pb.LoadResponse(waiting=len(s.waiting), running=len(s.running), waiting_for_kv=len(s.remote),
+        parked = len(self.parking)
+        return pb.LoadResponse(waiting=len(s.waiting), running=len(s.running) + parked, waiting_for_kv=len(s.remote),
                                active_tokens=active, free_blocks=eng.pool.num_free_blocks,
                                used_blocks=eng.pool.num_used_blocks, total_blocks=eng.pool.num_blocks,
-                               kv_event_seq=eng.pool.event_seq, **self.role_load(eng))
+                               kv_event_seq=eng.pool.event_seq, paused=parked,
+                               generated_tokens=self.generated_tokens, **self.role_load(eng))
 
     def role_load(self, eng: LLMEngine) -> dict[str, int]:
         return {}
 
-    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
+    def in_flight(self, eng: LLMEngine) -> int:
+        """What a drained worker still waits for (loop thread): unfinished requests (parked ones included) and
+        the role's pending work, such as prefill's KV transfers still streaming out."""
+        return eng.scheduler.num_unfinished + len(self.parking) + self.role_in_flight()
+
+    def role_in_flight(self) -> int:
+        return 0
+
+    def start_draining(self) -> None:
+        """Refuse new work from now on and say so in the registry; in-flight work goes on."""
         self.draining = True
         if self.publisher is not None:
             self.publisher.set_draining()
-        return pb.DrainResponse(in_flight=self.loop.call_sync(lambda eng: eng.scheduler.num_unfinished))
+
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
+        self.start_draining()
+        return pb.DrainResponse(in_flight=self.loop.call_sync(self.in_flight))
 
     # ---- KV events -----------------------------------------------------------------------------------------
 
@@ -214,6 +265,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             with self._events_cv:
                 self._events.append(batch)
                 self._events_cv.notify_all()
+                listeners = list(self.event_listeners)
+            for wake in listeners:  # grpc.aio subscribers (worker/aio_service.py)
+                wake()
 
     def KVEvents(self, request: pb.KVEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.KVEventBatch]:
         after = request.after_seq
@@ -228,12 +282,24 @@ class WorkerService(pb_grpc.WorkerServicer):
                 after = b.seq
 
     def Snapshot(self, request: pb.SnapshotRequest, context: grpc.ServicerContext) -> pb.SnapshotResponse:
-        def snap(eng: LLMEngine) -> pb.SnapshotResponse:
-            self._collect_events()  # everything up to now is in the ring, so seq matches the hashes
-            return pb.SnapshotResponse(worker_id=self.worker_id, seq=eng.pool.event_seq,
-                                       hashes=eng.pool.cached_hashes())
+        return self.loop.call_sync(self.snapshot_op)
 
-        return self.loop.call_sync(snap)
+    def snapshot_op(self, eng: LLMEngine) -> pb.SnapshotResponse:
+        self._collect_events()  # everything up to now is in the ring, so seq matches the hashes
+        return pb.SnapshotResponse(worker_id=self.worker_id, seq=eng.pool.event_seq, hashes=eng.pool.cached_hashes())
+
+    def listen_events(self, wake: Callable[[], None], on: bool = True) -> None:
+        """Have ``wake()`` called (on the loop thread) after each new event batch; ``on=False`` stops it."""
+        with self._events_cv:
+            if on:
+                self.event_listeners.add(wake)
+            else:
+                self.event_listeners.discard(wake)
+
+    def events_after(self, after: int) -> list[KVEventBatch]:
+        """Ring entries after sequence number ``after`` (any thread)."""
+        with self._events_cv:
+            return [b for b in self._events if b.seq > after]
 
     def fail_request(self, eng: LLMEngine, request_id: str, message: str) -> None:
         """End a request with an explicit error (loop thread); its stream sees the message."""
@@ -241,3 +307,14 @@ class WorkerService(pb_grpc.WorkerServicer):
         if out is not None:
             out.new_text = message
             self.loop.publish(out)
+
+
+def without_first_token(chunk: pb.TokenChunk, first: RequestOutput) -> pb.TokenChunk:
+    """A stream's first chunk less its first token (and that token's logprob and text), which the caller already
+    streamed from ``PrefillResponse``; ``first`` is the output that carried it."""
+    if chunk.token_ids:
+        del chunk.token_ids[0]
+    if chunk.logprobs:
+        del chunk.logprobs[0]
+    chunk.text = chunk.text[len(first.new_text):]
+    return chunk

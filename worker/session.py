@@ -96,14 +96,35 @@ class WorkerSession:
         """Consume the router's side of the stream until it ends; then close the session."""
         try:
             for msg in requests:
-                if msg.generate:
-                    self._submit(msg.generate)
-                if msg.abort:
-                    self._abort(list(msg.abort))
+                self.handle(msg)
         except grpc.RpcError:
             pass  # the stream broke: same as the router closing it
         finally:
             self.close()
+
+    def handle(self, msg: pb.SessionRequest) -> None:
+        """One message from the router (never blocks: everything goes to the engine loop as a command)."""
+        if msg.generate:
+            self._submit(msg.generate)
+        if msg.abort:
+            self._abort(list(msg.abort))
+        if msg.pause or msg.resume:
+            self._pace(list(msg.pause), list(msg.resume))
+
+    def _pace(self, pause: list[str], resume: list[str]) -> None:
+        """Backpressure from the router (worker/parking.py): stop generating for requests whose client is not
+        reading, and go on with those it caught up with."""
+        parking = self.service.parking
+        with self._lock:
+            pause = [rid for rid in pause if rid in self._live]
+
+        def pace(eng: LLMEngine) -> None:
+            for rid in pause:
+                parking.want(rid)
+            for rid in resume:
+                parking.resume(eng, rid)
+
+        self.service.loop.call(pace)
 
     def _submit(self, reqs: Iterable[pb.GenerateRequest]) -> None:
         svc = self.service
@@ -264,7 +285,8 @@ class WorkerSession:
         if out.finish_reason == "error":
             del relays[rid]
             self._ended(rid)
-            chunks.append(pb.SessionChunk(request_id=rid, error_code=_code(grpc.StatusCode.UNAVAILABLE),
+            code = self.service.error_code(rid)
+            chunks.append(pb.SessionChunk(request_id=rid, error_code=_code(code),
                                           error=out.new_text or f"request {rid} failed"))
             return
         r.batch.append(out)

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import queue
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -32,10 +33,11 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from auth.tls_socket import DuplexTLS
 from engine.engine_loop import END
 from engine.llm_engine import LLMEngine, RequestOutput
 from kvtransfer.sockio import close_socket
-from proto.framing import FrameError, frame, read_frames, tune_session_socket
+from proto.framing import FrameBuffer, FrameError, frame, read_frames, tune_session_socket
 from proto.tandem.v1 import worker_pb2 as pb
 from worker.convert import chunk_from_outputs, params_from_proto
 
@@ -309,6 +311,16 @@ class WorkerSession:
             self._live.pop(rid, None)
 
 
+def _frames(stream: socket.socket | DuplexTLS) -> Iterator[bytes]:
+    """Frames off a connection, plain or TLS, until the peer closes it; raises OSError or FrameError."""
+    if isinstance(stream, socket.socket):
+        yield from read_frames(stream)
+        return
+    buf = FrameBuffer()
+    while data := stream.recv(1 << 20):
+        yield from buf.feed(data)
+
+
 def _code(code: grpc.StatusCode) -> int:
     value: int = code.value[0]
     return value
@@ -320,12 +332,17 @@ class SessionListener:
 
     One thread accepts; each connection gets a reader thread (frames → ``WorkerSession.read``) and a writer thread
     (``WorkerSession.replies`` → frames). A connection that closes, breaks or sends a bad frame ends its session,
-    which aborts every request still running on it, exactly as a broken gRPC stream does."""
+    which aborts every request still running on it, exactly as a broken gRPC stream does.
+
+    With ``tls`` (a server context that requires a client certificate, auth/tls.py) each connection first completes
+    a mutual TLS handshake in its own thread: a client without a certificate from the cluster's CA is dropped
+    before it can send a request."""
 
     def __init__(self, service: WorkerService, host: str, port: int = 0,
-                 max_connections: int = MAX_SESSION_CONNECTIONS) -> None:
+                 max_connections: int = MAX_SESSION_CONNECTIONS, tls: ssl.SSLContext | None = None) -> None:
         self.service = service
         self.max_connections = max_connections
+        self.tls = tls
         self._sock = socket.create_server((host, port), reuse_port=False)
         self._sock.settimeout(0.5)
         self.port: int = self._sock.getsockname()[1]
@@ -356,11 +373,21 @@ class SessionListener:
             threading.Thread(target=self._serve, args=(conn,), name="session-tcp", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        stream: socket.socket | DuplexTLS = conn
+        if self.tls is not None:
+            try:
+                stream = DuplexTLS.accept(conn, self.tls)
+            except (OSError, ValueError) as e:  # ssl.SSLError is an OSError: no or a foreign client certificate
+                log.warning("session port: TLS handshake refused: %s", e)
+                close_socket(conn)
+                with self._lock:
+                    self._conns.discard(conn)
+                return
         session = WorkerSession(self.service)
 
         def requests() -> Iterator[pb.SessionRequest]:
             try:
-                for data in read_frames(conn):
+                for data in _frames(stream):
                     yield pb.SessionRequest.FromString(data)
             except (OSError, FrameError, DecodeError) as e:
                 log.info("session connection ended: %s", e)
@@ -368,11 +395,13 @@ class SessionListener:
         threading.Thread(target=session.read, args=(requests(),), name="session-reader", daemon=True).start()
         try:
             for reply in session.replies():
-                conn.sendall(frame(reply.SerializeToString()))
+                stream.sendall(frame(reply.SerializeToString()))
         except OSError:
             pass  # the router is gone: the session ends below
         finally:
             session.close()
+            if isinstance(stream, DuplexTLS):
+                stream.close()
             close_socket(conn)  # shut down first: the reader's recv returns, so its thread ends too
             with self._lock:
                 self._conns.discard(conn)

@@ -136,9 +136,10 @@ def test_a_list_of_prompts_is_answered_as_choices_indexed_prompt_times_n(
     assert r.usage.completion_tokens == 30
 
 
+@pytest.mark.parametrize("length", [0, 80])  # colocated; disaggregated (prefill picks the first token)
 def test_logit_bias_changes_the_greedy_answer_as_transformers_sequence_bias_does(
-        client: openai.OpenAI, tok: Tokenizer, hf: Any) -> None:
-    ids = _ids(tok, "Hello, Tandem")
+        client: openai.OpenAI, tok: Tokenizer, hf: Any, length: int) -> None:
+    ids = [(i * 31 + 5) % 400 + 3 for i in range(length)] + _ids(tok, "Hello, Tandem")
     plain = _greedy(hf, ids, 6)
     bias = {plain[0]: -100, plain[1]: -100}
     r = client.completions.create(model=SERVED, prompt=ids, max_tokens=6, temperature=0,

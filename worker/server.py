@@ -2,8 +2,10 @@
 
 Start-up order: load the model and allocate the KV cache, register the cache with the KV transport, start the
 engine loop, then bind gRPC and print one ``READY <port>`` line (what process supervisors wait for; ``Health``
-answers from then on). SIGTERM or SIGINT drains: new work is refused, in-flight requests finish (bounded by
-``--drain-timeout``), then the process exits.
+answers from then on). The API is served on ``grpc.aio`` (``worker/aio_service.py``): streams hold no thread, so
+concurrency is not capped by a pool, and a busy worker still answers its probes. SIGTERM or SIGINT drains: new
+work is refused, in-flight requests and prefill's outgoing KV transfers finish (bounded by ``--drain-timeout``),
+then the process exits.
 
 The engine (torch) and gRPC are imported by the functions that use them, not by this module: every ``tandem``
 command builds its parser with :func:`add_worker_args`, and ``tandem up`` / ``tandem down`` need no torch.
@@ -56,9 +58,22 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "they copy every landing byte, and on the engine's cores that time comes out of decode's steps")
     p.add_argument("--redis", default=None, help="redis://host:port: register a lease and publish KV events")
     p.add_argument("--lease-seconds", type=float, default=3.0)
+    p.add_argument("--stream-stall-timeout", type=_positive, default=60.0, metavar="S",
+                   help="a request whose client reads nothing (its stream paused: backpressure) fails after S s")
+    p.add_argument("--max-unsent-tokens", type=int, default=256, metavar="N",
+                   help="a gRPC stream's tokens generated but not yet sent before its request pauses")
     # Fault injection for the failure tests: the prefill engine stalls after sending this layer.
     p.add_argument("--debug-stall-after-layer", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--debug-stall-seconds", type=float, default=3600.0, help=argparse.SUPPRESS)
+    # Fault injection: a prefill's last layer (so its transfer's end) leaves this long after its first token.
+    p.add_argument("--debug-transfer-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return value
 
 
 def kv_layout_for(engine: LLMEngine) -> KVLayout:
@@ -106,24 +121,25 @@ def build_service(args: argparse.Namespace, transfer: TransferConfig | None = No
     layout = kv_layout_for(engine)
     sender_cls, receiver_cls = get_backend(args.kv_backend)
     transfer = transfer or transfer_config(args)
+    service: WorkerService
     if args.role == "prefill":
         sender = sender_cls(transfer)
         sender.register(engine.kv_caches, layout)
         service = PrefillService(engine, sender, layout, args.kv_backend, args.worker_id)
         if args.debug_stall_after_layer is not None:
             service.stall = (args.debug_stall_after_layer, args.debug_stall_seconds)
-        return service
-    receiver = receiver_cls(transfer)
-    receiver.register(engine.kv_caches, layout)
-    return DecodeService(engine, receiver, layout, args.kv_backend, args.worker_id, role=args.role)
+        service.transfer_delay_s = args.debug_transfer_delay_ms / 1000.0
+    else:
+        receiver = receiver_cls(transfer)
+        receiver.register(engine.kv_caches, layout)
+        service = DecodeService(engine, receiver, layout, args.kv_backend, args.worker_id, role=args.role)
+    service.parking.stall_timeout_s = args.stream_stall_timeout
+    return service
 
 
 def serve(args: argparse.Namespace) -> int:
-    from concurrent import futures
-
-    import grpc
-
-    from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
+    from worker.aio_server import AioServerThread
+    from worker.aio_service import AioWorker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -133,13 +149,15 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: --kv-io-cpus: {e}", file=sys.stderr)
         return 2
+    if args.max_unsent_tokens < 1:
+        print(f"error: --max-unsent-tokens must be >= 1, not {args.max_unsent_tokens}", file=sys.stderr)
+        return 2
     service = build_service(args, transfer)
     service.start()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="grpc"),
-                         options=[("grpc.max_receive_message_length", 64 << 20),
-                                  ("grpc.so_reuseport", 0)])
-    pb_grpc.add_WorkerServicer_to_server(service, server)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    # grpc.aio (worker/aio_service.py): a stream holds no thread, and Health never waits behind streams.
+    server = AioServerThread(AioWorker(service, args.max_unsent_tokens),
+                             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
+    port = server.bind(lambda s: s.add_insecure_port(f"{args.host}:{args.port}"))
     if port == 0:
         print(f"error: could not bind {args.host}:{args.port}", file=sys.stderr)
         return 2
@@ -163,19 +181,31 @@ def serve(args: argparse.Namespace) -> int:
     done = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
-        service.draining = True
-        if service.publisher is not None:
-            service.publisher.set_draining()
+        service.start_draining()
         done.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     done.wait()
-    deadline = time.monotonic() + args.drain_timeout
-    while time.monotonic() < deadline and service.engine.has_unfinished():
-        time.sleep(0.05)
+    drain(service, args.drain_timeout)
     if listener is not None:
         listener.close()
-    server.stop(grace=1.0).wait(2.0)
+    server.stop(grace_s=1.0)
     service.stop()
     return 0
+
+
+def drain(service: WorkerService, timeout_s: float) -> None:
+    """Wait (bounded by ``timeout_s``) until nothing is in flight: unfinished and paused requests, and prefill's
+    KV transfers still streaming out (each ends DONE or fails explicitly when its lease expires)."""
+    deadline = time.monotonic() + timeout_s
+    left = -1
+    while time.monotonic() < deadline:
+        try:
+            left = service.loop.call_sync(service.in_flight, timeout=max(0.1, deadline - time.monotonic()))
+        except Exception:  # the engine loop stopped (or is stuck past the deadline): nothing more will finish
+            break
+        if not left:
+            return
+        time.sleep(0.05)
+    log.warning("drain ended with %s requests or transfers still in flight", left if left >= 0 else "unknown")

@@ -1,0 +1,74 @@
+"""The two sizing rules, before any guard: predictive (capacity at the SLO) and reactive (thresholds).
+
+Predictive, for a forecast rate ``r`` (requests/s), mean prompt ``I`` and output ``O`` tokens, prefix hit rate ``h``::
+
+    prefill replicas = ceil(r · I · (1 - h) / (prefill_tokens_per_s · target_utilisation))
+    decode replicas  = ceil(r · O / (decode_tokens_per_s · target_utilisation))
+    colocated        = ceil(both loads added, each over its own capacity)
+
+Reactive, per tier, from what the tier reports now: the pressure is the largest of queue per ready replica over
+``queue_high``, KV utilisation over ``kv_high`` and the tier's latency p90 over its SLO (TTFT for prefill, ITL for
+decode, the larger for colocated). Pressure above 1 asks for ``ceil(current · pressure)`` replicas; every signal
+below its low mark (queue under ``queue_low``, KV under ``kv_low``, latency under half its SLO) lets the tier shrink by
+one; anything between holds. In predictive mode the reactive answer is the floor: a forecast never sizes a tier
+below what its queues and latencies demand now, and never shrinks a tier whose signals are not low.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from operators.planner.config import PlannerConfig, Role, TierConfig
+from operators.planner.observations import Observations, TierObservation
+
+
+@dataclass(slots=True, frozen=True)
+class Sizing:
+    replicas: int
+    reason: str
+
+
+def predictive(cfg: PlannerConfig, tier: TierConfig, obs: Observations, rate: float) -> Sizing | None:
+    """Replicas to carry ``rate`` at the SLO; None when the tier's capacity is unknown."""
+    u = cfg.target_utilisation
+    prefill_load = rate * obs.input_len.mean * (1 - obs.prefix_hit_rate)
+    decode_load = rate * obs.output_len.mean
+    need = 0.0
+    if tier.role in (Role.PREFILL, Role.BOTH):
+        if tier.prefill_tokens_per_s <= 0:
+            return None
+        need += prefill_load / (tier.prefill_tokens_per_s * u)
+    if tier.role in (Role.DECODE, Role.BOTH):
+        if tier.decode_tokens_per_s <= 0:
+            return None
+        need += decode_load / (tier.decode_tokens_per_s * u)
+    replicas = math.ceil(need - 1e-9)
+    return Sizing(replicas, f"predictive: {rate:.3g} req/s forecast needs {need:.2f} replicas")
+
+
+def _latency_p90(cfg: PlannerConfig, tier: TierConfig, obs: Observations) -> float:
+    """The tier's latency p90 over its SLO (0 when nothing was measured)."""
+    ratios = []
+    if tier.role in (Role.PREFILL, Role.BOTH) and obs.ttft.p90 is not None:
+        ratios.append(obs.ttft.p90 / cfg.ttft_slo_s)
+    if tier.role in (Role.DECODE, Role.BOTH) and obs.itl.p90 is not None:
+        ratios.append(obs.itl.p90 / cfg.itl_slo_s)
+    return max(ratios, default=0.0)
+
+
+def reactive(cfg: PlannerConfig, tier: TierConfig, obs: Observations, t: TierObservation) -> tuple[Sizing, bool]:
+    """The thresholds' answer, and whether every signal is low (the only state in which it lets the tier shrink)."""
+    current = t.current
+    queue = t.queue_depth / max(t.ready, 1)
+    latency = _latency_p90(cfg, tier, obs)
+    signals = {"queue": queue / cfg.queue_high, "kv": t.kv_utilisation / cfg.kv_high, "latency": latency}
+    worst = max(signals, key=lambda k: signals[k])
+    pressure = signals[worst]
+    if pressure > 1:
+        replicas = max(math.ceil(max(current, 1) * pressure - 1e-9), current + 1)
+        return Sizing(replicas, f"reactive: {worst} at {pressure:.2f}x its high mark"), False
+    low = queue <= cfg.queue_low and t.kv_utilisation <= cfg.kv_low and latency <= 0.5
+    if low:
+        return Sizing(max(current - 1, 0), "reactive: queue, KV and latency all low"), True
+    return Sizing(current, "reactive: within thresholds"), False

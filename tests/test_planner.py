@@ -1,0 +1,161 @@
+"""The SLO planner (operators/planner): sizing, the forecast and one test per guard.
+
+The planner is a pure function, so each test feeds a sequence of observations and reads the plans back."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from operators.planner.config import Mode, PlannerConfig, Role, TierConfig
+from operators.planner.observations import LengthStats, Observations, Percentiles, TierObservation
+from operators.planner.planner import PlannerState, plan
+
+# One prefill replica sustains 10,000 prompt tokens/s at the TTFT target, one decode replica 2,000 tokens/s at ITL.
+PREFILL = TierConfig("prefill", Role.PREFILL, gpus_per_replica=8, min_replicas=1, max_replicas=20,
+                     prefill_tokens_per_s=10_000)
+DECODE = TierConfig("decode", Role.DECODE, gpus_per_replica=8, min_replicas=1, max_replicas=20,
+                    decode_tokens_per_s=2_000)
+
+
+def config(**kw: object) -> PlannerConfig:
+    base: dict[str, object] = dict(tiers=(PREFILL, DECODE), gpu_budget=400, target_utilisation=1.0,
+                                   scale_up_cooldown_s=30, scale_down_cooldown_s=60, scale_down_windows=3,
+                                   hysteresis=0.2, forecast_alpha=1.0, forecast_beta=0.01)
+    base.update(kw)
+    return PlannerConfig(**base)  # type: ignore[arg-type]
+
+
+def observe(t: float, rate: float, prefill: tuple[int, int, int] = (2, 0, 0), decode: tuple[int, int, int] = (2, 0, 0),
+            queue: float = 0.0, kv: float = 0.0, itl_p90: float | None = None) -> Observations:
+    """``rate`` req/s of 1,000-token prompts and 100-token outputs; tiers as (ready, starting, draining)."""
+    return Observations(
+        time_s=t, window_s=30, request_rate=rate, input_len=LengthStats(1000, 1500), output_len=LengthStats(100, 200),
+        prefix_hit_rate=0.0, ttft=Percentiles(p90=0.1), itl=Percentiles(p90=itl_p90),
+        tiers=(TierObservation("prefill", *prefill, queue_depth=queue, kv_utilisation=kv),
+               TierObservation("decode", *decode, queue_depth=queue, kv_utilisation=kv)))
+
+
+def test_predictive_sizes_each_tier_from_its_capacity_at_the_slo() -> None:
+    p = plan(config(), observe(0, rate=50))  # 50k prompt tokens/s and 5k output tokens/s
+    assert (p.desired("prefill"), p.desired("decode")) == (5, 3)
+    assert p.decision("prefill").reason.startswith("predictive")
+
+
+def test_predictive_is_floored_by_the_reactive_thresholds() -> None:
+    # The forecast alone wants 1 decode replica, but the decode ITL is twice its SLO: reactive asks for double.
+    p = plan(config(), observe(0, rate=10, decode=(4, 0, 0), itl_p90=0.2))
+    assert p.desired("decode") == 8
+    assert "latency" in p.decision("decode").reason
+
+
+def test_forecast_follows_a_ramp_ahead_of_the_observed_rate() -> None:
+    cfg = config(forecast_alpha=0.5, forecast_beta=0.5)
+    state = PlannerState()
+    for i, rate in enumerate([10, 20, 30, 40]):
+        p = plan(cfg, observe(30 * i, rate), state)
+        state = p.state
+    assert p.forecast_rate > 40
+
+
+def test_hysteresis_holds_a_small_drop_and_cool_down_holds_a_quick_second_rise() -> None:
+    cfg = config(scale_down_windows=1)
+    # 10 prefill replicas, load for 9: within 20%, nothing changes, however long it lasts.
+    state = PlannerState()
+    for i in range(5):
+        p = plan(cfg, observe(100 * i, rate=90, prefill=(10, 0, 0), decode=(5, 0, 0), queue=0, kv=0.1), state)
+        state = p.state
+        assert p.desired("prefill") == 10 and p.decision("prefill").drain == 0
+        assert p.decision("prefill").reason.startswith("hysteresis")
+    # A rise goes through at once; a second rise 10 s later waits out the 30 s cool-down, then goes.
+    p = plan(cfg, observe(1000, rate=119, prefill=(10, 0, 0), decode=(6, 0, 0)), state)
+    assert p.desired("prefill") == 12
+    p2 = plan(cfg, observe(1010, rate=148, prefill=(10, 2, 0), decode=(6, 0, 0)), p.state)
+    assert p2.desired("prefill") == 12 and "cool-down" in p2.decision("prefill").reason
+    p3 = plan(cfg, observe(1031, rate=148, prefill=(12, 0, 0), decode=(6, 0, 0)), p2.state)
+    assert p3.desired("prefill") == 15
+
+
+def test_scale_down_happens_only_on_a_sustained_signal_and_only_through_drain() -> None:
+    cfg = config()
+    state = PlannerState()
+    decisions = []
+    for i in range(3):  # load for 2 prefill replicas on 10, every reactive signal low
+        p = plan(cfg, observe(100 + 100 * i, rate=20, prefill=(10, 0, 0), decode=(4, 0, 0)), state)
+        state = p.state
+        decisions.append(p.decision("prefill"))
+    assert [d.desired for d in decisions] == [10, 10, 2]
+    assert [d.drain for d in decisions] == [0, 0, 8]
+    assert "sustaining 1/3" in decisions[0].reason
+    # A window that does not want fewer breaks the run: counting starts again.
+    p = plan(cfg, observe(500, rate=20, prefill=(10, 0, 0), decode=(4, 0, 0)), PlannerState())
+    p = plan(cfg, observe(600, rate=100, prefill=(10, 0, 0), decode=(4, 0, 0)), p.state)
+    p = plan(cfg, observe(700, rate=20, prefill=(10, 0, 0), decode=(4, 0, 0)), p.state)
+    assert p.desired("prefill") == 10 and "sustaining 1/3" in p.decision("prefill").reason
+    # Signals that are not low (a queue) keep the tier even when the forecast says fewer.
+    p = plan(config(scale_down_windows=1), observe(800, rate=20, prefill=(10, 0, 0), queue=20))
+    assert p.desired("prefill") == 10 and p.decision("prefill").drain == 0
+
+
+def test_gpu_budget_is_never_exceeded_counting_draining_replicas() -> None:
+    cfg = config(gpu_budget=80)  # 10 replicas of 8 GPUs in all
+    obs = observe(0, rate=100, prefill=(3, 0, 0), decode=(2, 0, 1))  # wants 10 prefill + 5 decode
+    p = plan(cfg, obs)
+    assert p.gpus(cfg, obs) <= 80
+    assert p.desired("prefill") + p.desired("decode") + 1 == 10  # the draining decode replica still holds 8 GPUs
+    assert "budget" in p.decision("prefill").reason
+    # Each tier grew; neither fell below what it had.
+    assert p.desired("prefill") >= 3 and p.desired("decode") >= 2
+    # A budget lowered under the fleet shrinks it (through drain), never below the minimums.
+    low = config(gpu_budget=24)
+    obs = observe(0, rate=5, prefill=(3, 0, 0), decode=(2, 0, 0), queue=50)
+    p = plan(low, obs)
+    assert p.gpus(low, obs) <= 24 and p.desired("prefill") >= 1 and p.desired("decode") >= 1
+    assert sum(d.drain for d in p.tiers) == 2
+
+
+def test_min_and_max_per_tier_are_always_respected() -> None:
+    cfg = config(tiers=(TierConfig("prefill", Role.PREFILL, 8, 2, 4, prefill_tokens_per_s=10_000),
+                        TierConfig("decode", Role.DECODE, 8, 1, 3, decode_tokens_per_s=2_000)),
+                 scale_down_windows=1, scale_down_cooldown_s=0, scale_up_cooldown_s=0)
+    for rate, queue in [(0, 0), (1000, 100), (5, 0)]:
+        p = plan(cfg, observe(0, rate=rate, prefill=(3, 0, 0), decode=(2, 0, 0), queue=queue))
+        assert 2 <= p.desired("prefill") <= 4 and 1 <= p.desired("decode") <= 3
+    # A tier found outside its bounds (a replica died; the bounds were edited) is brought back at once,
+    # cool-down and all: the previous state says a change happened a second ago.
+    state = plan(cfg, observe(0, rate=50, prefill=(2, 0, 0), decode=(1, 0, 0))).state
+    p = plan(cfg, observe(1, rate=0, prefill=(1, 0, 0), decode=(5, 0, 0)), state)
+    assert (p.desired("prefill"), p.desired("decode")) == (2, 3)
+    assert p.decision("decode").drain == 2 and p.decision("prefill").reason.startswith("min")
+    with pytest.raises(ValueError, match="minimums"):
+        config(gpu_budget=8)  # two tiers of min 1 replica of 8 GPUs cannot fit 8 GPUs
+
+
+def test_a_pending_replica_of_one_tier_does_not_freeze_the_other_tiers_scale_down() -> None:
+    """Dynamo #14251: a pending pod anywhere froze every scale-down. Here prefill has replicas starting (pending
+    pods) for the whole run, while decode's load falls: decode still drains."""
+    cfg = config()
+    state = PlannerState()
+    for i in range(3):
+        obs = observe(100 * i, rate=40, prefill=(2, 2, 0), decode=(10, 0, 0))  # decode needs 2 of 10
+        p = plan(cfg, obs, state)
+        state = p.state
+    assert p.desired("prefill") == 4 and p.decision("prefill").drain == 0
+    assert p.desired("decode") == 2 and p.decision("decode").drain == 8
+
+
+def test_reactive_mode_uses_thresholds_alone() -> None:
+    cfg = config(mode=Mode.REACTIVE, scale_down_windows=1)
+    p = plan(cfg, observe(0, rate=1000, prefill=(2, 0, 0), queue=16))  # 8 queued per ready prefill replica
+    assert p.desired("prefill") == 4 and p.decision("prefill").reason.startswith("reactive: queue")
+    p = plan(cfg, observe(0, rate=1000, prefill=(5, 0, 0), decode=(5, 0, 0)))  # nothing queued, no KV, no latency
+    assert p.desired("prefill") == 4  # one at a time, hysteresis 20% of 5 = 1
+
+
+def test_the_planner_imports_neither_torch_nor_ray_nor_kopf() -> None:
+    import subprocess
+
+    code = ("import sys, operators.planner.planner; bad = {'torch', 'ray', 'kopf'} & set(sys.modules); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -247,3 +247,23 @@ def test_tokenize_detokenize_version_and_the_model_by_id(served: tuple[RouterThr
     assert client.models.retrieve(SERVED).id == SERVED
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
+
+
+def test_a_streamed_echo_sends_the_prompt_first_and_offsets_run_on_from_it(client: openai.OpenAI,
+                                                                          tok: Tokenizer) -> None:
+    text = "Once upon a time"
+    ids = _ids(tok, text)
+    chunks = list(client.completions.create(model=SERVED, prompt=text, max_tokens=4, temperature=0, echo=True,
+                                            logprobs=0, stream=True, extra_body={"ignore_eos": True}))
+    pieces = [c.choices[0] for c in chunks if c.choices]
+    assert pieces[0].text.startswith(text)
+    tokens: list[str] = []
+    offsets: list[int] = []
+    values: list[float | None] = []
+    for p in pieces:
+        if p.logprobs is not None:
+            tokens += p.logprobs.tokens or []
+            offsets += p.logprobs.text_offset or []
+            values += p.logprobs.token_logprobs or []
+    assert len(tokens) == len(ids) + 4 and values[0] is None and all(v is not None for v in values[1:])
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 
 
@@ -24,6 +25,12 @@ class TransferConfig:
     nixl_progress_delay_us: int = 100
     # CPUs for every thread the transport starts (kvtransfer.io_cpus); () leaves them on the process's CPUs.
     io_cpus: tuple[int, ...] = ()
+    # TCP backend: mutual TLS on its connections (auth/tls.py builds both contexts from the worker's --tls-* files).
+    # ``tls_server`` requires a client certificate from the cluster's CA; ``tls_client`` checks the receiver's
+    # against ``tls_server_name`` (None: the host dialled). Both None: plain TCP (loopback ``tandem up``).
+    tls_server: ssl.SSLContext | None = None
+    tls_client: ssl.SSLContext | None = None
+    tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -39,5 +46,7 @@ class TransferConfig:
             raise ValueError("TransferConfig.nixl_progress_delay_us must be >= 0")
         if any(not isinstance(c, int) or c < 0 for c in self.io_cpus):
             raise ValueError(f"TransferConfig.io_cpus must be CPU numbers >= 0, got {self.io_cpus!r}")
+        if (self.tls_server is None) != (self.tls_client is None):
+            raise ValueError("TransferConfig needs tls_server and tls_client together (mutual TLS), or neither")
         if not self.nixl_backends:
             raise ValueError("TransferConfig.nixl_backends must name at least one NIXL backend")

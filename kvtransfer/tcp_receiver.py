@@ -10,10 +10,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 
+from auth.tls_socket import DuplexTLS
 from kvtransfer.base import KVCaches, OnFailed
 from kvtransfer.book import Entry, TransferBook
 from kvtransfer.config import TransferConfig
@@ -122,6 +123,16 @@ class TcpReceiver(StreamReceiver):
         header = bytearray(HEADER_SIZE)
         scratch = memoryview(bytearray(_SCRATCH))
         reason = "receiver closed"
+        tls = self.config.tls_server
+        if tls is not None:  # mutual TLS first, in this connection's thread: a stalled handshake holds only it
+            try:
+                conn.sock = cast(socket.socket, DuplexTLS.accept(conn.sock, tls, self.config.connect_timeout_s))
+            except OSError as e:  # ssl.SSLError included: no client certificate, or one from another CA
+                log.warning("kv tcp receiver: TLS handshake with %s refused: %s", conn.peer, e)
+                close_socket(conn.sock)
+                with self._lock:
+                    self._conns.discard(conn)
+                return
         try:
             while not self._stop.is_set():
                 recv_exact(conn.sock, memoryview(header), self._stop, at_boundary=True)

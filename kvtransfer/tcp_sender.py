@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
+from auth.tls_socket import DuplexTLS
 from kvtransfer.base import OnFailed
 from kvtransfer.book import Entry
 from kvtransfer.config import TransferConfig
@@ -79,6 +80,14 @@ class TcpSender(QueuedSender):
                 return link
         host, port = endpoint.rsplit(":", 1)
         sock = socket.create_connection((host, int(port)), timeout=self.config.connect_timeout_s)
+        cfg = self.config
+        if cfg.tls_client is not None:  # mutual TLS: DuplexTLS stands in for the socket (auth/tls_socket.py)
+            try:
+                tls = DuplexTLS.connect(sock, cfg.tls_client, cfg.tls_server_name or host, cfg.connect_timeout_s)
+            except OSError:
+                close_socket(sock)
+                raise
+            sock = cast(socket.socket, tls)
         tune(sock, self.config.io_timeout_s)  # the worker re-arms the timeout to each request's deadline
         link = _Link(endpoint, sock)
         with self._lock:

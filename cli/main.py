@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-DEFAULT_MODEL_DIR = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem")) / "tiny-llama"
+from controlplane.paths import DEFAULT_MODEL_DIR  # noqa: F401  (re-exported: bench/gateway.py imports it here)
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV transfer between the tiers (default tcp, the fastest to start; auto: nixl where "
                          "installed, else tcp)")
     sub.add_parser("down", help="stop the cluster `tandem up` started")
+    from cli.controller import add_controller_args, add_scale_args
+
+    add_controller_args(sub.add_parser("controller", help="the controller: every tier's replicas on Ray, serving "
+                                                          "tandem.v1.Control (in Kubernetes, in the Ray head pod)"))
+    add_scale_args(sub.add_parser("scale", help="set a tier's replicas on a running cluster (Control.SetReplicas)"))
 
     from worker.server import add_worker_args
 
@@ -266,6 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from controlplane.local_cluster import run_down
 
         return run_down()
+    if args.command in ("controller", "scale"):
+        from cli.controller import cmd_controller, cmd_scale
+
+        return cmd_controller(args) if args.command == "controller" else cmd_scale(args)
     if args.command == "operator":
         from cli.operator import run_operator_command
 

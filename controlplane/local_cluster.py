@@ -5,16 +5,20 @@ Start-up, printed as it goes, each line stamped with the seconds since this proc
 
 1. the model: the given checkpoint, or the built-in tiny model (generated once, deterministically);
 2. a local Ray instance (loopback only, token auth off, no dashboard);
-3. one placement group and one :class:`WorkerReplica` actor per prefill/decode replica, started in parallel;
-4. the router in this process, once every worker answers health checks; then the URL.
+3. the controller (controlplane/controller.py) in this process: one placement group and one
+   :class:`WorkerReplica` actor per prefill/decode replica, started in parallel, each READY once its worker answers
+   health checks;
+4. the router in this process, with the ready workers; then the Control API (``tandem.v1.Control``, on the port
+   recorded in the state file, which ``tandem scale`` reads) and the URL.
 
 Steps 1 and 2 overlap: while ``ray.init`` waits for its processes, a thread generates the tiny model if needed,
 imports the router (HTTP server, tokenizer, gRPC stubs) and compiles the engine's native kernels (a cold cache
 only). This process never imports torch.
 
-A supervisor task asks each replica to ``ensure()`` its worker every second; a replica whose worker died restarts
-it and the router swaps the address. Ctrl-C, SIGTERM or ``tandem down`` (which signals the PID recorded in the
-state file) stops the router, every worker process, the actors and Ray, in that order.
+From then on the controller's reconcile loop owns the replicas: ``tandem scale`` changes a tier's desired count, a
+dead worker is replaced, a scale-down drains first; :class:`RouterSync` keeps the router's worker pool in step, and
+the state file lists the current workers' PIDs. Ctrl-C, SIGTERM or ``tandem down`` (which signals the PID recorded
+in the state file) stops the router, every worker process, the actors and Ray, in that order.
 """
 
 from __future__ import annotations
@@ -30,16 +34,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
+from controlplane.paths import DEFAULT_MODEL_DIR, STATE_FILE
 from router.serve import stop_on_signals
 
 if TYPE_CHECKING:
-    from ray.actor import ActorClass
+    from controlplane.controller import Controller
 
 log = logging.getLogger(__name__)
-
-STATE_FILE = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem")) / "up.json"
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,6 +61,8 @@ class UpConfig:
     worker_flags: tuple[str, ...] = ()
     cpus_per_replica: float = 0.5
     min_uncached_tokens: int = 64
+    control_port: int = 0  # tandem.v1.Control for `tandem scale`; 0: a free port (recorded in the state file)
+    drain_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         from worker.launcher import KV_BACKENDS
@@ -70,6 +75,10 @@ class UpConfig:
             raise ValueError(f"port {self.port} out of range")
         if self.grpc_port is not None and self.grpc_port >= 65536:
             raise ValueError(f"grpc_port {self.grpc_port} out of range")
+        if not 0 <= self.control_port < 65536:
+            raise ValueError(f"control_port {self.control_port} out of range")
+        if self.drain_timeout_s <= 0:
+            raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
 
 
 def _process_start() -> float:
@@ -96,8 +105,6 @@ def _say(msg: str) -> None:
 
 def resolve_model(model: str | None) -> Path:
     """The checkpoint directory to serve; raises FileNotFoundError for a --model that is not one."""
-    from cli.main import DEFAULT_MODEL_DIR
-
     if not model:
         return DEFAULT_MODEL_DIR
     path = Path(model).expanduser()
@@ -164,11 +171,13 @@ def run_up(cfg: UpConfig) -> int:
     resolve_model(cfg.model)  # a bad --model fails here, before Ray starts
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    # The cluster's secret (auth/token.py), before Ray starts: its processes, so every worker, inherit it, and the
+    # router and controller here hold it too. Admin RPCs (Drain, Snapshot, Abort) need it even with TLS off.
+    from auth.token import ensure_cluster_token
 
-    from controlplane.replica import ReplicaSpec, WorkerReplica
+    ensure_cluster_token()
+    import ray
+
     from worker.launcher import resolve_kv_backend
 
     prepare = _Prepare(cfg.model)
@@ -176,30 +185,10 @@ def run_up(cfg: UpConfig) -> int:
     ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1", configure_logging=False)
     _say("ray started")
-    replicas: list[tuple[ReplicaSpec, Any, Any]] = []
     try:
         model = prepare.model_path()
-        backend = resolve_kv_backend(cfg.kv_backend)
-        specs = ([ReplicaSpec("prefill", str(model), backend, cfg.cpus_per_replica, cfg.worker_flags)]
-                 * cfg.prefill + [ReplicaSpec("decode", str(model), backend, cfg.cpus_per_replica,
-                                              cfg.worker_flags)] * cfg.decode)
-        # @ray.remote made WorkerReplica an ActorClass (mypy keeps a decorated class's own type)
-        replica_actor = cast("ActorClass[WorkerReplica]", WorkerReplica)
-        for spec in specs:
-            pg = placement_group([{"CPU": spec.cpus}], strategy="PACK")
-            actor = replica_actor.options(num_cpus=spec.cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg)).remote(spec)
-            replicas.append((spec, pg, actor))
-        addresses = ray.get([actor.start.remote() for _, _, actor in replicas], timeout=180)
-        _say(f"{cfg.prefill} prefill + {cfg.decode} decode workers started (KV transfer: {backend})")
-        STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
-        STATE_FILE.write_text(json.dumps({"pid": os.getpid(), "port": cfg.port,
-                                          "worker_pids": ray.get([a.pid.remote() for _, _, a in replicas])}))
-        return asyncio.run(_serve(cfg, model, replicas, addresses))
+        return asyncio.run(_serve(cfg, model, resolve_kv_backend(cfg.kv_backend)))
     finally:
-        for _, _, actor in replicas:
-            with contextlib.suppress(Exception):
-                ray.get(actor.stop.remote(), timeout=20)
         ray.shutdown()
         with contextlib.suppress(FileNotFoundError):
             STATE_FILE.unlink()
@@ -216,50 +205,94 @@ def _flag_int(flags: tuple[str, ...], name: str, default: int) -> int:
     return default
 
 
-async def _serve(cfg: UpConfig, model: Path, replicas: list[Any], addresses: list[str]) -> int:
-    from router.server import RouterConfig, build_router
+class LocalCluster:
+    """The controller, the router and the Control API on this process's event loop: ``tandem up`` after Ray has
+    started. ``state_file`` (None: none written) records this process, its ports and the workers' PIDs."""
 
-    router = await build_router(RouterConfig(model=str(model), workers=tuple(addresses), redis=cfg.redis,
-                                             min_uncached_tokens=cfg.min_uncached_tokens,
-                                             block_size=_flag_int(cfg.worker_flags, "--block-size", 16)))
-    await router.serve_http(cfg.host, cfg.port)
-    grpc_server = None
-    grpc_port = cfg.port + 1 if cfg.grpc_port is None else cfg.grpc_port
-    if grpc_port >= 0:
-        from router.grpc_gateway import start_grpc_gateway
+    def __init__(self, cfg: UpConfig, model: Path, kv_backend: str, state_file: Path | None = STATE_FILE) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.kv_backend = kv_backend
+        self.state_file = state_file
+        self.controller: Controller | None = None
+        self.router: Any = None
+        self.control_port = 0
+        self._servers: list[Any] = []
 
-        try:
-            grpc_server, grpc_port = await start_grpc_gateway(router.gateway, cfg.host, grpc_port)
-            _say(f"serving the gRPC API (tandem.v1.Gateway) at {cfg.host}:{grpc_port}")
-        except (OSError, RuntimeError) as e:
-            if cfg.grpc_port is not None:  # asked for explicitly: that is an error
-                raise
-            _say(f"warning: no gRPC API ({e}); pass --grpc-port to choose another port")
-    _say(f"workers healthy; serving OpenAI API at http://{cfg.host}:{cfg.port}/v1 (Ctrl-C or `tandem down` to stop)")
+    async def start(self) -> None:
+        from controlplane.control_server import start_control_server
+        from controlplane.controller import Controller, ControllerConfig
+        from controlplane.router_sync import RouterSync
+        from router.server import RouterConfig, build_router
+
+        cfg = self.cfg
+        self.controller = controller = Controller(ControllerConfig(
+            str(self.model), cfg.prefill, cfg.decode, self.kv_backend, cfg.cpus_per_replica,
+            worker_flags=cfg.worker_flags, redis=cfg.redis, drain_timeout_s=cfg.drain_timeout_s),
+            on_change=self.write_state)
+        controller.start()
+        await controller.wait_converged(180.0)
+        _say(f"{cfg.prefill} prefill + {cfg.decode} decode workers started (KV transfer: {self.kv_backend})")
+        addresses = tuple(r.address for r in controller.replicas.values())
+        self.router = router = await build_router(RouterConfig(
+            model=str(self.model), workers=addresses, redis=cfg.redis, min_uncached_tokens=cfg.min_uncached_tokens,
+            block_size=_flag_int(cfg.worker_flags, "--block-size", 16)))
+        controller.registrar = RouterSync(router.pool)
+        await controller.register_ready()  # any replaced while the router started
+        await router.serve_http(cfg.host, cfg.port)
+        grpc_port = cfg.port + 1 if cfg.grpc_port is None else cfg.grpc_port
+        if grpc_port >= 0:
+            from router.grpc_gateway import start_grpc_gateway
+
+            try:
+                server, grpc_port = await start_grpc_gateway(router.gateway, cfg.host, grpc_port)
+                self._servers.append(server)
+                _say(f"serving the gRPC API (tandem.v1.Gateway) at {cfg.host}:{grpc_port}")
+            except (OSError, RuntimeError) as e:
+                if cfg.grpc_port is not None:  # asked for explicitly: that is an error
+                    raise
+                _say(f"warning: no gRPC API ({e}); pass --grpc-port to choose another port")
+        server, self.control_port = await start_control_server(controller, cfg.host, cfg.control_port)
+        self._servers.append(server)
+        self.write_state()
+
+    def write_state(self) -> None:
+        if self.state_file is None or self.controller is None:
+            return
+        pids = [r.pid for r in self.controller.replicas.values() if r.pid > 0]
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "port": self.cfg.port,
+                                   "control": f"{self.cfg.host}:{self.control_port}", "worker_pids": pids}))
+        tmp.replace(self.state_file)
+
+    async def close(self) -> None:
+        for server in self._servers:
+            await server.stop(1.0)
+        if self.router is not None:
+            await self.router.close()
+        if self.controller is not None:
+            await self.controller.close()
+
+
+async def _serve(cfg: UpConfig, model: Path, kv_backend: str) -> int:
     stop = stop_on_signals()
-    current = list(addresses)
-
-    async def supervise() -> None:
-        while not stop.is_set():
-            await asyncio.sleep(1.0)
-            for i, (_, _, actor) in enumerate(replicas):
-                try:
-                    addr, restarted = await asyncio.wrap_future(actor.ensure.remote().future())
-                except Exception as e:  # the actor itself is being restarted by Ray
-                    log.warning("replica %d unreachable: %s", i, e)
-                    continue
-                if restarted or addr != current[i]:
-                    _say(f"replica {i} restarted at {addr}; re-registering")
-                    await router.pool.remove(current[i])
-                    router.pool.add(addr)
-                    current[i] = addr
-
-    sup = asyncio.create_task(supervise())
-    await stop.wait()
-    sup.cancel()
-    if grpc_server is not None:
-        await grpc_server.stop(1.0)
-    await router.close()
+    cluster = LocalCluster(cfg, model, kv_backend)
+    try:
+        starting = asyncio.create_task(cluster.start())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # Ctrl-C while starting
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            return 130
+        stopped.cancel()
+        starting.result()
+        _say(f"workers healthy; serving OpenAI API at http://{cfg.host}:{cfg.port}/v1 (Ctrl-C or `tandem down` to "
+             f"stop; `tandem scale TIER N` to scale)")
+        await stop.wait()
+    finally:
+        await cluster.close()
     return 0
 
 

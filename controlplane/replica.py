@@ -1,9 +1,10 @@
 """One worker replica as a Ray actor.
 
-Each replica gets its own placement group (one bundle per rank; today one rank per replica, so one bundle); the
-actor is scheduled into it and runs the ``tandem worker`` process, which it supervises: ``ensure()`` restarts a
-worker that died and reports its new address. The actor itself is restartable by Ray (``max_restarts``), and the
-controller re-registers whatever address it reports.
+Each replica gets its own placement group with one bundle per rank (today one rank per replica, so one bundle);
+the actor is scheduled into its first bundle and runs the ``tandem worker`` process. The actor does not restart
+the worker, and Ray does not restart the actor (``max_restarts=0``): a replica whose worker or actor died is
+replaced by the controller (controlplane/controller.py) with a new placement group, so that what Status reports
+is always the process that serves.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from worker.launcher import WorkerProcess, start_worker
 
 log = logging.getLogger(__name__)
 
+NODE_IP = "node"  # ReplicaSpec.host: listen on and advertise the IP Ray knows this node by (a Kubernetes pod's)
+
 
 @dataclass(slots=True, frozen=True)
 class ReplicaSpec:
@@ -25,33 +28,33 @@ class ReplicaSpec:
     kv_backend: str = "tcp"
     cpus: float = 0.5
     flags: tuple[str, ...] = field(default_factory=tuple)
+    host: str = "127.0.0.1"  # where the worker listens and what address it advertises; NODE_IP: the node's IP
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "both"):
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if self.cpus <= 0:
             raise ValueError(f"cpus must be > 0, got {self.cpus}")
+        if not self.host:
+            raise ValueError("host must not be empty")
 
 
-@ray.remote(max_restarts=-1, max_task_retries=0)
+@ray.remote(max_restarts=0, max_task_retries=0)
 class WorkerReplica:
     def __init__(self, spec: ReplicaSpec) -> None:
         self.spec = spec
         self.proc: WorkerProcess | None = None
-        self.restarts = 0
+        self.host = ray.util.get_node_ip_address() if spec.host == NODE_IP else spec.host
 
     def start(self) -> str:
-        self.proc = start_worker(self.spec.role, self.spec.model, self.spec.kv_backend, list(self.spec.flags))
-        return self.proc.address
+        """Start the worker process and return its gRPC address once it printed READY."""
+        flags = [*self.spec.flags] if self.spec.host == "127.0.0.1" else ["--host", self.host, *self.spec.flags]
+        self.proc = start_worker(self.spec.role, self.spec.model, self.spec.kv_backend, flags)
+        return f"{self.host}:{self.proc.port}"
 
-    def ensure(self) -> tuple[str, bool]:
-        """(address, restarted): restart the worker process if it exited."""
-        if self.proc is not None and self.proc.proc.poll() is None:
-            return self.proc.address, False
-        code = None if self.proc is None else self.proc.proc.returncode
-        log.warning("%s worker exited (%s); restarting", self.spec.role, code)
-        self.restarts += 1
-        return self.start(), True
+    def alive(self) -> bool:
+        """Whether the worker process is still running."""
+        return self.proc is not None and self.proc.proc.poll() is None
 
     def pid(self) -> int:
         return self.proc.proc.pid if self.proc is not None else -1

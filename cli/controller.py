@@ -1,0 +1,134 @@
+"""``tandem controller`` and ``tandem scale``: their flags and the commands, wired from cli/main.py.
+
+``tandem scale TIER N`` asks a controller (by default the running ``tandem up``'s, from its state file) for N
+replicas of TIER through ``Control.SetReplicas``, optionally waits until the tier has converged, and prints the
+resulting status. Exit codes: 0 done, 1 the controller is unreachable or did not converge in time, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from proto.tandem.v1.control_pb2 import TierStatus
+
+KV_BACKEND_CHOICES = ["auto", "nixl", "torch", "tcp"]
+
+
+def add_controller_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="HF checkpoint directory (as the workers see it)")
+    p.add_argument("--redis", required=True, help="redis://... : the worker registry the routers read")
+    p.add_argument("--prefill", type=int, default=1, help="prefill replicas at start (0: colocated)")
+    p.add_argument("--decode", type=int, default=1, help="decode replicas at start")
+    p.add_argument("--control-port", type=int, default=9400, help="tandem.v1.Control gRPC port")
+    p.add_argument("--host", default="0.0.0.0", help="address the Control API listens on")
+    p.add_argument("--kv-backend", default="auto", choices=KV_BACKEND_CHOICES)
+    p.add_argument("--drain-timeout", type=float, default=120.0,
+                   help="seconds a draining replica may take to finish its in-flight work before it is removed")
+    p.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs per rank (placement-group bundle)")
+    p.add_argument("--ranks", type=int, default=1, help="ranks (bundles) per replica")
+    p.add_argument("--worker-host", default="node",
+                   help="worker listen/advertise address; 'node': each Ray node's IP (default)")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join ('auto' in a Ray head pod); default $RAY_ADDRESS, else start one")
+    p.add_argument("--worker-flag", action="append", default=[], metavar="FLAG",
+                   help="extra `tandem worker` flag (repeat; e.g. --worker-flag=--dtype --worker-flag=bfloat16)")
+    from auth.credentials import add_args as add_credential_args
+
+    add_credential_args(p)  # the workers get the same TLS files and token file (paths as every node mounts them)
+
+
+def add_scale_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("tier", choices=["prefill", "decode"])
+    p.add_argument("replicas", type=int)
+    p.add_argument("--control", default=None,
+                   help="the controller's host:port (default: the running `tandem up`'s, from its state file)")
+    p.add_argument("--wait", type=float, default=0.0,
+                   help="seconds to wait until the tier has its replicas ready and none draining (0: do not wait)")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    from auth.credentials import from_args, to_flags
+    from auth.token import TOKEN_ENV
+    from controlplane.controller import ControllerConfig
+    from controlplane.daemon import DaemonConfig, run_controller
+    from controlplane.replica import NODE_IP
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        creds = from_args(args)
+        if creds.token is not None:  # a Ray started here passes it on to every worker through the environment
+            os.environ[TOKEN_ENV] = creds.token
+        controller = ControllerConfig(
+            args.model, args.prefill, args.decode, args.kv_backend, args.cpus_per_replica, args.ranks,
+            worker_flags=(*args.worker_flag, *to_flags(creds, args.auth_token_file)), redis=args.redis,
+            worker_host=NODE_IP if args.worker_host == "node" else args.worker_host, drain_timeout_s=args.drain_timeout)
+        cfg = DaemonConfig(controller, args.host, args.control_port,
+                           args.ray_address or os.environ.get("RAY_ADDRESS") or "local")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run_controller(cfg, creds)
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    import grpc
+
+    from controlplane.paths import STATE_FILE
+    from proto.tandem.v1 import control_pb2 as cpb
+    from proto.tandem.v1 import control_pb2_grpc as cpb_grpc
+
+    if args.replicas < 0:
+        print(f"error: replicas must be >= 0, got {args.replicas}", file=sys.stderr)
+        return 2
+    target = args.control
+    if target is None:
+        if not STATE_FILE.is_file():
+            print("error: no running `tandem up` found (pass --control HOST:PORT)", file=sys.stderr)
+            return 1
+        target = json.loads(STATE_FILE.read_text())["control"]
+    with grpc.insecure_channel(target) as channel:
+        stub = cpb_grpc.ControlStub(channel)
+        try:
+            tier = stub.SetReplicas(cpb.SetReplicasRequest(tier=args.tier, replicas=args.replicas), timeout=10).tier
+            deadline = time.monotonic() + args.wait
+            while args.wait > 0 and not _settled(tier):
+                if time.monotonic() > deadline:
+                    _print(tier, args.json)
+                    print(f"error: {args.tier} did not converge within {args.wait:g}s", file=sys.stderr)
+                    return 1
+                time.sleep(0.5)
+                tier = next(t for t in stub.Status(cpb.StatusRequest(), timeout=10).tiers if t.tier == args.tier)
+        except grpc.RpcError as e:
+            code = e.code() if isinstance(e, grpc.Call) else None
+            print(f"error: {target}: {e.details() if isinstance(e, grpc.Call) else e}", file=sys.stderr)
+            return 2 if code == grpc.StatusCode.INVALID_ARGUMENT else 1
+    _print(tier, args.json)
+    return 0
+
+
+def _settled(tier: TierStatus) -> bool:
+    return tier.ready == tier.desired and not tier.draining and not tier.starting
+
+
+def _print(tier: TierStatus, as_json: bool) -> None:
+    from google.protobuf.json_format import MessageToDict
+
+    from proto.tandem.v1 import control_pb2 as cpb
+
+    if as_json:
+        print(json.dumps(MessageToDict(tier, always_print_fields_with_no_presence=True)))
+        return
+    print(f"{tier.tier}: desired {tier.desired}, ready {tier.ready}, starting {tier.starting}, "
+          f"draining {tier.draining}")
+    for r in tier.replicas:
+        print(f"  {r.replica_id:<18} {cpb.ReplicaState.Name(r.state).removeprefix('REPLICA_STATE_'):<9} "
+              f"{r.address or '-':<22} in_flight={r.in_flight} restarts={r.restarts}")

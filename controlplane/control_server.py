@@ -1,0 +1,70 @@
+"""``tandem.v1.Control`` over gRPC: the controller's API for the operator, ``tandem scale`` and the planner.
+
+Runs on the controller's asyncio loop (``grpc.aio``), so every call reads and changes the controller's state
+between reconcile steps, never during one. Bad input is INVALID_ARGUMENT (an unknown tier, a count outside
+``[0, max_replicas]``: a negative count sent on the wire as uint32 arrives as a huge one); an unknown replica for
+``Drain`` is NOT_FOUND.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from controlplane.controller import Controller
+from controlplane.replica_state import TIERS, Replica, ReplicaState
+from proto.tandem.v1 import control_pb2 as cpb
+from proto.tandem.v1 import control_pb2_grpc as cpb_grpc
+
+
+def replica_status(r: Replica) -> cpb.ReplicaStatus:
+    return cpb.ReplicaStatus(replica_id=r.replica_id, tier=r.tier, state=cpb.ReplicaState.Name(int(r.state)),
+                             address=r.address, in_flight=r.in_flight, ranks=r.ranks, restarts=r.restarts,
+                             age_seconds=time.monotonic() - r.created)
+
+
+def tier_status(controller: Controller, tier: str) -> cpb.TierStatus:
+    reps = controller.of_tier(tier)
+    count = {s: sum(1 for r in reps if r.state == s) for s in ReplicaState}
+    return cpb.TierStatus(tier=tier, desired=controller.desired[tier], ready=count[ReplicaState.READY],
+                          draining=count[ReplicaState.DRAINING], starting=count[ReplicaState.STARTING],
+                          replicas=[replica_status(r) for r in reps])
+
+
+class ControlService(cpb_grpc.ControlServicer):
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+
+    async def SetReplicas(self, request: cpb.SetReplicasRequest,
+                          context: grpc.aio.ServicerContext[cpb.SetReplicasRequest, cpb.SetReplicasResponse],
+                          ) -> cpb.SetReplicasResponse:
+        try:
+            self.controller.set_replicas(request.tier, request.replicas)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return cpb.SetReplicasResponse(tier=tier_status(self.controller, request.tier))
+
+    async def Status(self, request: cpb.StatusRequest,
+                     context: grpc.aio.ServicerContext[cpb.StatusRequest, cpb.StatusResponse]) -> cpb.StatusResponse:
+        return cpb.StatusResponse(tiers=[tier_status(self.controller, t) for t in TIERS])
+
+    async def Drain(self, request: cpb.DrainReplicaRequest,
+                    context: grpc.aio.ServicerContext[cpb.DrainReplicaRequest, cpb.DrainReplicaResponse],
+                    ) -> cpb.DrainReplicaResponse:
+        try:
+            r = self.controller.drain(request.replica_id)
+        except KeyError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
+        return cpb.DrainReplicaResponse(replica=replica_status(r))
+
+
+async def start_control_server(controller: Controller, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Serve Control on ``host:port`` (0: a free port); return the started server and its port."""
+    server = grpc.aio.server()
+    cpb_grpc.add_ControlServicer_to_server(ControlService(controller), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise OSError(f"could not bind the Control API to {host}:{port}")
+    await server.start()
+    return server, bound

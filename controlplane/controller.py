@@ -1,0 +1,407 @@
+"""The controller: holds every tier's replicas as Ray placement groups and converges actual to desired.
+
+One asyncio task, the reconcile loop, wakes on every change of desired counts and at least every
+``reconcile_interval_s``. Per tier, independently (scaling or repairing one tier never touches another's
+replicas):
+
+- **probe**: each READY or DRAINING replica's ``Load`` (its in-flight count for Status and for choosing what to
+  drain) and each READY replica's actor ``alive()`` (its worker process). A dead worker or actor: FAILED.
+- **scale up**: fewer active (STARTING + READY) replicas than desired starts new ones, each in its own task: a
+  placement group with one bundle per rank (PACK), a :class:`WorkerReplica` actor in its first bundle, the worker
+  process, then ``Health`` until SERVING, then registration (the :class:`Registrar`: the in-process router of
+  ``tandem up``; with a Redis URL, its lease in the registry). Only then READY. A placement group that Ray
+  cannot place yet (a pending pod) stays STARTING and never blocks a scale-down.
+- **scale down**: more active replicas than desired drains the surplus, STARTING ones first (nothing runs there),
+  then the READY ones with the least in-flight work. Draining: the registrar hears it first (the router stops
+  choosing it), then the worker's ``Drain`` RPC marks it draining in the registry and makes it refuse new work;
+  the controller polls its ``Load`` until no request, KV transfer or held block is left, bounded by
+  ``drain_timeout_s``, and only then stops the actor and removes the placement group.
+- **replace**: a FAILED replica is unregistered and removed; the scale-up step starts its replacement (with a
+  growing back-off while replacements keep failing, so a model that cannot load does not spin).
+
+Status is read from the :class:`Replica` records (controlplane/replica_state.py); the gRPC Control API
+(controlplane/control_server.py) and ``tandem up`` (controlplane/local_cluster.py) drive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+import grpc
+
+from auth.credentials import Credentials
+from auth.grpc_client import aio_channel, attach
+from controlplane.replica_state import TIERS, Replica, ReplicaState, holds_nothing, in_flight
+from proto.tandem.v1 import worker_pb2 as wpb
+from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
+
+if TYPE_CHECKING:
+    from ray.actor import ActorClass
+
+    from controlplane.replica import WorkerReplica
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class ControllerConfig:
+    model: str
+    prefill: int = 1
+    decode: int = 1
+    kv_backend: str = "tcp"
+    cpus_per_replica: float = 0.5  # per rank: each placement-group bundle asks for this many CPUs
+    ranks: int = 1  # bundles per replica (tp * pp); one worker process per replica today
+    worker_flags: tuple[str, ...] = ()
+    worker_host: str = "127.0.0.1"  # controlplane.replica.NODE_IP in a cluster: each node's own IP
+    redis: str | None = None  # set: a replica is READY once its lease is in this registry
+    drain_timeout_s: float = 120.0
+    start_timeout_s: float = 300.0  # from a placed group to a healthy, registered worker
+    reconcile_interval_s: float = 0.5
+    max_replicas: int = 256  # per tier: SetReplicas above it is refused
+
+    def __post_init__(self) -> None:
+        from worker.launcher import KV_BACKENDS
+
+        if self.kv_backend not in KV_BACKENDS:
+            raise ValueError(f"unknown kv_backend {self.kv_backend!r} (choose from {', '.join(KV_BACKENDS)})")
+        for tier, n in (("prefill", self.prefill), ("decode", self.decode)):
+            if not 0 <= n <= self.max_replicas:
+                raise ValueError(f"{tier} replicas must be in [0, {self.max_replicas}], got {n}")
+        if self.cpus_per_replica <= 0 or self.ranks < 1:
+            raise ValueError(f"need cpus_per_replica > 0 and ranks >= 1, got {self.cpus_per_replica}/{self.ranks}")
+        if min(self.drain_timeout_s, self.start_timeout_s, self.reconcile_interval_s) <= 0:
+            raise ValueError("drain_timeout_s, start_timeout_s and reconcile_interval_s must be > 0")
+
+
+class Registrar(Protocol):
+    """Who routes to the replicas: told when one is ready, is about to drain, and is gone."""
+
+    async def ready(self, replica: Replica) -> None: ...
+    def draining(self, replica: Replica) -> None: ...
+    async def removed(self, replica: Replica) -> None: ...
+
+
+class Controller:
+    def __init__(self, cfg: ControllerConfig, registrar: Registrar | None = None,
+                 on_change: Callable[[], None] | None = None, credentials: Credentials | None = None) -> None:
+        """``on_change`` is called after every replica started, failed to start, or was removed. ``credentials``:
+        the cluster token (and TLS files) for the workers' RPCs; default: this process's cluster token."""
+        self.cfg = cfg
+        self.credentials = credentials if credentials is not None else Credentials.for_cluster()
+        self.registrar = registrar
+        self.on_change = on_change
+        self.desired = {"prefill": cfg.prefill, "decode": cfg.decode}
+        self.replicas: dict[str, Replica] = {}
+        self.removed: collections.deque[Replica] = collections.deque(maxlen=256)  # most recent last
+        self.changed = asyncio.Event()  # set on every state change (waiters re-check)
+        self._wake = asyncio.Event()
+        self._stubs: dict[str, tuple[grpc.aio.Channel, wpb_grpc.WorkerStub]] = {}
+        self._registered: set[str] = set()
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # replica id -> its start or drain task
+        self._failures = dict.fromkeys(TIERS, 0)  # consecutive failed starts or deaths, per tier
+        self._next_start = dict.fromkeys(TIERS, 0.0)  # back-off: no new replica of the tier before this time
+        self._loop_task: asyncio.Task[None] | None = None
+
+    # ---- API -------------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._run(), name="tandem-controller")
+
+    def set_replicas(self, tier: str, n: int) -> None:
+        """Desired replicas of ``tier``; ValueError for an unknown tier or a count out of range."""
+        check_tier(tier)
+        if not 0 <= n <= self.cfg.max_replicas:
+            raise ValueError(f"replicas must be in [0, {self.cfg.max_replicas}], got {n}")
+        self.desired[tier] = n
+        self._wake.set()
+
+    def drain(self, replica_id: str) -> Replica:
+        """Drain one active replica and lower its tier's desired count by one; KeyError if there is none."""
+        r = self.replicas.get(replica_id)
+        if r is None or not r.active:
+            raise KeyError(f"no starting or ready replica {replica_id!r}")
+        self.desired[r.tier] = max(0, self.desired[r.tier] - 1)
+        self._begin_drain(r)
+        return r
+
+    def of_tier(self, tier: str) -> list[Replica]:
+        return sorted((r for r in self.replicas.values() if r.tier == tier), key=lambda r: r.created)
+
+    def converged(self) -> bool:
+        """Every tier has exactly its desired replicas READY and none starting, draining or failed."""
+        return all(len(self.of_tier(t)) == self.desired[t] and all(r.state == ReplicaState.READY
+                                                                      for r in self.of_tier(t)) for t in TIERS)
+
+    async def wait_converged(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.converged():
+            self.changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                states = {t: [(r.replica_id, r.state.name) for r in self.of_tier(t)] for t in TIERS}
+                raise TimeoutError(f"replicas not converged to {self.desired} within {timeout_s}s: {states}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), min(left, 1.0))
+
+    async def register_ready(self) -> None:
+        """Register every READY replica not yet registered (a registrar set after they started)."""
+        for r in list(self.replicas.values()):
+            if r.state == ReplicaState.READY and r.replica_id not in self._registered and self.registrar:
+                await self.registrar.ready(r)
+                self._registered.add(r.replica_id)
+
+    async def close(self) -> None:
+        """Stop every replica now (no drain: the whole deployment is going away)."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(self._stop(r) for r in list(self.replicas.values())), return_exceptions=True)
+
+    # ---- the reconcile loop ----------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._reconcile()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reconcile failed; retrying")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.cfg.reconcile_interval_s)
+
+    async def _reconcile(self) -> None:
+        await self._probe()
+        for r in [r for r in self.replicas.values() if r.state == ReplicaState.FAILED and r.replica_id not in
+                  self._tasks]:
+            self._spawn(r, self._remove(r))
+        now = time.monotonic()
+        for tier in TIERS:
+            active = [r for r in self.of_tier(tier) if r.active]
+            surplus = len(active) - self.desired[tier]
+            if surplus > 0:
+                # STARTING first (nothing runs there; it may be a group Ray cannot place), then least in flight
+                for r in sorted(active, key=lambda r: (r.state == ReplicaState.READY, r.in_flight))[:surplus]:
+                    self._begin_drain(r)
+            elif surplus < 0 and now >= self._next_start[tier]:
+                for _ in range(-surplus):
+                    self._begin_start(tier)
+
+    async def _probe(self) -> None:
+        """READY replicas only: a draining one is polled by its drain task, a starting one by its start task."""
+        await asyncio.gather(*(self._probe_one(r) for r in self.replicas.values() if r.state == ReplicaState.READY))
+
+    async def _probe_one(self, r: Replica) -> None:
+        load = await self._load(r)
+        if load is not None:
+            r.load = load
+        try:
+            alive = await _ray(r.actor.alive.remote(), 10.0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the actor died (or its node did)
+            log.warning("replica %s: actor unreachable (%s)", r.replica_id, e)
+            alive = False
+        if not alive and r.state == ReplicaState.READY:
+            log.warning("replica %s (%s at %s) died; replacing it", r.replica_id, r.tier, r.address)
+            self._fail(r)
+
+    def _fail(self, r: Replica) -> None:
+        r.state = ReplicaState.FAILED
+        self._failures[r.tier] += 1
+        self._next_start[r.tier] = time.monotonic() + min(30.0, 0.5 * 2 ** (self._failures[r.tier] - 1))
+        self.changed.set()
+        self._wake.set()
+
+    def _spawn(self, r: Replica, coro: Any) -> None:
+        task = asyncio.create_task(coro, name=f"tandem-replica-{r.replica_id}")
+        self._tasks[r.replica_id] = task
+        rid = r.replica_id
+        task.add_done_callback(lambda t: self._done(rid, t))
+
+    def _done(self, replica_id: str, task: asyncio.Task[None]) -> None:
+        if self._tasks.get(replica_id) is task:
+            del self._tasks[replica_id]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("replica %s task failed: %r", replica_id, task.exception())
+        if self.on_change is not None:
+            self.on_change()
+        self.changed.set()
+        self._wake.set()
+
+    # ---- scale up --------------------------------------------------------------------------------------------
+
+    def _begin_start(self, tier: str) -> None:
+        r = Replica(f"{tier}-{uuid.uuid4().hex[:8]}", tier, self.cfg.ranks, restarts=self._failures[tier])
+        self.replicas[r.replica_id] = r
+        self._spawn(r, self._start(r))
+        self.changed.set()
+
+    async def _start(self, r: Replica) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from controlplane.replica import ReplicaSpec, WorkerReplica
+
+        spec = ReplicaSpec(r.tier, self.cfg.model,
+                           self.cfg.kv_backend, self.cfg.cpus_per_replica, self._flags(), self.cfg.worker_host)
+        try:
+            r.placement_group = placement_group([{"CPU": self.cfg.cpus_per_replica}] * r.ranks, strategy="PACK",
+                                                name=f"tandem-{r.replica_id}")
+            await _ray(r.placement_group.ready(), None)  # unbounded: a pending group waits for capacity
+            # @ray.remote made WorkerReplica an ActorClass (mypy keeps a decorated class's own type)
+            actor_cls = cast("ActorClass[WorkerReplica]", WorkerReplica)
+            r.actor = actor_cls.options(num_cpus=self.cfg.cpus_per_replica, scheduling_strategy=(
+                PlacementGroupSchedulingStrategy(placement_group=r.placement_group,
+                                                 placement_group_bundle_index=0))).remote(spec)
+            deadline = time.monotonic() + self.cfg.start_timeout_s
+            r.address = await _ray(r.actor.start.remote(), self.cfg.start_timeout_s)
+            r.pid = await _ray(r.actor.pid.remote(), 30.0)
+            await self._wait_serving(r, deadline)
+            if self.cfg.redis:
+                from controlplane.registry import wait_registered
+
+                await wait_registered(self.cfg.redis, r.address, deadline - time.monotonic())
+            if self.registrar is not None:
+                await self.registrar.ready(r)
+                self._registered.add(r.replica_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.error("replica %s failed to start: %s", r.replica_id, e)
+            self._fail(r)
+            return
+        r.state = ReplicaState.READY
+        self._failures[r.tier] = 0
+        log.info("replica %s (%s) ready at %s", r.replica_id, r.tier, r.address)
+
+    def _flags(self) -> tuple[str, ...]:
+        flags = self.cfg.worker_flags
+        if self.cfg.redis and "--redis" not in flags:
+            flags = (*flags, "--redis", self.cfg.redis)
+        return flags
+
+    async def _wait_serving(self, r: Replica, deadline: float) -> None:
+        _, stub = self._stub(r)
+        while True:
+            try:
+                h = await stub.Health(wpb.HealthRequest(), timeout=2.0)
+                if h.status == "SERVING":
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {r.address} not serving within {self.cfg.start_timeout_s}s")
+            await asyncio.sleep(0.1)
+
+    # ---- scale down ------------------------------------------------------------------------------------------
+
+    def _begin_drain(self, r: Replica) -> None:
+        was_ready = r.state == ReplicaState.READY
+        r.state = ReplicaState.DRAINING
+        r.draining_since = time.monotonic()
+        start = self._tasks.pop(r.replica_id, None)
+        if start is not None:  # still starting: stop that first
+            start.cancel()
+        if was_ready and self.registrar is not None and r.replica_id in self._registered:
+            self.registrar.draining(r)  # the router stops choosing it before the worker starts refusing
+        self._spawn(r, self._drain(r, start))
+        self.changed.set()
+
+    async def _drain(self, r: Replica, start: asyncio.Task[None] | None) -> None:
+        if start is not None:
+            await asyncio.gather(start, return_exceptions=True)
+        if r.address:
+            _, stub = self._stub(r)
+            try:
+                await stub.Drain(wpb.DrainRequest(), timeout=5.0)
+                r.drain_acked = True
+            except grpc.aio.AioRpcError as e:  # still waited for below: the router has stopped sending it work
+                log.warning("replica %s: Drain refused (%s: %s)", r.replica_id, e.code().name, e.details())
+            deadline = r.draining_since + self.cfg.drain_timeout_s if r.draining_since else 0.0
+            while True:
+                load = await self._load(r)
+                if load is None:  # no answer: the worker is gone, nothing left to wait for
+                    break
+                r.load = r.final_load = load
+                if in_flight(load) == 0 and load.held_blocks == 0:
+                    break
+                if time.monotonic() > deadline:
+                    log.warning("replica %s: drain timed out after %.0fs with %d in flight", r.replica_id,
+                                self.cfg.drain_timeout_s, in_flight(load))
+                    break
+                await asyncio.sleep(0.1)
+            if r.final_load is not None and not holds_nothing(r.final_load):
+                log.warning("replica %s leaves with blocks held: %s", r.replica_id, r.final_load)
+        if r.draining_since is not None:
+            r.drain_seconds = time.monotonic() - r.draining_since
+        await self._remove(r)
+
+    async def _remove(self, r: Replica) -> None:
+        """Unregister ``r``, stop its worker and actor, remove its placement group and forget it."""
+        if r.replica_id in self._registered and self.registrar is not None:
+            with contextlib.suppress(Exception):
+                await self.registrar.removed(r)
+        self._registered.discard(r.replica_id)
+        await self._stop(r)
+        self.replicas.pop(r.replica_id, None)
+        r.removed_at = time.monotonic()
+        self.removed.append(r)
+        log.info("replica %s (%s) removed", r.replica_id, r.tier)
+
+    async def _stop(self, r: Replica) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if r.actor is not None:
+            with contextlib.suppress(Exception):
+                await _ray(r.actor.stop.remote(), 30.0)
+            with contextlib.suppress(Exception):
+                ray.kill(r.actor)
+        if r.placement_group is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(r.placement_group)
+        chan = self._stubs.pop(r.replica_id, None)
+        if chan is not None:
+            await chan[0].close()
+
+    # ---- worker RPCs -----------------------------------------------------------------------------------------
+
+    def _stub(self, r: Replica) -> tuple[grpc.aio.Channel, wpb_grpc.WorkerStub]:
+        got = self._stubs.get(r.replica_id)
+        if got is None:
+            channel = aio_channel(r.address, self.credentials, ())
+            got = self._stubs[r.replica_id] = (channel, attach(wpb_grpc.WorkerStub(channel), self.credentials))
+        return got
+
+    async def _load(self, r: Replica) -> wpb.LoadResponse | None:
+        if not r.address:
+            return None
+        try:
+            return await self._stub(r)[1].Load(wpb.LoadRequest(), timeout=5.0)
+        except grpc.aio.AioRpcError:
+            return None
+
+
+def check_tier(tier: str) -> None:
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r} (choose from {', '.join(TIERS)})")
+
+
+async def _ray(ref: Any, timeout_s: float | None) -> Any:
+    """Await a Ray ObjectRef from asyncio, bounded by ``timeout_s`` (None: unbounded)."""
+    fut = asyncio.wrap_future(ref.future())
+    return await (fut if timeout_s is None else asyncio.wait_for(fut, timeout_s))

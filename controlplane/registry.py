@@ -1,0 +1,32 @@
+"""Whether a worker is registered in the Redis registry: the lease its worker writes (worker/redis_bus.py,
+``tandem:<model>:worker:<id>`` holding its address). A replica of a controller given a Redis URL is READY only
+once routers, which discover workers there, can see it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import redis.asyncio as aioredis
+
+
+async def registered(client: aioredis.Redis, address: str) -> bool:
+    async for key in client.scan_iter(match="tandem:*:worker:*", count=500):
+        raw = await client.get(key)
+        if raw and json.loads(raw).get("address") == address:
+            return True
+    return False
+
+
+async def wait_registered(url: str, address: str, timeout_s: float) -> None:
+    """Return once a lease for ``address`` is in the registry at ``url``; TimeoutError after ``timeout_s``."""
+    client = aioredis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not await registered(client, address):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {address} not registered in {url} within {timeout_s:.0f}s")
+            await asyncio.sleep(0.2)
+    finally:
+        await client.aclose()

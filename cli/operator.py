@@ -27,6 +27,7 @@ def add_operator_args(p: argparse.ArgumentParser) -> None:
                           "(default {name}-head-svc.{namespace}.svc:9400)")
     run.add_argument("--status-interval", type=float, default=None, help="seconds between status refreshes")
     run.add_argument("--liveness", default=None, help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    run.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     render = sub.add_parser("render", help="print the manifests the operator would apply for a TandemDeployment")
     render.add_argument("-f", "--file", required=True, help="YAML with one or more TandemDeployments ('-': stdin)")
     render.add_argument("--namespace", default=None,
@@ -79,6 +80,10 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port)
     asyncio.run(kopf.operator(registry=build_registry(cfg), standalone=True, clusterwide=not args.namespace,
                               namespaces=args.namespace, liveness_endpoint=args.liveness))
     return 0

@@ -20,6 +20,7 @@ controller that restarted and forgot).
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Any, cast
 import kopf
 from kubernetes_asyncio.client import ApiException
 
+from operators import metrics
 from operators.apply import Outcome, apply
 from operators.config import OperatorConfig
 from operators.control import ControlClients, ControlError
@@ -58,6 +60,11 @@ class Runtime:
     kube: Kube
     control: ControlClients
     forwarded: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (ns, td, tier) -> last SetReplicas
+    invalid: dict[tuple[str, str], str] = field(default_factory=dict)  # (ns, td) -> the spec error reported
+    locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)  # one reconcile at a time per td
+
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self.locks.setdefault((namespace, name), asyncio.Lock())
 
 
 def _now() -> str:
@@ -81,27 +88,46 @@ def _set_conditions(body: kopf.Body, patch: kopf.Patch, conditions: list[dict[st
 
 async def reconcile(cfg: OperatorConfig, rt: Runtime, body: kopf.Body, namespace: str, patch: kopf.Patch,
                     logger: logging.Logger | logging.LoggerAdapter[Any]) -> DeploymentSpec | None:
-    """Apply every owned object; None (and Degraded, and an Event) for a spec that cannot be reconciled."""
+    """Apply every owned object; None (and Degraded, and an Event) for a spec that cannot be reconciled.
+
+    The create/update handler, the timer and the owned-object watch may fire together: one reconcile runs at a
+    time per TandemDeployment, and a spec error is reported (condition and Event) once per distinct message."""
+    async with rt.lock(namespace, body.get("metadata", {}).get("name", "")):
+        return await _reconcile(cfg, rt, body, namespace, patch, logger)
+
+
+async def _reconcile(cfg: OperatorConfig, rt: Runtime, body: kopf.Body, namespace: str, patch: kopf.Patch,
+                     logger: logging.Logger | logging.LoggerAdapter[Any]) -> DeploymentSpec | None:
+    key = (namespace, body.get("metadata", {}).get("name", ""))
     try:
         monitoring = await rt.kube.has_group(MONITORING_GROUP)
         objs = render(dict(body), namespace, monitoring=monitoring)
     except SpecError as e:
+        metrics.RECONCILES.labels("invalid_spec").inc()
+        if rt.invalid.get(key) == str(e):
+            return None  # reported already; the patch of its condition may not be visible in ``body`` yet
+        rt.invalid[key] = str(e)
         if _set_conditions(body, patch, invalid_spec_conditions(str(e))):
             patch.status["observedGeneration"] = body.get("metadata", {}).get("generation")
             kopf.warn(body, reason="InvalidSpec", message=str(e))
             logger.warning("invalid spec: %s", e)
         return None
     except ApiException as e:
+        metrics.RECONCILES.labels("error").inc()
         raise kopf.TemporaryError(f"API discovery failed: {e.status} {e.reason}", delay=cfg.retry_delay_s) from e
+    rt.invalid.pop(key, None)
     changed = []
     for obj in objs:
         try:
             outcome = await apply(rt.kube, obj)
         except ApiException as e:
+            metrics.RECONCILES.labels("error").inc()
             raise kopf.TemporaryError(f"{obj['kind']} {obj['metadata']['name']}: {e.status} {e.reason}",
                                       delay=cfg.retry_delay_s) from e
         if outcome is not Outcome.UNCHANGED:
+            metrics.WRITES.labels(obj["kind"], outcome.value).inc()
             changed.append(f"{obj['kind']}/{obj['metadata']['name']} {outcome.value}")
+    metrics.RECONCILES.labels("changed" if changed else "unchanged").inc()
     if changed:
         logger.info("reconciled: %s", ", ".join(changed))
     return parse(dict(body))
@@ -109,7 +135,12 @@ async def reconcile(cfg: OperatorConfig, rt: Runtime, body: kopf.Body, namespace
 
 async def _forward(cfg: OperatorConfig, rt: Runtime, namespace: str, td: str, tier: str, replicas: int) -> None:
     address = cfg.control_address_for(td, namespace)
-    await rt.control.set_replicas(address, tier, replicas)
+    try:
+        await rt.control.set_replicas(address, tier, replicas)
+    except ControlError:
+        metrics.SET_REPLICAS.labels(tier, "error").inc()
+        raise
+    metrics.SET_REPLICAS.labels(tier, "ok").inc()
     rt.forwarded[(namespace, td, tier)] = replicas
 
 
@@ -137,6 +168,7 @@ async def observe(cfg: OperatorConfig, rt: Runtime, body: kopf.Body, namespace: 
     status = deployment_status(spec, body.get("metadata", {}).get("generation"), desired, control, control_error,
                                router)
     conditions = status.pop("conditions")
+    metrics.observe_tiers(namespace, spec.name, status["tiers"])
     current = dict(body.get("status") or {})
     for key, value in status.items():
         if current.get(key) != value:

@@ -24,6 +24,7 @@ import kmock
 import kopf
 import pytest
 import yaml
+from prometheus_client import REGISTRY
 
 from operators.config import OperatorConfig
 from operators.handlers import build_registry
@@ -257,6 +258,10 @@ def test_create_makes_every_object_owned_by_the_deployment_and_reports_status() 
             assert tt == 1
             assert c.obj("tandemtiers", "llama-decode")["status"]["selector"] == (  # type: ignore[index]
                 "tandem.dev/deployment=llama,tandem.dev/tier=decode")
+            labels = {"namespace": NAMESPACE, "deployment": "llama", "tier": "prefill", "state": "ready"}
+            assert REGISTRY.get_sample_value("tandem_operator_tier_replicas", labels) == 2
+            assert (REGISTRY.get_sample_value("tandem_operator_object_writes_total",
+                                              {"kind": "RayCluster", "outcome": "created"}) or 0) >= 1
     _run(scenario())
 
 
@@ -327,6 +332,7 @@ def test_bad_spec_sets_degraded_with_an_event_and_no_retry_loop() -> None:
             events = await until(lambda: [e for e in c.events() if e.get("reason") == "InvalidSpec"],
                                  what="an InvalidSpec Event")
             assert events[0]["type"] == "Warning" and "exclusive" in events[0]["message"]
+            await c.ticks(3)
             writes = len(c.writes())
             await c.ticks(5)
             assert len(c.writes()) == writes, "the operator kept writing for an unchanged bad spec"

@@ -172,3 +172,11 @@ def test_the_operator_never_imports_torch_or_ray() -> None:
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_operator_run_flags_parse_as_the_chart_passes_them() -> None:
+    from cli.main import build_parser
+
+    args = build_parser().parse_args(["operator", "run", "--namespace=a", "--namespace=b",
+                                      "--liveness=http://0.0.0.0:8080/healthz", "--metrics-port=9100"])
+    assert (args.namespace, args.metrics_port, args.liveness) == (["a", "b"], 9100, "http://0.0.0.0:8080/healthz")

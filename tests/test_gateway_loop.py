@@ -32,7 +32,8 @@ def worker(checkpoint: Callable[[str], Path]) -> Iterator[WorkerProcess]:
 
 def _probe_while(url: str, model: str, busy: threading.Thread) -> tuple[list[float], list[float]]:
     """While ``busy`` runs: ``/health`` round trips and a short stream's whole answers, in seconds."""
-    health, streams = [], []
+    health: list[float] = []
+    streams: list[float] = []
     body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0, "stream": True}
     with httpx.Client(base_url=url, timeout=30) as client:
         client.get("/health")  # the connection is open before the clock starts

@@ -145,6 +145,9 @@ def test_a_tandem_tier_scaled_by_hand_keeps_its_replicas_until_the_deployment_ch
     changed = next(o for o in render(_td(decode={"scaling": {"min": 2, "max": 4}}), "ns")
                    if o["metadata"]["name"] == "llama-decode")
     assert owned_view(changed, live)["spec"]["replicas"] == 2
+    narrowed = next(o for o in render(_td(decode={"scaling": {"min": 1, "max": 2}}), "ns")
+                    if o["metadata"]["name"] == "llama-decode")
+    assert owned_view(narrowed, live)["spec"]["replicas"] == 2  # 3 is outside the new [1, 2]
 
 
 def test_ranks_are_tp_times_pp_or_ep() -> None:

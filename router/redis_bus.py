@@ -5,18 +5,27 @@ the same order and hold the same index: a request that hits the cache through on
 Per worker, sequence numbers must increase by one; an entry at or below the last applied one is a duplicate
 (skipped), one further ahead is a gap (events were trimmed or lost), which triggers a resync of that worker from
 its gRPC ``Snapshot``.
+
+Discovery trusts only signed entries: each must carry a valid HMAC under the cluster token (auth/signing.py); an
+unsigned or forged one is ignored and logged (once per distinct entry). Redis is a directory, not the judge of
+liveness: a worker whose entry is missing but that still answers its probes (``Worker.answering``) is kept, so a
+Redis that restarts empty, or an entry lost to a network blip, never closes a healthy worker's channels under its
+in-flight requests; its worker writes the entry again on its next heartbeat. A worker is removed once its entry is
+gone and it has stopped answering too. After an outage the KV stream resumes with a sequence gap per worker
+(events published meanwhile were lost), which resyncs that worker from its ``Snapshot``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, cast
 
 import redis.asyncio as aioredis
 
+from auth.signing import BadSignature, verify
+from auth.tls import TLSFiles, redis_tls_kwargs
 from router.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -41,8 +50,14 @@ class EventSink(Protocol):
 class RedisBus:
     def __init__(self, url: str, model_key: str, index: EventSink, pool: WorkerPool,
                  resync: Callable[[str], Awaitable[int | None]] | None = None, discover_interval_s: float = 0.5,
-                 ) -> None:
-        self.client = aioredis.Redis.from_url(url, socket_timeout=5.0)
+                 token: str | None = None, tls: TLSFiles | None = None) -> None:
+        """``token``: the cluster token that worker entries must be signed with (without one, every entry is
+        ignored); ``tls``: the certificate and CA for a ``rediss://`` URL. Both default to the pool's."""
+        tls = tls if tls is not None else pool.credentials.tls
+        self.client = aioredis.Redis.from_url(url, socket_timeout=5.0,
+                                              **redis_tls_kwargs(url, tls))  # type: ignore[arg-type]
+        self.token = token if token is not None else pool.credentials.token
+        self.refused: dict[bytes | str, str] = {}  # entries ignored (raw value -> why), each logged once
         self.prefix = _prefix(model_key)
         self.index = index
         self.pool = pool
@@ -64,13 +79,32 @@ class RedisBus:
         await self.client.aclose()
 
     async def ads(self) -> dict[str, dict[str, object]]:
-        out = {}
+        """The signed worker entries, by address."""
+        out: dict[str, dict[str, object]] = {}
         async for key in self.client.scan_iter(match=f"{self.prefix}:worker:*", count=500):
             raw = await self.client.get(key)
             if raw:
-                ad = json.loads(raw)
-                out[str(ad["address"])] = ad
+                ad = self._verified(key, raw)
+                if ad is not None:
+                    out[str(ad["address"])] = ad
         return out
+
+    def _verified(self, key: bytes | str, raw: bytes | str) -> dict[str, object] | None:
+        try:
+            if self.token is None:
+                raise BadSignature("this router holds no cluster token to check it with")
+            ad = verify(raw, self.token)
+            if not isinstance(ad.get("address"), str):
+                raise BadSignature("no address")
+            return ad
+        except BadSignature as e:
+            if raw not in self.refused:
+                if len(self.refused) > 1024:
+                    self.refused.clear()
+                self.refused[raw] = str(e)
+                name = key.decode(errors="replace") if isinstance(key, bytes) else key
+                log.warning("ignoring registry entry %s: %s", name, e)
+            return None
 
     async def discover(self) -> None:
         """Add workers with a live lease; drop those whose lease expired; mirror the draining flag."""
@@ -78,10 +112,10 @@ class RedisBus:
         for address, ad in ads.items():
             w = self.pool.workers.get(address) or self.pool.add(address)
             w.draining = bool(ad.get("draining"))
-        for address in list(self.pool.workers):
-            if address not in ads:
-                log.info("worker %s lease expired; removing it", address)
-                self.last_seq.pop(self.pool.workers[address].worker_id, None)
+        for address, w in list(self.pool.workers.items()):
+            if address not in ads and not w.answering:
+                log.info("worker %s: lease expired and it answers no probe; removing it", address)
+                self.last_seq.pop(w.worker_id, None)
                 await self.pool.remove(address)
 
     async def _discover_loop(self) -> None:

@@ -23,7 +23,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from auth.credentials import add_args as add_credential_args
+
 if TYPE_CHECKING:
+    from auth.tls import TLSFiles
     from engine.llm_engine import LLMEngine
     from kvtransfer.config import TransferConfig
     from kvtransfer.layout import KVLayout
@@ -58,6 +61,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "they copy every landing byte, and on the engine's cores that time comes out of decode's steps")
     p.add_argument("--redis", default=None, help="redis://host:port: register a lease and publish KV events")
     p.add_argument("--lease-seconds", type=float, default=3.0)
+    add_credential_args(p)  # --auth-token-file, --tls-cert/--tls-key/--tls-ca (auth/credentials.py)
     p.add_argument("--stream-stall-timeout", type=_positive, default=60.0, metavar="S",
                    help="a request whose client reads nothing (its stream paused: backpressure) fails after S s")
     p.add_argument("--max-unsent-tokens", type=int, default=256, metavar="N",
@@ -85,15 +89,22 @@ def kv_layout_for(engine: LLMEngine) -> KVLayout:
                     block_size=engine.block_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
 
 
-def transfer_config(args: argparse.Namespace) -> TransferConfig:
+def transfer_config(args: argparse.Namespace, tls: TLSFiles | None = None) -> TransferConfig:
+    """The KV transport's config: ``--kv-io-cpus``, and mutual TLS from ``tls`` (the tcp backend's connections;
+    NIXL/UCX and torch.distributed carry KV on transports of their own, outside Tandem's TLS)."""
     from kvtransfer.config import TransferConfig
     from kvtransfer.io_cpus import check_cpus, parse_cpu_list
 
-    if args.kv_io_cpus is None:
-        return TransferConfig()
-    cpus = parse_cpu_list(args.kv_io_cpus)
-    check_cpus(cpus)
-    return TransferConfig(io_cpus=cpus)
+    cpus: tuple[int, ...] = ()
+    if args.kv_io_cpus is not None:
+        cpus = parse_cpu_list(args.kv_io_cpus)
+        check_cpus(cpus)
+    if tls is None:
+        return TransferConfig(io_cpus=cpus)
+    from auth.tls import client_context, server_context
+
+    return TransferConfig(io_cpus=cpus, tls_server=server_context(tls), tls_client=client_context(tls),
+                          tls_server_name=tls.server_name)
 
 
 def model_key(engine: LLMEngine) -> str:
@@ -138,6 +149,8 @@ def build_service(args: argparse.Namespace, transfer: TransferConfig | None = No
 
 
 def serve(args: argparse.Namespace) -> int:
+    from auth.credentials import from_args
+    from auth.grpc_server import AioAdminGuard, add_port
     from worker.aio_server import AioServerThread
     from worker.aio_service import AioWorker
 
@@ -145,10 +158,21 @@ def serve(args: argparse.Namespace) -> int:
                         stream=sys.stderr)
     t0 = time.monotonic()
     try:
-        transfer = transfer_config(args)  # a bad flag fails here, before the model loads
+        creds = from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        transfer = transfer_config(args, creds.tls)  # a bad flag fails here, before the model loads
     except ValueError as e:
         print(f"error: --kv-io-cpus: {e}", file=sys.stderr)
         return 2
+    if creds.tls is not None and args.kv_backend != "tcp":
+        log.warning("--kv-backend %s moves KV on its own transport, outside Tandem's TLS (only tcp's connections are "
+                    "mutual TLS)", args.kv_backend)
+    if creds.token is None:
+        log.warning("no cluster token (--auth-token-file or $TANDEM_CLUSTER_TOKEN): Drain, Snapshot, Abort and "
+                    "KVEvents are refused to every caller%s", ", and Redis entries go unsigned" if args.redis else "")
     if args.max_unsent_tokens < 1:
         print(f"error: --max-unsent-tokens must be >= 1, not {args.max_unsent_tokens}", file=sys.stderr)
         return 2
@@ -156,23 +180,27 @@ def serve(args: argparse.Namespace) -> int:
     service.start()
     # grpc.aio (worker/aio_service.py): a stream holds no thread, and Health never waits behind streams.
     server = AioServerThread(AioWorker(service, args.max_unsent_tokens),
-                             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
-    port = server.bind(lambda s: s.add_insecure_port(f"{args.host}:{args.port}"))
+                             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
+                             interceptors=[AioAdminGuard(creds.token)])
+    port = server.bind(lambda s: add_port(s, f"{args.host}:{args.port}", creds))
     if port == 0:
         print(f"error: could not bind {args.host}:{args.port}", file=sys.stderr)
         return 2
     server.start()
     listener = None
     if args.session_port >= 0:
+        from auth.tls import server_context
         from worker.session import SessionListener
 
-        listener = SessionListener(service, args.host, args.session_port)
+        tls = None if creds.tls is None else server_context(creds.tls)
+        listener = SessionListener(service, args.host, args.session_port, tls=tls)
         service.session_port = listener.port
     if args.redis:
         from worker.redis_bus import RedisPublisher, WorkerAd
 
         ad = WorkerAd(service.worker_id, f"{args.host}:{port}", service.role, service.compat_hash)
-        service.publisher = RedisPublisher(args.redis, model_key(service.engine), ad, args.lease_seconds)
+        service.publisher = RedisPublisher(args.redis, model_key(service.engine), ad, args.lease_seconds,
+                                           token=creds.token, tls=creds.tls)
         service.publisher.start()
     log.info("%s worker %s ready on %s:%d in %.1fs", args.role, service.worker_id, args.host, port,
              time.monotonic() - t0)

@@ -1,7 +1,7 @@
 """``tandem operator run`` (the kopf operator) and ``tandem operator render -f td.yaml`` (what it would apply).
 
 ``render`` goes through the same ``operators.render.render`` as the reconcile, so what it prints is what the
-operator creates; ownerReferences carry no uid, which the API server assigns to the TandemDeployment on create.
+operator creates, less the ownerReferences: they need the TandemDeployment's uid, which the API server assigns.
 Exit codes: 0 success, 2 bad input (unreadable file, no TandemDeployment in it, an invalid spec).
 """
 

@@ -7,8 +7,8 @@ Order: TandemTiers, the RayCluster, Redis, the router and its Services (and Serv
 the reconcile passes whether the monitoring.coreos.com API exists), disruption budgets, network policies.
 
 Each object carries an ownerReference to the TandemDeployment (``kopf.adopt``: controller, blockOwnerDeletion),
-so deleting the TandemDeployment garbage-collects everything. A TandemDeployment read from a file has no uid yet;
-its ownerReferences then carry none (the API server assigns it on create).
+so deleting the TandemDeployment garbage-collects everything. A TandemDeployment read from a file has no uid yet
+(the API server assigns it on create), so its objects come out without ownerReferences and otherwise identical.
 
 TandemTier ``spec.replicas`` belongs to whoever scales the tier (kubectl scale, an HPA, the planner). The
 annotation ``tandem.dev/deployment-replicas`` records the TandemDeployment's own count when it last wrote it; the
@@ -62,5 +62,8 @@ def render(td: dict[str, Any], namespace: str, monitoring: bool = False) -> list
     owner.setdefault("apiVersion", API_VERSION)
     owner.setdefault("kind", "TandemDeployment")
     owner.setdefault("metadata", {})["namespace"] = namespace
-    kopf.adopt(objs, owner=kopf.Body(cast(kopf.RawBody, owner)))
+    if owner["metadata"].get("uid"):
+        kopf.adopt(objs, owner=kopf.Body(cast(kopf.RawBody, owner)))
+    else:  # read from a file: nothing to own them yet, but the same labels
+        kopf.label(objs, labels=owner["metadata"].get("labels") or {})
     return objs

@@ -274,7 +274,7 @@ class Controller:
             if self.cfg.redis:
                 from controlplane.registry import wait_registered
 
-                await wait_registered(self.cfg.redis, r.address, deadline - time.monotonic())
+                await wait_registered(self.cfg.redis, r.address, deadline - time.monotonic(), self.credentials.token)
             if self.registrar is not None:
                 await self.registrar.ready(r)
                 self._registered.add(r.replica_id)

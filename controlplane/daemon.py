@@ -39,8 +39,8 @@ def _init_ray(address: str) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    if address == "local":
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    if address == "local":  # loopback only, as `tandem up`'s
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1")
     else:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
 

@@ -144,8 +144,9 @@ class Load:
             for n in range(max_each):
                 if self.stop.is_set() or time.monotonic() > self.deadline:
                     return
-                body = {"model": self.model, "prompt": [5 + i, 6 + n % 50, 7], "max_tokens": 8, "temperature": 0,
-                        "ignore_eos": True}
+                # every 4th request of client 0: an 80-token prompt, routed disaggregated (prefill, then decode)
+                prompt = [5 + i, 6 + n % 50, 7] if i or n % 4 else [40 + n % 50, *range(100, 179)]
+                body = {"model": self.model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
                 try:
                     r = c.post("/v1/completions", json=body)
                     good = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
@@ -229,7 +230,8 @@ def test_control_api_round_trip_and_refuses_bad_tiers_and_counts(harness: Harnes
 
 
 def test_scale_decode_1_3_1_under_load_drains_before_removing(harness: Harness) -> None:
-    """Decode 1 -> 3 -> 1 while three clients send requests through the router: none fails; after a replica is
+    """Decode 1 -> 3 -> 1 while three clients send requests (short ones colocated, long ones disaggregated)
+    through the router: none fails; after a replica is
     marked draining the router routes nothing to it (its dispatch log, and no retry anywhere: a draining worker
     refuses new work, so a request sent there would have been retried); the replica holding a long request in
     flight is removed only after that request finished, complete; no KV block is left in use, on the removed
@@ -245,7 +247,7 @@ def test_scale_decode_1_3_1_under_load_drains_before_removing(harness: Harness) 
         long.start()
         assert long.started.wait(60) and not long.error, long.error
         assert harness.dispatch_log, "no routing decision was logged"
-        (addr,) = {d for _, n, d, _ in harness.dispatch_log if n >= len(LONG_PROMPT)}  # the others have 3 tokens
+        (addr,) = {d for _, n, d, _ in harness.dispatch_log if n == len(LONG_PROMPT)}  # the others: 3 or 80
         busy = next(r for r in harness.tier("decode").replicas if r.address == addr)
 
         t1 = time.monotonic()
@@ -273,6 +275,7 @@ def test_scale_decode_1_3_1_under_load_drains_before_removing(harness: Harness) 
         assert not late, f"{len(late)} requests routed to {r.replica_id} after it was marked draining"
         assert r.drain_acked and r.final_load is not None and r.removed_at is not None
         assert in_flight(r.final_load) == 0 and r.final_load.used_blocks == 0 and r.final_load.held_blocks == 0
+    assert any(p for _, _, _, p in harness.dispatch_log), "no request was routed disaggregated"
     stats = harness.cluster.router.dispatcher.stats
     assert (stats.retries, stats.migrations) == (0, 0)
     held = next(r for r in removed if r.replica_id == busy.replica_id)

@@ -57,10 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(gen)
 
     up = sub.add_parser("up", help="start a local cluster (Ray, prefill + decode workers, router) serving OpenAI")
-    up.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in tiny model)")
+    up.add_argument("--model", default=None, help="HF checkpoint dir, or a Hugging Face id (org/name) in the local "
+                    "Hugging Face cache (default: the built-in tiny model)")
     up.add_argument("--prefill", type=int, default=None, help="prefill replicas (default 1)")
     up.add_argument("--decode", type=int, default=None, help="decode replicas (default 1)")
     up.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    up.add_argument("--host", default=None, help="address the HTTP and gRPC APIs listen on (default 127.0.0.1)")
+    up.add_argument("--served-model-name", default=None,
+                    help="the model's name in the API (default: the Hugging Face id, or the checkpoint dir's name)")
     up.add_argument("--grpc-port", type=int, default=None,
                     help="client gRPC API port (tandem.v1.Gateway; default: the HTTP port + 1; -1: not served)")
     up.add_argument("--redis", default=None, help="redis://... for the worker registry and KV events")
@@ -238,16 +242,19 @@ def _cmd_up(args: argparse.Namespace) -> int:
         if "worker_flags" in settings:
             settings["worker_flags"] = tuple(settings["worker_flags"])
     flags = {"model": args.model, "prefill": args.prefill, "decode": args.decode, "port": args.port,
-             "grpc_port": args.grpc_port, "redis": args.redis, "kv_backend": args.kv_backend}
+             "grpc_port": args.grpc_port, "redis": args.redis, "kv_backend": args.kv_backend, "host": args.host,
+             "served_model_name": args.served_model_name}
     settings.update({k: v for k, v in flags.items() if v is not None})
     try:
         cfg = UpConfig(**settings)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from controlplane.ports import PortInUseError
+
     try:
         rc = run_up(cfg)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, PortInUseError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # Every worker, actor and Ray itself was stopped explicitly; do not wait for interpreter shutdown to join the

@@ -53,6 +53,7 @@ class UpConfig:
     port: int = 8000
     grpc_port: int | None = None  # the client gRPC API (tandem.v1.Gateway); None: port + 1; negative: not served
     host: str = "127.0.0.1"
+    served_model_name: str | None = None  # None: the Hugging Face id given as the model, or the checkpoint's name
     redis: str | None = None
     # "auto" (worker.launcher.resolve_kv_backend) is nixl where installed; not the default here because creating the
     # two workers' NIXL agents adds ~1 s to start-up on 2 vCPUs (8.8-9.3 s -> 10.1-10.7 s, alternating), and a
@@ -105,12 +106,11 @@ def _say(msg: str) -> None:
 
 def resolve_model(model: str | None) -> Path:
     """The checkpoint directory to serve; raises FileNotFoundError for a --model that is not one."""
+    from engine.model_source import resolve_checkpoint
+
     if not model:
         return DEFAULT_MODEL_DIR
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path / 'config.json'} not found: --model must be an HF checkpoint directory")
-    return path
+    return resolve_checkpoint(model)  # a directory, or a Hugging Face id found in the local cache
 
 
 def ensure_model(model: str | None) -> Path:
@@ -168,7 +168,12 @@ class _Prepare(threading.Thread):
 
 
 def run_up(cfg: UpConfig) -> int:
-    resolve_model(cfg.model)  # a bad --model fails here, before Ray starts
+    resolve_model(cfg.model)  # a bad --model fails here, before Ray starts; and so does a busy port
+    from controlplane.ports import check_bindable
+
+    check_bindable(cfg.host, cfg.port, "the HTTP API")
+    if cfg.grpc_port is not None and cfg.grpc_port > 0:
+        check_bindable(cfg.host, cfg.grpc_port, "the gRPC API")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # The cluster's secret (auth/token.py), before Ray starts: its processes, so every worker, inherit it, and the
@@ -193,6 +198,13 @@ def run_up(cfg: UpConfig) -> int:
         with contextlib.suppress(FileNotFoundError):
             STATE_FILE.unlink()
         _say("stopped")
+
+
+def _hub_id(model: str | None) -> str | None:
+    """``model`` when it named a Hugging Face id (served under that name, as vLLM does), else None."""
+    from engine.model_source import looks_like_hub_id
+
+    return model if model and looks_like_hub_id(model) and not Path(model).expanduser().exists() else None
 
 
 def _flag_int(flags: tuple[str, ...], name: str, default: int) -> int:
@@ -236,6 +248,7 @@ class LocalCluster:
         addresses = tuple(r.address for r in controller.replicas.values())
         self.router = router = await build_router(RouterConfig(
             model=str(self.model), workers=addresses, redis=cfg.redis, min_uncached_tokens=cfg.min_uncached_tokens,
+            served_model_name=cfg.served_model_name or _hub_id(cfg.model),
             block_size=_flag_int(cfg.worker_flags, "--block-size", 16)))
         controller.registrar = RouterSync(router.pool)
         await controller.register_ready()  # any replaced while the router started

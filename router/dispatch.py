@@ -7,6 +7,8 @@ Per choice (``n`` > 1 fans out into independent choices):
    prefill worker is up, the request runs colocated there (``Generate``): a short or mostly cached prompt costs
    less to prefill in place than to ship. Otherwise the cheapest prefill worker computes it and streams the KV
    into the decode worker (Reserve → Prefill → Decode). Every decision carries its reason and cost breakdown.
+   Prefill's first token is yielded the moment ``Prefill`` returns, and decode's stream continues from the second
+   (``DecodeRequest.first_token_sent``): TTFT never waits on the KV transfer.
 2. **Retry**: a failure before the first token (worker down, overloaded, lease expired) excludes that worker and
    tries again on another, with bounded attempts and exponential backoff.
 3. **Migrate**: if the decode worker dies mid-stream, the prompt plus every token generated so far is resubmitted
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -58,8 +61,12 @@ class DisaggConfig:
     backoff_s: float = 0.05
     lease_ms: int = 30_000
     rpc_timeout_s: float = 300.0
+    # A streamed colocated request's tokens waiting for its client before the worker pauses it (router/session.py)
+    max_buffered_tokens: int = 256
 
     def __post_init__(self) -> None:
+        if self.max_buffered_tokens < 1:
+            raise ValueError(f"max_buffered_tokens must be >= 1, got {self.max_buffered_tokens}")
         if self.min_uncached_tokens < 0:
             raise ValueError(f"min_uncached_tokens must be >= 0, got {self.min_uncached_tokens}")
         if self.max_attempts < 1:
@@ -187,7 +194,7 @@ class Dispatcher:
                 assert session is not None
                 source = session.generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=full, params=cont,
                                                              min_chunk_tokens=min_chunk_tokens),
-                                          self.config.rpc_timeout_s)
+                                          self.config.rpc_timeout_s, self.config.max_buffered_tokens)
             else:
                 source = self._disaggregated_run(plan, rid, full, cont, min_chunk_tokens)
             try:
@@ -344,9 +351,10 @@ class Dispatcher:
             pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params,
                               destination=reserve.destination, lease_ms=lease), timeout=t))
         dreq = pb.DecodeRequest(request_id=rid, first_token_id=first.first_token_id,
-                                min_chunk_tokens=min_chunk_tokens)
+                                min_chunk_tokens=min_chunk_tokens, first_token_sent=True)
         if first.HasField("first_logprob"):
             dreq.first_logprob.CopyFrom(first.first_logprob)
+        yield first_chunk(first, len(prompt))  # at once: decode's stream starts only once the KV has landed
         async with contextlib.aclosing(_stream(plan.decode.stub.Decode(dreq, timeout=t), plan.decode,
                                                "Decode")) as chunks:
             prompt_logprobs = first.prompt_logprobs  # computed by prefill: they ride on the first chunk
@@ -357,6 +365,16 @@ class Dispatcher:
                     chunk.prompt_logprobs.extend(prompt_logprobs)
                     prompt_logprobs = []
                 yield chunk
+
+
+def first_chunk(first: pb.PrefillResponse, num_prompt_tokens: int) -> pb.TokenChunk:
+    """Prefill's first token as a request's first chunk (the decode stream then starts at the second)."""
+    chunk = pb.TokenChunk(token_ids=[first.first_token_id], text=first.first_text,
+                          num_cached_tokens=first.num_cached_tokens, num_prompt_tokens=num_prompt_tokens,
+                          prompt_logprobs=first.prompt_logprobs)
+    if first.HasField("first_logprob"):
+        chunk.logprobs.append(first.first_logprob)
+    return chunk
 
 
 def _header(d: Any) -> str:
@@ -395,6 +413,7 @@ async def _stream(call: Any, w: Worker, step: str) -> AsyncGenerator[pb.TokenChu
         with _on(w, step, call):
             async for chunk in call:
                 ended = bool(chunk.finish_reason)
+                w.last_traffic = time.monotonic()  # liveness from traffic (router/pool.py)
                 yield chunk
     finally:
         if not ended:

@@ -18,6 +18,7 @@ from auth.grpc_client import attach
 from auth.grpc_client import channel as auth_channel
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
+from router.dispatch import first_chunk
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED}
@@ -60,8 +61,9 @@ def _abort(client: WorkerClient, request_id: str) -> None:
 def disaggregated_generate(prefill: WorkerClient, decode: WorkerClient, request_id: str, prompt: list[int],
                            params: pb.SamplingParams, lease_ms: int = 30_000,
                            rpc_timeout_s: float = 120.0, min_chunk_tokens: int = 0) -> Iterator[pb.TokenChunk]:
-    """Yield the request's token chunks (the first carries the prefill-sampled token). ``min_chunk_tokens``: the
-    decode worker's output pacing (worker.proto), for a caller that only wants the whole answer."""
+    """Yield the request's token chunks: the first, yielded as soon as ``Prefill`` returns, is the prefill-sampled
+    token (TTFT never waits on the transfer); decode's stream follows from the second token. ``min_chunk_tokens``:
+    the decode worker's output pacing (worker.proto), for a caller that only wants the whole answer."""
     wire = params
     step = "Reserve"
     try:
@@ -74,9 +76,10 @@ def disaggregated_generate(prefill: WorkerClient, decode: WorkerClient, request_
                                      timeout=rpc_timeout_s)
         step = "Decode"
         dreq = pb.DecodeRequest(request_id=request_id, first_token_id=first.first_token_id,
-                                min_chunk_tokens=min_chunk_tokens)
+                                min_chunk_tokens=min_chunk_tokens, first_token_sent=True)
         if first.HasField("first_logprob"):
             dreq.first_logprob.CopyFrom(first.first_logprob)
+        yield first_chunk(first, len(prompt))
         for chunk in decode.stub.Decode(dreq, timeout=rpc_timeout_s):
             if not chunk.num_cached_tokens:
                 chunk.num_cached_tokens = first.num_cached_tokens

@@ -6,11 +6,13 @@ Workers come from static addresses (``tandem up``, config) or the Redis registry
 the stream breaks. A worker that fails health checks is marked down and gets no requests until it answers again;
 a draining worker is kept for in-flight work but gets nothing new.
 
-A worker that answers no probe (``Load`` or ``Health``) for ``dead_after_s`` is cut off: its session stream is
-broken and its in-flight gRPC calls (registered in ``Worker.calls`` by the dispatcher) are cancelled, so every
-request on it fails with ``UNAVAILABLE`` at once and is retried or migrated elsewhere, instead of waiting for the
-request's own deadline (minutes) on a host that crashed without closing its connections, a partitioned network or
-a stopped process. A worker that answers again is used again.
+A worker that answers no probe (``Load`` or ``Health``) and delivers nothing on its streams (its session, its
+``Decode`` calls) for ``dead_after_s`` is cut off; traffic counts as an answer, so a saturated worker whose probes
+are slow is busy, not dead (the worker answers ``Health`` off its engine loop, worker/aio_service.py). Cut off:
+its session stream is broken and its in-flight gRPC calls (registered in ``Worker.calls`` by the dispatcher) are
+cancelled, so every request on it fails with ``UNAVAILABLE`` at once and is retried or migrated elsewhere,
+instead of waiting for the request's own deadline (minutes) on a host that crashed without closing its
+connections, a partitioned network or a stopped process. A worker that answers again is used again.
 
 Every channel carries the pool's credentials (auth/): mutual TLS when the router holds TLS files, on the gRPC
 channel and the session port alike, and the cluster token on every call, which the workers' admin RPCs
@@ -65,6 +67,7 @@ class Worker:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     calls: set[Any] = field(default_factory=set)  # in-flight gRPC calls a cut-off cancels (router/dispatch.py)
     unanswered_since: float | None = None  # when the first probe that got no answer was sent
+    last_traffic: float = 0.0  # monotonic time a Decode stream last delivered from it (router/dispatch.py)
     cut_off: bool = False  # silent for dead_after_s: everything on it was failed over
     cutoffs: int = 0  # times it was cut off (tandem_router_worker_cutoffs_total)
 
@@ -232,7 +235,10 @@ class WorkerPool:
     def _unanswered(self, w: Worker, sent: float) -> None:
         if w.unanswered_since is None:
             w.unanswered_since = sent
-        silent = time.monotonic() - w.unanswered_since
+        # Traffic is an answer too: a worker whose streams deliver tokens is busy, not dead, even when its probes
+        # time out (its host is saturated), so silence counts from the later of the two.
+        traffic = max(w.last_traffic, w.session.last_received if w.session is not None else 0.0)
+        silent = time.monotonic() - max(w.unanswered_since, traffic)
         if not w.cut_off and silent >= self.dead_after_s:
             self.cut_off(w, f"worker {w.worker_id or w.address} answered no probe for {silent:.1f}s")
 

@@ -15,6 +15,13 @@ then every request on it fails with ``UNAVAILABLE`` and the next request opens a
 early (its consumer closed the generator: client gone, deadline) is aborted through the session. The worker
 aborts whatever is still running when the stream ends, so a router that crashes leaks no blocks.
 
+Backpressure: a request read by ``generate`` whose consumer is slower than the worker (a client reading its SSE
+stream slowly) has at most ``max_buffered_tokens`` waiting here. Past that bound the session sends ``pause`` for
+it and the worker stops generating it (``worker/parking.py``: the request keeps its blocks); once the consumer has
+taken the buffer down to half, ``resume``. So neither the router's memory nor the worker's work for a slow reader
+grows with its ``max_tokens``; a request paused past the worker's stall timeout fails with a clear error. The
+session's own stream is never paused: one slow reader does not hold back the other requests on it.
+
 Two transports carry the same messages. The gRPC ``Session`` call is always there; when a worker's health answer
 names a ``session_port``, new streams open a plain TCP connection to it instead, with length-prefixed frames
 (``proto/framing.py``): one ``write`` and one ``data_received`` per message, where a grpc.aio round trip costs the
@@ -46,6 +53,7 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 MAX_BATCH_REQUESTS = 1024  # requests per SessionRequest
 MAX_BATCH_TOKENS = 1 << 21  # prompt tokens per SessionRequest (~2M tokens: ~6-10 MB on the wire)
 _SWEEP_S = 0.25  # how often deadlines are checked while requests are in flight: a deadline is late by at most this
+MAX_BUFFERED_TOKENS = 256  # a streamed request's tokens waiting for its consumer before the worker pauses it
 
 
 class SessionError(Exception):
@@ -61,10 +69,13 @@ class _Pending:
     With a ``sink`` (``collect``, ``submit``), each chunk is handed to it as it is read instead of queued, and
     the waiter is woken (or ``on_done`` called) once, at the end."""
 
-    __slots__ = ("chunks", "deadline", "error", "on_done", "sink", "waiter")
+    __slots__ = ("buffered", "chunks", "deadline", "error", "limit", "on_done", "paused", "sink", "waiter")
 
-    def __init__(self, deadline: float, sink: Callable[[pb.TokenChunk], bool] | None = None) -> None:
+    def __init__(self, deadline: float, sink: Callable[[pb.TokenChunk], bool] | None = None, limit: int = 0) -> None:
         self.chunks: deque[pb.TokenChunk] = deque()
+        self.buffered = 0  # tokens in ``chunks``
+        self.limit = limit  # pause the request on the worker past this many buffered tokens (0: never)
+        self.paused = False
         self.error: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.deadline = deadline  # loop.time() after which it fails with DEADLINE_EXCEEDED
@@ -100,10 +111,12 @@ class WorkerSession:
         self._pending: dict[str, _Pending] = {}
         self._out_generate: list[pb.GenerateRequest] = []
         self._out_abort: list[str] = []
+        self._out_pace: dict[str, bool] = {}  # request id -> pause (True) or resume (False), sent with the next message
         self._writing = False
         self._closed = False
         self._sweeper: asyncio.TimerHandle | None = None
         self.opened = 0  # streams opened so far (a broken one is replaced on the next request)
+        self.last_received = 0.0  # monotonic time of the worker's last reply: it is alive (router/pool.py)
         # The worker's plain-TCP Session transport (host, port), once its health answer names one: new streams
         # use it instead of the gRPC Session (same messages, without grpc.aio's ~200 µs of CPU per message).
         self.tcp: tuple[str, int] | None = None
@@ -122,15 +135,21 @@ class WorkerSession:
     def in_flight(self) -> int:
         return len(self._pending)
 
-    async def generate(self, request: pb.GenerateRequest, timeout_s: float) -> AsyncGenerator[pb.TokenChunk, None]:
-        """Yield ``request``'s chunks through the last (finish_reason set); raise SessionError on failure."""
+    async def generate(self, request: pb.GenerateRequest, timeout_s: float,
+                       max_buffered_tokens: int = MAX_BUFFERED_TOKENS) -> AsyncGenerator[pb.TokenChunk, None]:
+        """Yield ``request``'s chunks through the last (finish_reason set); raise SessionError on failure. At most
+        ``max_buffered_tokens`` wait for the consumer: beyond, the worker pauses the request until it catches up."""
         loop = asyncio.get_running_loop()
         rid = request.request_id
-        p = self._submit(loop, request, timeout_s, None)
+        p = self._submit(loop, request, timeout_s, None, max_buffered_tokens)
         try:
             while True:
                 if p.chunks:
                     chunk = p.chunks.popleft()
+                    p.buffered -= len(chunk.token_ids)
+                    if p.paused and p.buffered <= p.limit // 2 and not chunk.finish_reason:
+                        p.paused = False
+                        self._pace(rid, False)
                     yield chunk
                     if chunk.finish_reason:
                         return
@@ -176,13 +195,13 @@ class WorkerSession:
         return cancel
 
     def _submit(self, loop: asyncio.AbstractEventLoop, request: pb.GenerateRequest, timeout_s: float,
-                sink: Callable[[pb.TokenChunk], bool] | None) -> _Pending:
+                sink: Callable[[pb.TokenChunk], bool] | None, limit: int = 0) -> _Pending:
         if self._closed:
             raise SessionError(grpc.StatusCode.UNAVAILABLE, f"session to {self.name} is closed")
         rid = request.request_id
         if rid in self._pending:
             raise SessionError(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid} is already in flight")
-        p = _Pending(loop.time() + timeout_s, sink)
+        p = _Pending(loop.time() + timeout_s, sink, limit)
         self._pending[rid] = p
         self._ensure_open()
         self._out_generate.append(request)
@@ -190,6 +209,14 @@ class WorkerSession:
         if self._sweeper is None:
             self._sweeper = loop.call_later(_SWEEP_S, self._sweep)
         return p
+
+    def _pace(self, rid: str, pause: bool) -> None:
+        if not self._closed and self._call is not None:
+            self._out_pace[rid] = pause
+            self._kick()
+
+    def _has_out(self) -> bool:
+        return bool(self._out_generate or self._out_abort or self._out_pace)
 
     def _give_up(self, rid: str, p: _Pending) -> None:
         if self._pending.get(rid) is p:  # given up before its end: stop it on the worker
@@ -237,18 +264,18 @@ class WorkerSession:
         self._writing = False
         if call is not self._call:
             return
-        while (self._out_generate or self._out_abort) and not call.paused:
+        while self._has_out() and not call.paused:
             call.write(self._next_message())
 
     async def _write(self, call: Any) -> None:
         try:
-            while (self._out_generate or self._out_abort) and call is self._call:
+            while self._has_out() and call is self._call:
                 await call.write(self._next_message())
         except Exception as e:  # any failed write (RPC error, finished call, ...) leaves the stream unusable
             self._broken(call, grpc.StatusCode.UNAVAILABLE, f"session write failed: {e!r}")
         finally:
             self._writing = False
-            if (self._out_generate or self._out_abort) and self._call is not None and self._call is not call:
+            if self._has_out() and self._call is not None and self._call is not call:
                 self._kick()  # a new stream was opened while this one was failing
 
     def _next_message(self) -> pb.SessionRequest:
@@ -263,6 +290,10 @@ class WorkerSession:
                 break
             n += 1
         msg = pb.SessionRequest(generate=out[:n], abort=self._out_abort)
+        if self._out_pace:
+            msg.pause.extend(rid for rid, pause in self._out_pace.items() if pause)
+            msg.resume.extend(rid for rid, pause in self._out_pace.items() if not pause)
+            self._out_pace = {}
         self._out_generate = out[n:]
         self._out_abort = []
         return msg
@@ -283,6 +314,7 @@ class WorkerSession:
 
     def _deliver(self, reply: pb.SessionReply) -> None:
         """One reply's chunks to their requests."""
+        self.last_received = time.monotonic()
         pending = self._pending
         for c in reply.chunks:
             p = pending.get(c.request_id)
@@ -305,8 +337,12 @@ class WorkerSession:
                     self._kick()
             else:
                 p.chunks.append(c.chunk)
+                p.buffered += len(c.chunk.token_ids)
                 if c.chunk.finish_reason:
                     del pending[c.request_id]
+                elif p.limit and p.buffered > p.limit and not p.paused:  # the consumer is behind: stop the worker
+                    p.paused = True
+                    self._pace(c.request_id, True)
             p.wake()
 
     def _unreachable(self, call: _TcpStream, address: tuple[str, int], written: list[pb.SessionRequest]) -> None:
@@ -335,6 +371,7 @@ class WorkerSession:
         self._call = None
         self._out_generate = []
         self._out_abort = []
+        self._out_pace = {}
         if self._pending:
             log.warning("session to %s broke with %d requests in flight: %s %s", self.name, len(self._pending),
                         code.name, details)

@@ -86,6 +86,7 @@ def test_a_saturated_worker_is_never_cut_off_and_a_stopped_one_is(checkpoint: Ca
                 await pool.close()
 
         cutoffs, worst, counts, took = asyncio.run(run())
+        print(f"busy: {cutoffs} cut-offs, worst Health {worst * 1000:.0f} ms; stopped: cut off after {took:.1f}s")
         assert counts == [MAX_NEW] * STREAMS
         assert cutoffs == 0, "a busy worker was taken for a dead one"
         assert worst < 1.0, f"Health took {worst:.2f}s while the engine was busy"

@@ -5,6 +5,9 @@ written before a rule existed, or a rule the schema cannot state (a GPU count th
 Redis password without a URL) still reach the operator. Every such case raises ``SpecError`` with a message that
 names the field; the reconcile turns it into ``Degraded=True`` and a Warning Event, and does not retry until the
 spec changes.
+
+Absent fields take the CRD's defaults (mTLS on with the Secret ``tandem-mtls``, one router, bfloat16, nixl), so a
+TandemDeployment read from a file renders as the API server would store it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_IMAGE = "ghcr.io/tandem-dev/tandem"
 DEFAULT_TAG = "0.1.0"
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+DEFAULT_MTLS_SECRET = "tandem-mtls"
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)$")
 
 
@@ -195,7 +199,8 @@ def _parse(name: str, spec: dict[str, Any]) -> DeploymentSpec:
     api_key = router.get("apiKeySecret")
     security = spec.get("security") or {}
     mtls = security.get("mtls") or {}
-    if mtls.get("enabled") and not mtls.get("secretName"):
+    mtls_on, mtls_secret = mtls.get("enabled", True), mtls.get("secretName", DEFAULT_MTLS_SECRET)
+    if mtls_on and not mtls_secret:
         raise SpecError("spec.security.mtls: enabled needs secretName")
     registry = security.get("registrySecret")
     return DeploymentSpec(
@@ -208,7 +213,7 @@ def _parse(name: str, spec: dict[str, Any]) -> DeploymentSpec:
         api_key_secret=SecretKey(api_key["name"], api_key["key"]) if api_key else None,
         tiers=tiers,
         redis=_redis(spec.get("redis")),
-        security=SecuritySpec(mtls["secretName"] if mtls.get("enabled") else None,
+        security=SecuritySpec(mtls_secret if mtls_on else None,
                               SecretKey(registry["name"], registry["key"]) if registry else None),
         slo=dict(spec.get("slo") or {}),
     )

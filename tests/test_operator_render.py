@@ -214,3 +214,10 @@ def test_rendered_examples_validate_for_kubernetes_1_30_and_1_35_and_the_tier_cr
                     kubernetes_validate.validate(doc, version, strict=True)
     assert seen == {"TandemTier", "RayCluster", "Deployment", "Service", "ServiceMonitor", "PodDisruptionBudget",
                     "NetworkPolicy"}
+
+
+def test_absent_fields_take_the_crd_defaults() -> None:
+    spec = parse(_td())
+    assert spec.security.mtls_secret == "tandem-mtls" and spec.image.ref == "ghcr.io/tandem-dev/tandem:0.1.0"
+    assert spec.model.dtype == "bfloat16" and spec.tier("prefill").kv_backend == "nixl"  # type: ignore[union-attr]
+    assert parse(_td(security={"mtls": {"enabled": False}})).security.mtls_secret is None

@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=None, help="decode replicas (default 1)")
     up.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     up.add_argument("--host", default=None, help="address the HTTP and gRPC APIs listen on (default 127.0.0.1)")
+    up.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                    help="an API key clients must send as 'Authorization: Bearer KEY' (repeatable; 'admin:KEY' for "
+                         "an admin key, which may ask for x-tandem-explain)")
+    up.add_argument("--api-key-file", default=None, metavar="PATH",
+                    help="a file of API keys, one per line ('admin:KEY' for an admin key, '#' comments)")
     up.add_argument("--served-model-name", default=None,
                     help="the model's name in the API (default: the Hugging Face id, or the checkpoint dir's name)")
     up.add_argument("--grpc-port", type=int, default=None,
@@ -86,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     from cli.operator import add_operator_args
 
     add_operator_args(sub.add_parser("operator", help="the Kubernetes operator: run it, or render a TandemDeployment"))
+
+    from cli.sim import add_sim_args
+
+    add_sim_args(sub.add_parser("sim", help="the cluster simulator: a trace through the real router, scheduler and "
+                                           "planner, with the model step modelled"))
 
     bench = sub.add_parser("bench", help="benchmarks, side by side with their peers")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -241,9 +251,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
             return 2
         if "worker_flags" in settings:
             settings["worker_flags"] = tuple(settings["worker_flags"])
+        if "api_keys" in settings:
+            settings["api_keys"] = tuple(settings["api_keys"])
     flags = {"model": args.model, "prefill": args.prefill, "decode": args.decode, "port": args.port,
              "grpc_port": args.grpc_port, "redis": args.redis, "kv_backend": args.kv_backend, "host": args.host,
-             "served_model_name": args.served_model_name}
+             "served_model_name": args.served_model_name, "api_key_file": args.api_key_file,
+             "api_keys": tuple(args.api_key) if args.api_key else None}
     settings.update({k: v for k, v in flags.items() if v is not None})
     try:
         cfg = UpConfig(**settings)
@@ -286,6 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from cli.operator import run_operator_command
 
         return run_operator_command(args)
+    if args.command == "sim":
+        from cli.sim import run_sim
+
+        return run_sim(args)
     if args.command == "worker":
         from worker.server import serve
 

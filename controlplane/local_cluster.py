@@ -64,6 +64,8 @@ class UpConfig:
     min_uncached_tokens: int = 64
     control_port: int = 0  # tandem.v1.Control for `tandem scale`; 0: a free port (recorded in the state file)
     drain_timeout_s: float = 120.0
+    api_keys: tuple[str, ...] = ()  # the gateway's API keys, ``KEY`` or ``admin:KEY`` (auth/api_keys.py)
+    api_key_file: str | None = None
 
     def __post_init__(self) -> None:
         from worker.launcher import KV_BACKENDS
@@ -80,6 +82,9 @@ class UpConfig:
             raise ValueError(f"control_port {self.control_port} out of range")
         if self.drain_timeout_s <= 0:
             raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
+        from auth.api_keys import ApiKeys
+
+        ApiKeys.load(self.api_keys, self.api_key_file)  # a bad key or key file fails here, before anything starts
 
 
 def _process_start() -> float:
@@ -249,7 +254,8 @@ class LocalCluster:
         self.router = router = await build_router(RouterConfig(
             model=str(self.model), workers=addresses, redis=cfg.redis, min_uncached_tokens=cfg.min_uncached_tokens,
             served_model_name=cfg.served_model_name or _hub_id(cfg.model),
-            block_size=_flag_int(cfg.worker_flags, "--block-size", 16)))
+            block_size=_flag_int(cfg.worker_flags, "--block-size", 16), api_keys=cfg.api_keys,
+            api_key_file=cfg.api_key_file))
         controller.registrar = RouterSync(router.pool)
         await controller.register_ready()  # any replaced while the router started
         await router.serve_http(cfg.host, cfg.port)

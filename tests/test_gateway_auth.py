@@ -137,3 +137,17 @@ def test_key_syntax_and_files(tmp_path: Path) -> None:
     assert keys.check("Bearer u1") == keys.check("bearer u1") and not keys.check("Bearer u1").admin  # type: ignore[union-attr]
     assert keys.check("Bearer a1").admin and keys.check("Bearer u2") is None  # type: ignore[union-attr]
     assert keys.check(None) is None and ApiKeys().check(None).admin  # type: ignore[union-attr]
+
+
+def test_tandem_up_takes_api_keys_and_refuses_bad_ones_before_starting(tmp_path: Path) -> None:
+    from cli.main import build_parser
+    from controlplane.local_cluster import UpConfig
+
+    args = build_parser().parse_args(["up", "--api-key", "k1", "--api-key", "admin:k2", "--api-key-file", "f"])
+    assert (args.api_key, args.api_key_file) == (["k1", "admin:k2"], "f")
+    with pytest.raises(ValueError):
+        UpConfig(api_keys=("a b",))
+    with pytest.raises(FileNotFoundError):
+        UpConfig(api_key_file=str(tmp_path / "missing"))
+    (tmp_path / "keys").write_text("admin:k\n")
+    assert UpConfig(api_keys=("k1",), api_key_file=str(tmp_path / "keys")).api_keys == ("k1",)

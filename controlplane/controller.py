@@ -29,6 +29,8 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -367,8 +369,12 @@ class Controller:
         from ray.util.placement_group import remove_placement_group
 
         if r.actor is not None:
-            with contextlib.suppress(Exception):
+            try:
                 await _ray(r.actor.stop.remote(), 30.0)
+            except Exception as e:  # the actor is dead or stuck: its worker process may be left without a parent
+                log.warning("replica %s: actor stop failed (%r)", r.replica_id, e)
+                if self.cfg.worker_host == "127.0.0.1":  # a worker on this host: stop it by its PID
+                    _kill_worker(r.pid)
             with contextlib.suppress(Exception):
                 ray.kill(r.actor)
         if r.placement_group is not None:
@@ -394,6 +400,17 @@ class Controller:
             return await self._stub(r)[1].Load(wpb.LoadRequest(), timeout=5.0)
         except grpc.aio.AioRpcError:
             return None
+
+
+def _kill_worker(pid: int) -> None:
+    """SIGKILL ``pid`` if it is still a ``tandem worker`` process (a PID is reused once its process is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"worker" not in f.read().split(b"\0"):
+                return
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
 
 
 def check_tier(tier: str) -> None:

@@ -39,6 +39,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 class Harness:
     def __init__(self, model: Path, home: Path) -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -312,3 +320,26 @@ def test_scaling_prefill_leaves_every_decode_replica_untouched(harness: Harness)
     r = httpx.post(f"{harness.url}/v1/completions", timeout=60, json={
         "model": harness.model, "prompt": list(range(3, 140)), "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200, r.text
+
+
+def test_a_replica_whose_actor_died_is_replaced_and_its_worker_stopped(harness: Harness) -> None:
+    """ray.kill of the prefill replica's actor (its worker process lives on, orphaned): the controller sees the
+    actor gone, stops the worker by its PID, removes the group and starts a replacement; decode is untouched."""
+    import ray
+
+    decode = harness.on_loop(lambda: [(r.replica_id, r.pid) for r in harness.controller.of_tier("decode")])
+    (old,) = harness.on_loop(lambda: harness.controller.of_tier("prefill"))
+    ray.kill(old.actor, no_restart=True)
+    deadline = time.monotonic() + 180
+    while True:
+        t = harness.tier("prefill")
+        if t.ready == 1 and len(t.replicas) == 1 and t.replicas[0].replica_id != old.replica_id:
+            break
+        assert time.monotonic() < deadline, f"the prefill replica was not replaced: {t}"
+        time.sleep(0.2)
+    assert t.replicas[0].restarts == 1
+    deadline = time.monotonic() + 30
+    while _alive(old.pid):
+        assert time.monotonic() < deadline, f"the orphaned worker {old.pid} still runs"
+        time.sleep(0.1)
+    assert harness.on_loop(lambda: [(r.replica_id, r.pid) for r in harness.controller.of_tier("decode")]) == decode

@@ -357,13 +357,9 @@ class Dispatcher:
         yield first_chunk(first, len(prompt))  # at once: decode's stream starts only once the KV has landed
         async with contextlib.aclosing(_stream(plan.decode.stub.Decode(dreq, timeout=t), plan.decode,
                                                "Decode")) as chunks:
-            prompt_logprobs = first.prompt_logprobs  # computed by prefill: they ride on the first chunk
             async for chunk in chunks:
                 if not chunk.num_cached_tokens:
                     chunk.num_cached_tokens = first.num_cached_tokens
-                if prompt_logprobs:
-                    chunk.prompt_logprobs.extend(prompt_logprobs)
-                    prompt_logprobs = []
                 yield chunk
 
 

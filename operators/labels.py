@@ -13,7 +13,7 @@ MANAGED_BY = "tandem-operator"
 
 ROUTER_HTTP_PORT = 8000
 ROUTER_GRPC_PORT = 8001
-ROUTER_METRICS_PORT = 9090  # the metrics Service's port; the router serves /metrics on its HTTP port
+ROUTER_METRICS_PORT = 9090  # the router's --metrics-port and its metrics Service's port
 WORKER_GRPC_PORT = 7100
 WORKER_SESSION_PORT = 7101
 WORKER_KV_PORT = 7200

@@ -1,5 +1,7 @@
-"""The router tier: its Deployment, the client Service (HTTP 8000, gRPC 8001), the metrics Service (9090, onto the
-router's ``/metrics`` on its HTTP port) and, when the Prometheus operator's API exists, a ServiceMonitor.
+"""The router tier: its Deployment, the client Service (HTTP 8000, gRPC 8001), the metrics Service (9090: the
+router's ``--metrics-port``, outside the API keys) and, when the Prometheus operator's API exists, a ServiceMonitor.
+
+API keys: the Secret's one key is mounted as a file for ``--api-key-file`` (never an environment variable).
 
 Routers find workers through the Redis registry (``--redis``), so scaling a tier never touches this Deployment.
 """
@@ -19,30 +21,41 @@ from operators.labels import (
 )
 from operators.spec import DeploymentSpec
 
-API_KEYS_ENV = "TANDEM_API_KEYS"
+API_KEYS_DIR = "/etc/tandem/api-keys"
 
 
 def _container(spec: DeploymentSpec) -> dict[str, Any]:
     args = ["-m", "router.serve", "--model", spec.model.path, "--served-model-name", spec.model.served_name,
             "--redis", pods.redis_url(spec), "--host", "0.0.0.0", "--port", str(ROUTER_HTTP_PORT),
-            "--grpc-port", str(ROUTER_GRPC_PORT), *pods.credential_flags(spec)]
-    env = pods.env(spec)
+            "--grpc-port", str(ROUTER_GRPC_PORT), "--metrics-port", str(ROUTER_METRICS_PORT),
+            *pods.credential_flags(spec)]
+    mounts = pods.volume_mounts(spec)
     if spec.api_key_secret is not None:
-        env.append({"name": API_KEYS_ENV, "valueFrom": {"secretKeyRef": {
-            "name": spec.api_key_secret.name, "key": spec.api_key_secret.key}}})
+        args += ["--api-key-file", f"{API_KEYS_DIR}/keys"]
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+    env = pods.env(spec)
     container: dict[str, Any] = {
         "name": "router", "image": spec.image.ref, "imagePullPolicy": spec.image.pull_policy,
         "command": ["python3"], "args": args,
         "ports": [{"name": "http", "containerPort": ROUTER_HTTP_PORT},
-                  {"name": "grpc", "containerPort": ROUTER_GRPC_PORT}],
+                  {"name": "grpc", "containerPort": ROUTER_GRPC_PORT},
+                  {"name": "metrics", "containerPort": ROUTER_METRICS_PORT}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
-        "volumeMounts": pods.volume_mounts(spec),
+        "volumeMounts": mounts,
     }
     if env:
         container["env"] = env
     if spec.router_resources:
         container["resources"] = dict(spec.router_resources)
     return container
+
+
+def _volumes(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    out = pods.volumes(spec)
+    if spec.api_key_secret is not None:  # the one key of the Secret, as the file --api-key-file reads
+        out.append({"name": "api-keys", "secret": {"secretName": spec.api_key_secret.name,
+                                                   "items": [{"key": spec.api_key_secret.key, "path": "keys"}]}})
+    return out
 
 
 def render_router(spec: DeploymentSpec, namespace: str, monitoring: bool) -> list[dict[str, Any]]:
@@ -52,7 +65,7 @@ def render_router(spec: DeploymentSpec, namespace: str, monitoring: bool) -> lis
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(td, namespace, name, "router"),
          "spec": {"replicas": spec.router_replicas, "selector": {"matchLabels": sel},
                   "template": {"metadata": {"labels": labels(td, "router")},
-                               "spec": {"containers": [_container(spec)], "volumes": pods.volumes(spec)}}}},
+                               "spec": {"containers": [_container(spec)], "volumes": _volumes(spec)}}}},
         {"apiVersion": "v1", "kind": "Service", "metadata": metadata(td, namespace, name, "router"),
          "spec": {"type": "ClusterIP", "selector": sel,
                   "ports": [{"name": "http", "port": ROUTER_HTTP_PORT, "targetPort": "http"},
@@ -60,7 +73,7 @@ def render_router(spec: DeploymentSpec, namespace: str, monitoring: bool) -> lis
                              "appProtocol": "grpc"}]}},
         {"apiVersion": "v1", "kind": "Service", "metadata": metadata(td, namespace, f"{name}-metrics", "router"),
          "spec": {"type": "ClusterIP", "selector": sel,
-                  "ports": [{"name": "metrics", "port": ROUTER_METRICS_PORT, "targetPort": "http"}]}},
+                  "ports": [{"name": "metrics", "port": ROUTER_METRICS_PORT, "targetPort": "metrics"}]}},
     ]
     if monitoring:
         out.append({

@@ -221,3 +221,34 @@ def test_absent_fields_take_the_crd_defaults() -> None:
     assert spec.security.mtls_secret == "tandem-mtls" and spec.image.ref == "ghcr.io/tandem-dev/tandem:0.1.0"
     assert spec.model.dtype == "bfloat16" and spec.tier("prefill").kv_backend == "nixl"  # type: ignore[union-attr]
     assert parse(_td(security={"mtls": {"enabled": False}})).security.mtls_secret is None
+
+
+def test_rendered_commands_parse_with_the_real_parsers() -> None:
+    """The router's, the controller's and (through --worker-flag) the workers' command lines are what their own
+    argparse parsers accept, so a flag renamed on either side fails here rather than in a crash-looping pod."""
+    import argparse
+
+    from auth.credentials import add_args as add_credential_args
+    from cli.controller import add_controller_args
+    from router.serve import add_router_args
+    from worker.server import add_worker_args
+
+    td = _td(router={"replicas": 1, "apiKeySecret": {"name": "keys", "key": "k"}})
+    objs = _by_name(render(td, "serving"))
+    router = objs[("Deployment", "llama-router")]["spec"]["template"]["spec"]["containers"][0]
+    assert router["command"] == ["python3"] and router["args"][:2] == ["-m", "router.serve"]
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_router_args(p)
+    if not any(a.option_strings == ["--tls-cert"] for a in p._actions):
+        add_credential_args(p)
+    r = p.parse_args(router["args"][2:])
+    assert (r.port, r.grpc_port, r.metrics_port, r.api_key_file) == (8000, 8001, 9090, "/etc/tandem/api-keys/keys")
+    head = objs[("RayCluster", "llama")]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][1]
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_controller_args(p)
+    c = p.parse_args(head["args"][1:])
+    assert (c.prefill, c.decode, c.control_port, c.ranks, c.ray_address) == (2, 1, 9400, 2, "auto")
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_worker_args(p)
+    w = p.parse_args(["--role", "decode", "--model", c.model, *c.worker_flag])
+    assert w.dtype == "bfloat16" and w.tls_cert == "/etc/tandem/tls/tls.crt"

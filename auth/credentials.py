@@ -12,6 +12,13 @@ TLS is configured, plus the cluster token on the admin RPCs always (``auth.token
   keys the HMAC that signs registry entries in Redis (``auth.signing``). Without TLS the data-plane RPCs stay open
   on loopback, as the OpenAI port is.
 
+KV transfers: the tcp backend's connections are mutual TLS with the same files (kvtransfer/config.py). NIXL's
+peering data (agent metadata, memory descriptors) crosses only inside ``Reserve``/``Prefill`` on the mTLS gRPC
+channel, but UCX then moves the bytes on its own transport (RDMA, shared memory, its own TCP), which Tandem
+neither encrypts nor authenticates; the torch backend's TCPStore and gloo pair are likewise outside it. A worker
+with TLS on and ``--kv-backend nixl|torch`` says so at start; on such a network, the NetworkPolicies fence the KV
+ports to the cluster's pods.
+
 Flags (``add_args``): ``--auth-token-file`` (else ``TANDEM_CLUSTER_TOKEN``), ``--tls-cert``, ``--tls-key``,
 ``--tls-ca``, ``--tls-server-name``; the chart sets them from mounted Secrets.
 """

@@ -28,6 +28,7 @@ def add_operator_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--status-interval", type=float, default=None, help="seconds between status refreshes")
     run.add_argument("--liveness", default=None, help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
     run.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    run.add_argument("--verbose", action="store_true", help="log every handler's progress")
     render = sub.add_parser("render", help="print the manifests the operator would apply for a TandemDeployment")
     render.add_argument("-f", "--file", required=True, help="YAML with one or more TandemDeployments ('-': stdin)")
     render.add_argument("--namespace", default=None,
@@ -80,6 +81,7 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    kopf.configure(verbose=args.verbose)  # kopf's log format on stderr, as `kopf run` sets it up
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 

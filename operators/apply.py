@@ -7,8 +7,9 @@ replicas or image: NVIDIA Dynamo #4420's fight) is a difference and is patched b
 someone else and are never asserted over a live value:
 
 - a TandemTier's ``spec.replicas`` belongs to whoever scales the tier, unless the TandemDeployment's own count
-  changed since it last wrote it (the ``tandem.dev/deployment-replicas`` annotation tells), or its new bounds
-  exclude it (then it is clamped into them: the CRD's CEL rules would refuse the bounds otherwise);
+  changed since it last wrote it (the ``tandem.dev/deployment-replicas`` annotation tells), or the bounds change
+  and exclude it (then it is clamped into them in the same patch: the CRD's CEL rules would refuse it otherwise;
+  a count outside unchanged bounds, possible only without CEL, is left as it is and clamped when forwarded);
 - a RayCluster worker group's ``replicas`` belongs to KubeRay's autoscaler; a patch carries the live value over
   (a merge patch replaces the whole ``workerGroupSpecs`` list).
 
@@ -55,10 +56,12 @@ def owned_view(desired: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
     if desired["kind"] == "TandemTier":
         live_note = (live.get("metadata", {}).get("annotations") or {}).get(DEPLOYMENT_REPLICAS_ANNOTATION)
         if live_note == desired["metadata"]["annotations"][DEPLOYMENT_REPLICAS_ANNOTATION]:
-            live_replicas = live.get("spec", {}).get("replicas")
+            live_spec = live.get("spec", {})
+            live_replicas = live_spec.get("replicas")
             lo, hi = want["spec"]["minReplicas"], want["spec"]["maxReplicas"]
-            if live_replicas is not None and not lo <= live_replicas <= hi:
-                want["spec"]["replicas"] = min(max(live_replicas, lo), hi)  # new bounds: CEL rejects it outside
+            new_bounds = (live_spec.get("minReplicas"), live_spec.get("maxReplicas")) != (lo, hi)
+            if new_bounds and live_replicas is not None and not lo <= live_replicas <= hi:
+                want["spec"]["replicas"] = min(max(live_replicas, lo), hi)  # CEL refuses bounds that exclude it
             else:
                 want["spec"].pop("replicas", None)
     elif desired["kind"] == "RayCluster":

@@ -145,10 +145,11 @@ async def _forward(cfg: OperatorConfig, rt: Runtime, namespace: str, td: str, ti
 
 
 async def observe(cfg: OperatorConfig, rt: Runtime, body: kopf.Body, namespace: str, patch: kopf.Patch,
-                  logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+                  logger: logging.Logger | logging.LoggerAdapter[Any], stopped: kopf.DaemonStopped | None = None,
+                  ) -> None:
     """The timer: reconcile, then actual state from the controller and the owned objects into ``.status``."""
     spec = await reconcile(cfg, rt, body, namespace, patch, logger)
-    if spec is None:
+    if spec is None or stopped:
         return
     tiers = {t.name: await rt.kube.get(KINDS["TandemTier"], namespace, f"{spec.name}-{t.name}") for t in spec.tiers}
     desired = {name: tier_desired(spec, name, obj) for name, obj in tiers.items()}
@@ -246,11 +247,22 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
                                    logger: kopf.Logger, **_: Any) -> None:
         await reconcile(cfg, _runtime(memo), body, namespace or "default", patch, logger)
 
+    @kopf.on.delete(*td_resource, optional=True, registry=registry)  # optional: no finalizer; the GC deletes the rest
+    async def forget_deployment(name: str | None, namespace: str | None, memo: Any, **_: Any) -> None:
+        rt = _runtime(memo)
+        key = (namespace or "default", name or "")
+        rt.invalid.pop(key, None)
+        rt.locks.pop(key, None)
+        for k in [k for k in rt.forwarded if k[:2] == key]:
+            del rt.forwarded[k]
+
     @kopf.timer(*td_resource, interval=cfg.status_interval_s, initial_delay=cfg.status_initial_delay_s,
                 registry=registry)
     async def observe_deployment(body: kopf.Body, namespace: str | None, patch: kopf.Patch, memo: Any,
-                                 logger: kopf.Logger, **_: Any) -> None:
-        await observe(cfg, _runtime(memo), body, namespace or "default", patch, logger)
+                                 logger: kopf.Logger, **kwargs: Any) -> None:
+        stopped: kopf.DaemonStopped | None = kwargs.get("stopped")  # kopf passes it to timers; TimerFn omits it
+        if not stopped:  # the operator is stopping or the object is being deleted: its API client may be closed
+            await observe(cfg, _runtime(memo), body, namespace or "default", patch, logger, stopped)
 
     @kopf.on.event(GROUP, VERSION, TT_PLURAL, registry=registry)
     async def tier_changed(body: kopf.Body, namespace: str | None, memo: Any, logger: kopf.Logger, type: str,

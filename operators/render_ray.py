@@ -9,8 +9,9 @@ that container's ports.
 Worker groups: one pod holds one replica's ranks; each rank's requests and limits (``nvidia.com/gpu`` included) are
 multiplied by ``tp*pp`` (or ``ep``). Each pod advertises the custom Ray resource ``tandem_<tier>`` once per rank, so
 a placement-group bundle that asks for one unit of it lands only on its own tier's group. In-tree autoscaling is
-on and the operator sets no group ``replicas``: the controller creates placement groups, KubeRay's autoscaler adds
-pods for the pending ones and removes idle pods after the drain.
+on: a group's ``replicas`` is the tier's initial count when the RayCluster is created, and KubeRay's autoscaler
+owns it after that (``apply`` never asserts it over a live value): the controller creates placement groups, the
+autoscaler adds pods for the pending ones and removes idle pods after the drain.
 
 Ray's own ports are pinned so the tier NetworkPolicy can open exactly them between the cluster's pods.
 """
@@ -122,6 +123,7 @@ def _worker_group(spec: DeploymentSpec, tier: TierSpec) -> dict[str, Any]:
         pod["tolerations"] = list(tier.tolerations)
     return {
         "groupName": tier.name,
+        "replicas": tier.replicas,
         "minReplicas": tier.min_replicas,
         "maxReplicas": tier.max_replicas,
         "rayStartParams": _start_params({"resources": resources}),

@@ -70,7 +70,10 @@ def test_render_names_labels_and_ports_follow_the_contract() -> None:
     # One pod per replica: tp=2 ranks, each rank's resources doubled ("500m" * 2 == "1", as the API server says).
     assert worker["resources"] == {"requests": {"cpu": "1", "memory": "32Gi"}, "limits": {"nvidia.com/gpu": "2"}}
     assert (groups["decode"]["minReplicas"], groups["decode"]["maxReplicas"]) == (1, 4)
-    assert "replicas" not in groups["decode"]  # KubeRay's autoscaler owns it
+    assert groups["decode"]["replicas"] == 1  # at creation; KubeRay's autoscaler owns it after that
+    live = copy.deepcopy(objs[("RayCluster", "llama")])
+    live["spec"]["workerGroupSpecs"][1]["replicas"] = 3  # the autoscaler added pods
+    assert is_subset(owned_view(objs[("RayCluster", "llama")], live), live)
     tier = objs[("TandemTier", "llama-decode")]["spec"]
     assert tier == {"deployment": "llama", "tier": "decode", "replicas": 1, "minReplicas": 1, "maxReplicas": 4}
     router = objs[("Deployment", "llama-router")]["spec"]["template"]["spec"]["containers"][0]

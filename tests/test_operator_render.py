@@ -255,3 +255,36 @@ def test_rendered_commands_parse_with_the_real_parsers() -> None:
     add_worker_args(p)
     w = p.parse_args(["--role", "decode", "--model", c.model, *c.worker_flag])
     assert w.dtype == "bfloat16" and w.tls_cert == "/etc/tandem/tls/tls.crt"
+
+
+def test_status_conditions_follow_the_controller_and_the_router() -> None:
+    from operators.status import deployment_status, with_transition_times
+    from proto.tandem.v1 import control_pb2 as cpb
+
+    spec = parse(_td(router={"replicas": 1}))
+    desired = {"prefill": 2, "decode": 1}
+    router = {"status": {"readyReplicas": 1}}
+
+    def tiers(prefill_ready: int, failed: int = 0) -> dict[str, cpb.TierStatus]:
+        bad = [cpb.ReplicaStatus(replica_id=f"p{i}", state=cpb.REPLICA_STATE_FAILED) for i in range(failed)]
+        return {"prefill": cpb.TierStatus(tier="prefill", desired=2, ready=prefill_ready, replicas=bad),
+                "decode": cpb.TierStatus(tier="decode", desired=1, ready=1)}
+
+    def conditions(st: dict[str, Any]) -> dict[str, tuple[str, str]]:
+        return {c["type"]: (c["status"], c["reason"]) for c in st["conditions"]}
+
+    ok = deployment_status(spec, 3, desired, tiers(2), None, router)
+    assert conditions(ok) == {"Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "Converged"),
+                              "Degraded": ("False", "AsExpected")}
+    assert (ok["prefill"], ok["decode"], ok["observedGeneration"]) == ("2/2", "1/1", 3)
+    scaling = deployment_status(spec, 3, desired, tiers(1, failed=1), None, router)
+    assert conditions(scaling) == {"Ready": ("False", "ReplicasNotReady"), "Progressing": ("True", "Scaling"),
+                                   "Degraded": ("True", "ReplicasFailed")}
+    assert scaling["tiers"]["prefill"] == {"desired": 2, "ready": 1, "draining": 0}
+    down = deployment_status(spec, 3, desired, None, "Status on x: UNAVAILABLE", router)
+    assert conditions(down)["Ready"] == ("Unknown", "ControllerUnreachable")
+    first = with_transition_times(ok["conditions"], None, "2026-01-01T00:00:00Z")
+    again = with_transition_times(ok["conditions"], first, "2026-01-01T00:05:00Z")
+    assert again == first  # unchanged conditions keep their transition time
+    moved = with_transition_times(scaling["conditions"], first, "2026-01-01T00:05:00Z")
+    assert {c["type"]: c["lastTransitionTime"] for c in moved}["Ready"] == "2026-01-01T00:05:00Z"

@@ -175,13 +175,13 @@ class Controller:
 
     async def _run(self) -> None:
         while True:
+            self._wake.clear()  # before the step: a change made while it runs wakes the next one at once
             try:
                 await self._reconcile()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("reconcile failed; retrying")
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.cfg.reconcile_interval_s)
 
@@ -207,11 +207,11 @@ class Controller:
         await asyncio.gather(*(self._probe_one(r) for r in self.replicas.values() if r.state == ReplicaState.READY))
 
     async def _probe_one(self, r: Replica) -> None:
-        load = await self._load(r)
+        load = await self._load(r, 2.0)
         if load is not None:
             r.load = load
         try:
-            alive = await _ray(r.actor.alive.remote(), 10.0)
+            alive = await _ray(r.actor.alive.remote(), 5.0)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the actor died (or its node did)
@@ -393,11 +393,11 @@ class Controller:
             got = self._stubs[r.replica_id] = (channel, attach(wpb_grpc.WorkerStub(channel), self.credentials))
         return got
 
-    async def _load(self, r: Replica) -> wpb.LoadResponse | None:
+    async def _load(self, r: Replica, timeout_s: float = 5.0) -> wpb.LoadResponse | None:
         if not r.address:
             return None
         try:
-            return await self._stub(r)[1].Load(wpb.LoadRequest(), timeout=5.0)
+            return await self._stub(r)[1].Load(wpb.LoadRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError:
             return None
 

@@ -350,6 +350,20 @@ def test_bad_spec_sets_degraded_with_an_event_and_no_retry_loop() -> None:
     _run(scenario())
 
 
+def test_an_api_server_error_is_retried_not_fatal() -> None:
+    """Against kmock (no kube-apiserver can run here): the first reads of the router Deployment fail with 500; the
+    reconcile raises kopf.TemporaryError(delay=1s), kopf retries it, and the Deployment is created after that."""
+    async def scenario() -> None:
+        async with running_operator(interval_s=60.0) as c:
+            path = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/llama-router"
+            c.k["get", path][:3] << 500
+            await c.create_td(td_manifest())
+            await until(lambda: c.obj("deployments", "llama-router"), what="the router Deployment after retries")
+            assert c.gets(path) >= 4
+            assert c.obj("services", "llama-router-metrics") is not None  # the rest of the list followed
+    _run(scenario())
+
+
 def test_reconciling_twice_changes_nothing() -> None:
     """Against kmock (no kube-apiserver can run here): once settled, further reconciles (timer ticks, each
     re-rendering and comparing every owned object) issue no write at all."""

@@ -33,6 +33,11 @@ def add_controller_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=1, help="ranks (bundles) per replica")
     p.add_argument("--worker-host", default="node",
                    help="worker listen/advertise address; 'node': each Ray node's IP (default)")
+    p.add_argument("--worker-port", type=int, default=None,
+                   help="each worker's gRPC port (default: 7100 with --worker-host node, one replica per pod as the "
+                        "chart's NetworkPolicies expect; else a free port)")
+    p.add_argument("--worker-session-port", type=int, default=None,
+                   help="each worker's plain-TCP Session port (default: 7101 with --worker-host node, else free)")
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster to join ('auto' in a Ray head pod); default $RAY_ADDRESS, else start one")
     p.add_argument("--worker-flag", action="append", default=[], metavar="FLAG",
@@ -69,7 +74,8 @@ def cmd_controller(args: argparse.Namespace) -> int:
             os.environ[TOKEN_ENV] = creds.token
         controller = ControllerConfig(
             args.model, args.prefill, args.decode, args.kv_backend, args.cpus_per_replica, args.ranks,
-            worker_flags=(*args.worker_flag, *to_flags(creds, args.auth_token_file)), redis=args.redis,
+            worker_flags=(*_port_flags(args), *args.worker_flag, *to_flags(creds, args.auth_token_file)),
+            redis=args.redis,
             worker_host=NODE_IP if args.worker_host == "node" else args.worker_host, drain_timeout_s=args.drain_timeout)
         cfg = DaemonConfig(controller, args.host, args.control_port,
                            args.ray_address or os.environ.get("RAY_ADDRESS") or "local")
@@ -77,6 +83,17 @@ def cmd_controller(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return run_controller(cfg, creds)
+
+
+def _port_flags(args: argparse.Namespace) -> list[str]:
+    """``tandem worker`` port flags: the Kubernetes contract's fixed ports on a node's own IP, else free ports."""
+    in_pod = args.worker_host == "node"
+    grpc_port = args.worker_port if args.worker_port is not None else (7100 if in_pod else 0)
+    session = args.worker_session_port if args.worker_session_port is not None else (7101 if in_pod else 0)
+    for name, port in (("--worker-port", grpc_port), ("--worker-session-port", session)):
+        if not 0 <= port < 65536:
+            raise ValueError(f"{name} {port} out of range")
+    return ["--port", str(grpc_port), "--session-port", str(session)]
 
 
 def cmd_scale(args: argparse.Namespace) -> int:

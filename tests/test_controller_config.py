@@ -1,0 +1,86 @@
+"""The controller's and ``tandem scale``'s input checks, without Ray: configs refuse bad values with ValueError,
+SetReplicas' validation, the worker port flags of ``tandem controller``, and ``tandem scale``'s exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from auth.credentials import Credentials
+from cli.controller import _port_flags
+from controlplane.controller import Controller, ControllerConfig
+from controlplane.daemon import DaemonConfig
+from controlplane.local_cluster import UpConfig
+from controlplane.replica import ReplicaSpec
+
+
+@pytest.mark.parametrize("bad", [
+    {"prefill": -1}, {"decode": 300}, {"kv_backend": "carrier-pigeon"}, {"cpus_per_replica": 0}, {"ranks": 0},
+    {"drain_timeout_s": 0}, {"start_timeout_s": -1}, {"reconcile_interval_s": 0},
+])
+def test_controller_config_refuses_bad_values(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        ControllerConfig("/m", **bad)  # type: ignore[arg-type]
+
+
+def test_other_configs_refuse_bad_values() -> None:
+    with pytest.raises(ValueError):
+        DaemonConfig(ControllerConfig("/m"), control_port=70000)
+    with pytest.raises(ValueError):
+        UpConfig(control_port=-1)
+    with pytest.raises(ValueError):
+        UpConfig(drain_timeout_s=0)
+    with pytest.raises(ValueError):
+        ReplicaSpec("router", "/m")
+    with pytest.raises(ValueError):
+        ReplicaSpec("decode", "/m", host="")
+
+
+def test_set_replicas_refuses_unknown_tiers_and_counts_out_of_range_and_keeps_desired() -> None:
+    async def run() -> dict[str, int]:
+        c = Controller(ControllerConfig("/m", prefill=1, decode=2, max_replicas=8), credentials=Credentials(None))
+        for tier, n in (("router", 1), ("decode", -1), ("decode", 9)):
+            with pytest.raises(ValueError):
+                c.set_replicas(tier, n)
+        with pytest.raises(KeyError):
+            c.drain("decode-nope")
+        c.set_replicas("prefill", 0)
+        return c.desired
+
+    assert asyncio.run(run()) == {"prefill": 0, "decode": 2}
+
+
+def test_worker_ports_are_the_contract_ports_on_a_node_ip_and_free_on_loopback() -> None:
+    def flags(host: str, port: int | None = None, session: int | None = None) -> list[str]:
+        return _port_flags(argparse.Namespace(worker_host=host, worker_port=port, worker_session_port=session))
+
+    assert flags("node") == ["--port", "7100", "--session-port", "7101"]
+    assert flags("127.0.0.1") == ["--port", "0", "--session-port", "0"]
+    assert flags("node", 9000, 0) == ["--port", "9000", "--session-port", "0"]
+    with pytest.raises(ValueError):
+        flags("node", 70000)
+
+
+def test_tandem_scale_exit_codes_without_a_controller(tmp_path: Path) -> None:
+    """Bad input: 2, before any call; no `tandem up` state file or an unreachable controller: 1."""
+    env = {"TANDEM_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+
+    def scale(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "cli.main", "scale", *args], capture_output=True, text=True,
+                              env=env, timeout=60)
+
+    assert scale("decode", "-1").returncode == 2
+    assert scale("router", "1").returncode == 2
+    missing = scale("decode", "2")
+    assert missing.returncode == 1 and "no running `tandem up`" in missing.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    unreachable = scale("decode", "2", "--control", f"127.0.0.1:{closed}")
+    assert unreachable.returncode == 1 and f"127.0.0.1:{closed}" in unreachable.stderr

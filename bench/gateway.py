@@ -2,7 +2,7 @@
 
 Processes, all on loopback and each started and stopped here by PID::
 
-    fake backends (bench.fake_worker, K of them)  ◄──Session──  router (router.serve, 1..N processes, SO_REUSEPORT)
+    fake backends (bench.fake_worker, K of them)  ◄──Session──  router (router.serve, 1..N granian processes)
          ▲                                                            ▲
          └────────── Session ─── load client ── HTTP/1.1 ─────────────┘      (the client is its own process)
 

@@ -12,8 +12,8 @@ encoding, header and idle timeouts. This module owns what HTTP leaves to the app
 - **isolation**: each request runs in its own ASGI call. An unexpected exception answers that request only: a
   500 whose body and ``x-request-id`` header carry a request id that is also logged with the traceback; the
   handler's own ``finally`` blocks (the dispatcher's) abort the request on every worker it reached;
-- **disconnects**: for a request that generates, a watcher task reads ``http.disconnect`` and cancels the handler,
-  which aborts the request on the workers, as the hand-written server's connection loss did;
+- **disconnects**: for a request that generates and is still running after ``WATCH_AFTER_S``, a watcher task
+  reads ``http.disconnect`` and cancels the handler, which aborts the request on the workers;
 - **metrics**: every response, from the handler or refused here, is counted by endpoint and status code.
 
 Request lifecycle: ASGI call → body read (limits) → ``Request`` → handler (gateway) → ``Response`` sent whole, or a
@@ -34,6 +34,7 @@ import orjson
 
 log = logging.getLogger(__name__)
 
+WATCH_AFTER_S = 0.05
 ASGIReceive = Callable[[], Awaitable[dict[str, Any]]]
 ASGISend = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -203,7 +204,6 @@ class ASGIApp:
     async def _http(self, scope: dict[str, Any], receive: ASGIReceive, send: ASGISend) -> None:
         path: str = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        rid = f"req-{os.urandom(8).hex()}"
         try:
             body = await self._read_body(headers, receive)
         except _Refused as e:
@@ -211,10 +211,14 @@ class ASGIApp:
                                                         headers={"connection": "close"}))
             return
         query = scope.get("query_string", b"").decode("latin-1")
-        request = Request(scope["method"], path, query, headers, body, rid, send)
+        request = Request(scope["method"], path, query, headers, body, "", send)
+        watcher: list[asyncio.Task[None]] = []
         me = asyncio.current_task()
-        watcher = (asyncio.ensure_future(self._watch(receive, request, me))
-                   if path in self.watch and me is not None else None)
+        # The disconnect watcher starts only for a request still running after WATCH_AFTER_S: most answers are
+        # sent sooner, and a task per request costs as much as the rest of this function.
+        timer = (asyncio.get_running_loop().call_later(
+            WATCH_AFTER_S, lambda: watcher.append(asyncio.ensure_future(self._watch(receive, request, me))))
+            if path in self.watch and me is not None else None)
         try:
             resp = await self.handler(request)
         except asyncio.CancelledError:
@@ -226,14 +230,17 @@ class ASGIApp:
             self.count(path, 499)  # the client closed the connection (nginx's code); its work was aborted
             return
         except Exception:
-            log.exception("request %s %s %s failed", rid, scope["method"], path)
+            request.request_id = f"req-{os.urandom(8).hex()}"
+            log.exception("request %s %s %s failed", request.request_id, scope["method"], path)
             if request.gone:
                 return
             await self._internal_error(send, request, path)
             return
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            if timer is not None:
+                timer.cancel()
+            for w in watcher:
+                w.cancel()
         if isinstance(resp, StreamResponse):
             self.count(path, resp.status)
             if not resp._eof:

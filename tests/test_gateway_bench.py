@@ -1,5 +1,5 @@
-"""``tandem bench gateway`` end to end, briefly: real fake-backend, router (one process, then two on one port through
-SO_REUSEPORT) and load-client processes on loopback.
+"""``tandem bench gateway`` end to end, briefly: real fake-backend, router (one process, then two on one port as
+granian's worker processes) and load-client processes on loopback.
 
 The backends are fakes (``bench.fake_worker``: canned tokens, no engine) because the benchmark measures the router's
 own overhead only. What is checked is that the report is well formed and sane (every phase answered, every answer

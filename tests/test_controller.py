@@ -343,3 +343,27 @@ def test_a_replica_whose_actor_died_is_replaced_and_its_worker_stopped(harness: 
         assert time.monotonic() < deadline, f"the orphaned worker {old.pid} still runs"
         time.sleep(0.1)
     assert harness.on_loop(lambda: [(r.replica_id, r.pid) for r in harness.controller.of_tier("decode")]) == decode
+
+
+def test_a_replica_ray_cannot_place_yet_is_the_first_to_go_on_scale_down(harness: Harness) -> None:
+    """Every free CPU of the Ray cluster is taken (as if the new replica's pod were pending): scaling decode 1 -> 2
+    leaves the new replica STARTING; scaling back to 1 removes that one at once, and the ready replica serves on,
+    untouched (a pending replica never holds a scale-down back)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    before = harness.on_loop(lambda: [(r.replica_id, r.pid) for r in harness.controller.of_tier("decode")])
+    hog = placement_group([{"CPU": ray.available_resources()["CPU"]}])
+    ray.get(hog.ready(), timeout=60)
+    try:
+        harness.control.SetReplicas(cpb.SetReplicasRequest(tier="decode", replicas=2), timeout=10)
+        time.sleep(2.0)  # a few reconcile steps
+        t = harness.tier("decode")
+        assert (t.desired, t.ready, t.starting) == (2, 1, 1), t
+        t1 = time.monotonic()
+        harness.control.SetReplicas(cpb.SetReplicasRequest(tier="decode", replicas=1), timeout=10)
+        harness.wait_tier("decode", 1, timeout_s=30)
+        print(f"\n[controller] pending replica removed {time.monotonic() - t1:.2f}s after the scale-down")
+    finally:
+        remove_placement_group(hog)
+    assert harness.on_loop(lambda: [(r.replica_id, r.pid) for r in harness.controller.of_tier("decode")]) == before

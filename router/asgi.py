@@ -49,7 +49,8 @@ class HTTPConfig:
     body_read_timeout_s: float = 30.0
     keep_alive: bool = True
     max_body_bytes: int = 16 << 20
-    max_header_bytes: int = 64 << 10  # granian's HTTP/1 read buffer: a head that does not fit is refused
+    max_header_bytes: int = 64 << 10  # granian's HTTP/1 read buffer; a head well past it gets 414/431 (hyper's
+    # check is against its buffer as it grows, so a head somewhat larger may still pass: 80 kB did at 64 kB)
     backlog: int = 1024
 
     def __post_init__(self) -> None:

@@ -6,8 +6,9 @@ Level-triggered, in three loops that all run the same ``reconcile``:
   object. An API-server failure raises ``kopf.TemporaryError(delay=...)``; a bad spec does not raise at all:
   it sets ``Degraded=True`` (reason ``InvalidSpec``) and posts one Warning Event per distinct message, and
   nothing is retried until the spec changes.
-- An owned object changed (``on.event`` on each owned kind, filtered by ``managed-by``): the same reconcile,
-  which patches a hand-edited owned field back (NVIDIA Dynamo #4420) and writes nothing otherwise.
+- An owned object changed or was deleted (``on.event`` on each owned kind, filtered by ``managed-by``): that one
+  object is rendered and applied again, which patches a hand-edited owned field back (NVIDIA Dynamo #4420) or
+  recreates it, and writes nothing otherwise.
 - A timer per TandemDeployment: reconcile again (a missed event is repaired within one interval), read the
   controller's ``Status``, forward any tier whose controller-side desired count differs from its TandemTier
   (``SetReplicas``), and write ``.status`` of the TandemDeployment and its TandemTiers when they changed.
@@ -24,7 +25,7 @@ import asyncio
 import datetime
 import logging
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import kopf
 from kubernetes_asyncio.client import ApiException
@@ -131,6 +132,27 @@ async def _reconcile(cfg: OperatorConfig, rt: Runtime, body: kopf.Body, namespac
     if changed:
         logger.info("reconciled: %s", ", ".join(changed))
     return parse(dict(body))
+
+
+async def reassert(rt: Runtime, td: dict[str, Any], namespace: str, kind: str, name: str,
+                   logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+    """An owned object changed or went away: converge that one object (a bad spec is the timer's to report)."""
+    async with rt.lock(namespace, td["metadata"]["name"]):
+        try:
+            monitoring = await rt.kube.has_group(MONITORING_GROUP)
+            objs = render(td, namespace, monitoring=monitoring)
+        except (SpecError, ApiException):
+            return
+        for obj in objs:
+            if obj["kind"] == kind and obj["metadata"]["name"] == name:
+                try:
+                    outcome = await apply(rt.kube, obj)
+                except ApiException as e:
+                    logger.warning("re-asserting %s/%s: %s %s; the timer retries", kind, name, e.status, e.reason)
+                    return
+                if outcome is not Outcome.UNCHANGED:
+                    metrics.WRITES.labels(kind, outcome.value).inc()
+                    logger.info("re-asserted %s/%s: %s", kind, name, outcome.value)
 
 
 async def _forward(cfg: OperatorConfig, rt: Runtime, namespace: str, td: str, tier: str, replicas: int) -> None:
@@ -284,9 +306,6 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
             td = await rt.kube.get(KINDS["TandemDeployment"], namespace, td_name)
             if td is None or td.get("metadata", {}).get("deletionTimestamp"):
                 return
-            try:  # the patch of a TandemDeployment's status belongs to its own handlers: discard it here
-                await reconcile(cfg, rt, kopf.Body(cast(kopf.RawBody, td)), namespace, kopf.Patch(), logger)
-            except kopf.TemporaryError as e:
-                logger.warning("re-asserting %s/%s: %s", body.get("kind"), body.get("metadata", {}).get("name"), e)
+            await reassert(rt, td, namespace, body.get("kind", ""), body.get("metadata", {}).get("name", ""), logger)
 
     return registry

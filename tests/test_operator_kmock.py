@@ -300,7 +300,8 @@ def test_scaling_a_tier_calls_set_replicas_clamped_and_is_not_reset_by_reconcile
 
 def test_hand_edit_of_an_owned_object_is_reasserted() -> None:
     """Against kmock (no kube-apiserver can run here): someone edits the router Deployment's replicas and image
-    (NVIDIA Dynamo #4420's fight); the operator patches both back, and keeps a label it does not own."""
+    (NVIDIA Dynamo #4420's fight); the operator patches both back, and keeps a label it does not own; a Service
+    deleted by hand comes back."""
     async def scenario() -> None:
         async with running_operator(interval_s=30.0) as c:  # the owned-object watch, not the timer, must do it
             await c.create_td(td_manifest())
@@ -318,6 +319,9 @@ def test_hand_edit_of_an_owned_object_is_reasserted() -> None:
             d = c.obj("deployments", "llama-router")
             assert d is not None and d["metadata"]["labels"]["team"] == "ml"
             assert d["spec"]["template"]["spec"]["containers"][0]["args"][:2] == ["-m", "router.serve"]
+            async with c.k.delete(f"/api/v1/namespaces/{NAMESPACE}/services/llama-router-metrics") as resp:
+                assert resp.status == 200
+            await until(lambda: c.obj("services", "llama-router-metrics"), timeout=20, what="the Service recreated")
     _run(scenario())
 
 
@@ -360,7 +364,7 @@ def test_an_api_server_error_is_retried_not_fatal() -> None:
             await c.create_td(td_manifest())
             await until(lambda: c.obj("deployments", "llama-router"), what="the router Deployment after retries")
             assert c.gets(path) >= 4
-            assert c.obj("services", "llama-router-metrics") is not None  # the rest of the list followed
+            await until(lambda: c.obj("networkpolicies", "llama-redis"), what="the rest of the list")
     _run(scenario())
 
 

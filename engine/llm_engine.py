@@ -31,6 +31,7 @@ from engine.request import Request, RequestStatus, TokenLogprobs
 from engine.sampler import Sampler, SampleResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured.compiler import GrammarCompiler
 from engine.tokenizer import Tokenizer
 
 
@@ -101,12 +102,13 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.sampler = Sampler(torch.Generator().manual_seed(config.seed), vocab_size=cfg.vocab_size)
         self.runner = ModelRunner(self.model, self.kv_caches, cache.block_size,
                                   config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                   self.max_model_len, self.kv.block_ids, self.sampler, device)
         self.eos_token_ids = _eos_ids(model_dir, cfg.eos_token_ids, self.tokenizer.eos_token_id)
         self.extra_keys = extra_keys_for(model=model_dir.name)
+        self._grammars: GrammarCompiler | None = None
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.current_step: SchedulerOutput | None = None  # set while a step's forward pass runs
@@ -139,10 +141,23 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, extra_keys=self.extra_keys,
                       block_size=self.block_size)
+        if params.structured is not None:
+            n = params.structured.num_replay_tokens
+            if n >= len(ids):
+                raise ValueError(f"structured output replays {n} tokens of a {len(ids)}-token prompt")
+            req.matcher = self.grammars.matcher(params.structured, ids[len(ids) - n:] if n else None)
         if params.stop or stream_text:
             self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
                                                       params.skip_special_tokens)
         return req
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler (built on the first constrained request: ~1 s for a large vocabulary)."""
+        if self._grammars is None:
+            eos = self.eos_token_ids[0] if self.eos_token_ids else None
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, eos)
+        return self._grammars
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     stream_text: bool = False) -> str:
@@ -197,6 +212,8 @@ class LLMEngine:
     def _accept_token(self, req: Request, token: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
         """Append one sampled token: detokenize, check stops, finish (freeing blocks) if it ends the request."""
         req.append_token(token)
+        if req.matcher is not None:
+            req.matcher.consume_token(token)
         if req.first_token_time is None:
             req.first_token_time = now
         if lp is not None:
@@ -248,6 +265,11 @@ class LLMEngine:
     def _check_stop(self, req: Request, token: int, detok: IncrementalDetokenizer | None) -> RequestStatus | None:
         p = req.params
         n = req.num_output_tokens
+        if req.matcher is not None and (req.matcher.is_stopped() or req.matcher.is_error()):
+            # The grammar is complete (or, never expected, the matcher refused a token: stop rather than sample
+            # from an empty mask).
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED if not req.matcher.is_error() else RequestStatus.FINISHED_ERROR
         if n >= p.min_tokens:
             if not p.ignore_eos and token in req.eos_token_ids:
                 req.stop_reason = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -75,6 +76,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.., when asked for
     generator: torch.Generator | None = None
     first_token_time: float | None = None
+    matcher: Any = None  # the llguidance matcher of a constrained request (params.structured), advanced per token
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

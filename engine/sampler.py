@@ -9,15 +9,22 @@ Reproducibility: a request with a seed draws from its own ``torch.Generator`` us
 vocabulary entry per step (the Gumbel-max trick, ``argmax(p / E)``). The draw depends only on the request's own
 probabilities and generator state, so the same seed gives the same tokens whatever else shares the batch.
 Unseeded rows share the engine's generator.
+
+Constrained rows (``params.structured``): after penalties and bias, every token the request's grammar does not allow
+next gets -inf (:mod:`engine.structured.bitmask`), then the same pick. :meth:`Sampler.begin`, called before the
+forward pass, starts computing those masks so that they overlap the model.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import llguidance as llg
 import torch
 
 from engine.request import Request, TokenLogprobs
+from engine.structured.bitmask import MaskBatch
 
 
 @dataclass(slots=True)
@@ -27,15 +34,38 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None, vocab_size: int = 0) -> None:
         self.generator = generator or torch.Generator().manual_seed(0)
+        self.vocab_size = vocab_size  # the grammar masks' width (0: the logits' width)
+        self._llg: llg.LLExecutor | None = None
+        self._background: ThreadPoolExecutor | None = None
+        self._pending: tuple[list[Request], MaskBatch] | None = None
+
+    def begin(self, requests: list[Request]) -> None:
+        """The rows the next call will sample: start computing their grammar masks (if any) in the background."""
+        self._pending = None
+        if self.vocab_size and any(r.matcher is not None for r in requests):
+            if self._background is None:
+                self._background = ThreadPoolExecutor(1, thread_name_prefix="tandem-mask")
+            masks = self._masks(requests, self.vocab_size)
+            masks.start()
+            self._pending = (requests, masks)
+
+    def _masks(self, requests: list[Request], vocab_size: int) -> MaskBatch:
+        if self._llg is None:
+            self._llg = llg.LLExecutor()
+        return MaskBatch(self._llg, [r.matcher for r in requests], vocab_size, self._background)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """``logits``: float32 [len(requests), vocab], on CPU or GPU."""
         n = len(requests)
         raw = logits
         params = [r.params for r in requests]
-        if all(p.greedy and not p.needs_processing for p in params):
+        pending, self._pending = self._pending, None
+        masks = pending[1] if pending is not None and pending[0] is requests else None
+        if masks is None and any(r.matcher is not None for r in requests):
+            masks = self._masks(requests, self.vocab_size or logits.shape[1])
+        if masks is None and all(p.greedy and not p.needs_processing for p in params):
             tokens = logits.argmax(dim=-1)
         else:
             logits = logits.clone()
@@ -44,6 +74,8 @@ class Sampler:
                     _apply_penalties(logits[i], r)
                 if r.params.logit_bias:
                     apply_logit_bias(logits[i], r.params.logit_bias)
+            if masks is not None:
+                masks.apply(logits)
             tokens = torch.empty(n, dtype=torch.long, device=logits.device)
             greedy_rows = [i for i, p in enumerate(params) if p.greedy]
             if greedy_rows:

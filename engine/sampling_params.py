@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.structured.spec import StructuredOutput
+
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
@@ -33,6 +35,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None  # a constraint on the output (JSON schema, regex, choice, grammar)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

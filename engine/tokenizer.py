@@ -66,6 +66,10 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what the structured-output compiler builds its own from)."""
+        return self._tok.to_str()
+
     @cached_property
     def _template_env(self) -> ImmutableSandboxedEnvironment:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)

@@ -7,7 +7,7 @@ offending parameter, so the gateway can answer ``{"error": {...}}`` exactly as O
 
 Nothing accepted is ignored. Every field of OpenAI's and vLLM's request schemas that changes what is generated or
 how it is returned is either implemented or refused with a 400 naming it (:data:`UNSUPPORTED`; e.g. ``tools``,
-``response_format`` other than ``{"type": "text"}``, ``guided_*``, ``suffix``, beam search), refused only when it
+``guided_whitespace_pattern``, ``suffix``, beam search), refused only when it
 asks for something other than the default. Fields outside both schemas are ignored, as vLLM does (OpenAI itself
 refuses them): SDKs and harnesses add bookkeeping fields (``user``, ``metadata``, ``store``, ``service_tier``, new
 ones every release) that change no output, and refusing them would break clients for nothing, while every field
@@ -42,12 +42,10 @@ def _not(*defaults: Any) -> Any:
 
 
 # Known fields that would change output and are not implemented: each refused (400 naming it) when it asks for
-# anything but the default. The structured-output fields wait for the structured-output issue.
+# anything but the default. The structured-output fields are parsed in router.structured_fields.
 UNSUPPORTED: dict[str, Any] = {
-    "response_format": lambda v: v is not None and v != {"type": "text"},
     "tools": _not([]), "tool_choice": _not("none"), "functions": _not([]), "function_call": _not("none"),
-    "guided_json": _not(), "guided_regex": _not(), "guided_choice": _not(), "guided_grammar": _not(),
-    "guided_decoding_backend": _not(), "guided_whitespace_pattern": _not(), "structured_outputs": _not(),
+    "guided_whitespace_pattern": _not(),
     "suffix": _not(""), "use_beam_search": _not(False), "length_penalty": _not(1, 1.0), "early_stopping": _not(False),
     "allowed_token_ids": _not(), "bad_words": _not([]), "truncate_prompt_tokens": _not(),
     "skip_special_tokens": _not(True), "spaces_between_special_tokens": _not(True),
@@ -209,6 +207,11 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str
             if not isinstance(v, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in v):
                 raise APIError(400, f"'{name}' must be a list of token ids in [0, {vocab_size})", name)
             params.stop_token_ids.extend(v)
+    from router.structured_fields import parse_structured  # it imports APIError from here
+
+    so = parse_structured(body, tokenizer, vocab_size)
+    if so is not None:
+        params.structured.CopyFrom(pb.StructuredOutput(kind=so.kind, spec=so.spec, strict=so.strict))
     bias = _logit_bias(body.get("logit_bias"), vocab_size)
     if bias:
         params.logit_bias.update(bias)

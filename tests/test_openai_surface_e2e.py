@@ -222,7 +222,7 @@ def test_include_stop_str_in_output_keeps_the_stop_string(client: openai.OpenAI,
 
 @pytest.mark.parametrize(("field", "value"), [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("response_format", {"type": "json_object"}), ("tool_choice", "required"), ("guided_json", {"type": "object"})])
+    ("tool_choice", "required"), ("response_format", {"type": "json_schema", "json_schema": {"schema": 3}})])
 def test_chat_refuses_what_it_cannot_honour_naming_the_field(client: openai.OpenAI, field: str, value: Any) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "hi"}], max_tokens=2,

@@ -48,11 +48,10 @@ def refused(tok: Tokenizer, field: str, chat: bool = False, **body: Any) -> APIE
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("response_format", {"type": "json_object"}), ("response_format", {"type": "json_schema", "json_schema": {}}),
+    ("response_format", {"type": "json_schema", "json_schema": {}}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("tool_choice", {"type": "function", "function": {"name": "f"}}), ("functions", [{"name": "f"}]),
-    ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]),
-    ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"regex": "a"}), ("suffix", "tail"),
+    ("guided_whitespace_pattern", " *"), ("suffix", "tail"),
     ("use_beam_search", True), ("skip_special_tokens", False), ("allowed_token_ids", [1, 2]),
     ("truncate_prompt_tokens", 8), ("chat_template", "{{ x }}"), ("cache_salt", "s")])
 def test_unsupported_fields_are_refused_with_a_400_naming_them(tok: Tokenizer, field: str, value: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.llm_engine import RequestOutput
 from engine.request import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured.spec import StructuredOutput
 from proto.tandem.v1 import worker_pb2 as pb
 
 
@@ -29,7 +30,16 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         skip_special_tokens=not p.keep_special_tokens,
         logit_bias=tuple(sorted(p.logit_bias.items())),
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        structured=structured_from_proto(p.structured) if p.HasField("structured") else None,
     )
+
+
+def structured_from_proto(s: pb.StructuredOutput) -> StructuredOutput:
+    return StructuredOutput(kind=s.kind, spec=s.spec, strict=s.strict, num_replay_tokens=s.num_replay_tokens)
+
+
+def structured_to_proto(s: StructuredOutput) -> pb.StructuredOutput:
+    return pb.StructuredOutput(kind=s.kind, spec=s.spec, strict=s.strict, num_replay_tokens=s.num_replay_tokens)
 
 
 def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
@@ -47,6 +57,8 @@ def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
         msg.seed = s.seed
     if s.logprobs is not None:
         msg.logprobs = s.logprobs
+    if s.structured is not None:
+        msg.structured.CopyFrom(structured_to_proto(s.structured))
     return msg
 
 

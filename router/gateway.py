@@ -409,7 +409,9 @@ class Gateway:
     async def _fan_in(self, req: GenerationRequest, choices: list[Choice], plans: list[Plan],
                       tasks: list[asyncio.Task[None]]) -> AsyncGenerator[_Item, None]:
         """Every choice's stream items as they come: one pump task per choice (added to ``tasks``), one queue."""
-        queue: asyncio.Queue[_Item | None] = asyncio.Queue()
+        # Bounded: a client that reads slowly holds the pumps back, and through them the workers (backpressure,
+        # router/session.py); an unbounded queue would take every token as fast as the workers make it.
+        queue: asyncio.Queue[_Item | None] = asyncio.Queue(maxsize=4 * len(choices))
 
         async def pump(c: Choice) -> None:
             try:
@@ -418,6 +420,8 @@ class Gateway:
                     await queue.put((c, text, c.logprobs[sent:]))
                     sent = len(c.logprobs)
                 await queue.put(None)
+            except asyncio.CancelledError:  # the stream ended: nobody reads the queue any more
+                raise
             except BaseException as e:  # surfaced to the client as an SSE error event
                 await queue.put(e)
 

@@ -215,6 +215,14 @@ class WorkerSession:
             self._out_pace[rid] = pause
             self._kick()
 
+    def pace(self, rid: str, pause: bool) -> None:
+        """Pause (or resume) request ``rid`` on the worker, whichever call carries it (a disaggregated ``Decode``
+        stream too: router/dispatch.py); opens the session's stream if none is open."""
+        if self._closed:
+            return
+        self._ensure_open()
+        self._pace(rid, pause)
+
     def _has_out(self) -> bool:
         return bool(self._out_generate or self._out_abort or self._out_pace)
 

@@ -55,16 +55,19 @@ def _slow_reader(port: int, body: bytes, stop: threading.Event, got: list[int]) 
             stop.wait(1.0)
 
 
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_a_1_byte_per_second_reader_is_paused_bounded_and_alone(
-        checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]]) -> None:
-    """The slow stream asks for 3000 tokens. The worker generates a bounded number for it and then pauses it
-    (Load.paused = 1, generated_tokens stops growing, far below 3000); the router holds at most a bounded number of
-    its tokens; four other streams run meanwhile and come back exact and fast. When the slow client goes away, its
-    request is aborted and every block is free."""
+        mode: str, checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]]) -> None:
+    """The slow stream asks for 3000 tokens, on the decode worker's session (colocated) or on a Decode stream after
+    a prefill worker's handoff (disaggregated). The decode worker generates a bounded number for it and then pauses
+    it (Load.paused = 1, generated_tokens stops growing, far below 3000); the router holds at most a bounded number
+    of its tokens; four other streams run meanwhile and come back exact and fast. When the slow client goes away,
+    its request is aborted and every block is free."""
     path = checkpoint("llama")
-    w = start_worker("decode", str(path), "tcp", ["--num-kv-blocks", "512", "--threads", "1",
-                                                  "--stream-stall-timeout", "600"])
-    rt = RouterThread(RouterConfig(model=str(path), workers=(w.address,)))
+    flags = ["--num-kv-blocks", "512", "--threads", "1"]
+    w = start_worker("decode", str(path), "tcp", [*flags, "--stream-stall-timeout", "600"])
+    pre = start_worker("prefill", str(path), "tcp", flags) if mode == "disaggregated" else None
+    rt = RouterThread(RouterConfig(model=str(path), workers=(w.address, *([pre.address] if pre else []))))
     stop = threading.Event()
     got = [0]
     reader: threading.Thread | None = None
@@ -72,8 +75,9 @@ def test_a_1_byte_per_second_reader_is_paused_bounded_and_alone(
         with grpc.insecure_channel(w.address) as ch:
             stub = pb_grpc.WorkerStub(ch)
             base = _load(stub).generated_tokens
-            body = json.dumps({"model": path.name, "prompt": [11, 12, 13, 14, 15], "max_tokens": MAX_TOKENS,
-                               "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+            prompt = list(range(11, 111 if pre else 16))  # long enough to be routed disaggregated, or short
+            body = json.dumps({"model": path.name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                               "ignore_eos": True, "stream": True}).encode()
             reader = threading.Thread(target=_slow_reader, args=(rt.port, body, stop, got), daemon=True)
             reader.start()
             # Wait until the worker has paused the slow request and its count has stopped growing.
@@ -92,13 +96,15 @@ def test_a_1_byte_per_second_reader_is_paused_bounded_and_alone(
             assert slow_tokens < MAX_TOKENS // 2, f"{slow_tokens} tokens generated for a client that reads nothing"
 
             def buffered(r: object) -> int:
+                """Tokens the router's session holds for its requests (the colocated path's buffer)."""
                 session = r.pool.workers[w.address].session  # type: ignore[attr-defined]
                 return max((p.buffered for p in session._pending.values()), default=0)
 
-            held = rt.call(buffered)
             limit = rt.call(lambda r: r.dispatcher.config.max_buffered_tokens)
-            print(f"slow stream: {slow_tokens} tokens generated, {held} held by the router, {got[0]} bytes read")
-            assert 0 < held <= 2 * limit, f"the router holds {held} tokens of the slow stream"
+            held = rt.call(buffered)
+            print(f"slow {mode} stream: {slow_tokens} tokens generated, {held} held by the router's session, "
+                  f"{got[0]} bytes read")
+            assert held <= 2 * limit and (held > 0) == (mode == "colocated"), f"the router holds {held} tokens"
 
             # The others are unaffected: exact and prompt, while the slow one stays paused.
             tok = Tokenizer(path)
@@ -139,3 +145,5 @@ def test_a_1_byte_per_second_reader_is_paused_bounded_and_alone(
             reader.join(10)
         rt.stop()
         w.stop()
+        if pre is not None:
+            pre.stop()

@@ -170,14 +170,22 @@ class AioWorker(pb_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         replies: asyncio.Queue[pb.SessionReply | None] = asyncio.Queue(maxsize=2)
 
+        gone = threading.Event()  # the handler returned: nobody takes replies any more
+
         def produce() -> None:  # the session's reply thread: one reply in hand at a time
             try:
                 for reply in session.replies():
-                    asyncio.run_coroutine_threadsafe(replies.put(reply), loop).result()
+                    put = asyncio.run_coroutine_threadsafe(replies.put(reply), loop)
+                    while not gone.is_set():
+                        with contextlib.suppress(TimeoutError):
+                            put.result(0.5)
+                            break
+                    else:
+                        put.cancel()  # the rest of the session's replies are dropped as it ends
+                if not gone.is_set():
+                    asyncio.run_coroutine_threadsafe(replies.put(None), loop)
             except (RuntimeError, concurrent.futures.CancelledError):  # the server's loop is gone
                 return
-            with contextlib.suppress(RuntimeError):
-                asyncio.run_coroutine_threadsafe(replies.put(None), loop)
 
         async def read() -> None:
             try:
@@ -194,10 +202,9 @@ class AioWorker(pb_grpc.WorkerServicer):
             while (reply := await replies.get()) is not None:
                 yield reply
         finally:
+            gone.set()
             session.close()
             reader.cancel()
-            while not replies.empty():  # unblock the reply thread's last put, if it is waiting
-                replies.get_nowait()
 
     async def Reserve(self, request: pb.ReserveRequest,
                       context: grpc.aio.ServicerContext[Any, Any]) -> pb.ReserveResponse:

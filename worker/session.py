@@ -115,10 +115,9 @@ class WorkerSession:
 
     def _pace(self, pause: list[str], resume: list[str]) -> None:
         """Backpressure from the router (worker/parking.py): stop generating for requests whose client is not
-        reading, and go on with those it caught up with."""
+        reading, and go on with those it caught up with. Any request of this worker: the router paces its
+        disaggregated ``Decode`` streams over its session too."""
         parking = self.service.parking
-        with self._lock:
-            pause = [rid for rid in pause if rid in self._live]
 
         def pace(eng: LLMEngine) -> None:
             for rid in pause:

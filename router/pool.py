@@ -4,7 +4,10 @@ Workers come from static addresses (``tandem up``, config) or the Redis registry
 ``grpc.aio`` channel, polls ``Load`` every ``poll_interval_s`` (feeding the load tracker) and follows its
 ``KVEvents`` stream into the KV index, resyncing from ``Snapshot`` whenever the index reports a sequence gap or
 the stream breaks. A worker that fails health checks is marked down and gets no requests until it answers again;
-a draining worker is kept for in-flight work but gets nothing new.
+a draining worker is kept for in-flight work but gets nothing new. Health is re-read every ``HEALTH_REFRESH_S``
+besides, so that a worker drained by its controller (its ``Drain`` RPC) is seen draining within that time even
+without a registry; draining is one-way (a worker never leaves it), so the flag, once seen or set here by the
+controller of ``tandem up``, stays set.
 
 A worker that answers no probe (``Load`` or ``Health``) and delivers nothing on its streams (its session, its
 ``Decode`` calls) for ``dead_after_s`` is cut off; traffic counts as an answer, so a saturated worker whose probes
@@ -37,6 +40,7 @@ from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from router.session import WorkerSession, host_of
 
 log = logging.getLogger(__name__)
+HEALTH_REFRESH_S = 1.0
 
 
 class IndexSink(Protocol):
@@ -64,6 +68,7 @@ class Worker:
     mismatch: str = ""  # why this worker is refused (it hashes KV blocks differently from the router), or ""
     last_load: pb.LoadResponse | None = None
     last_seen: float = 0.0
+    health_at: float = 0.0  # when Health last answered
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     calls: set[Any] = field(default_factory=set)  # in-flight gRPC calls a cut-off cancels (router/dispatch.py)
     unanswered_since: float | None = None  # when the first probe that got no answer was sent
@@ -180,7 +185,7 @@ class WorkerPool:
         except grpc.aio.AioRpcError:
             w.healthy = False
             return False
-        w.role, w.worker_id, w.draining, w.compat_hash = h.role, h.worker_id, h.draining, h.compat_hash
+        w.role, w.worker_id, w.draining, w.compat_hash = h.role, h.worker_id, w.draining or h.draining, h.compat_hash
         if w.session is not None:  # the worker's plain-TCP Session port, on the host its gRPC address names
             w.session.use_tcp(host_of(w.address), h.session_port)
         mismatch = self._hashing_mismatch(h)
@@ -188,7 +193,7 @@ class WorkerPool:
             log.error("refusing worker %s (%s): %s", h.worker_id, w.address, mismatch)
         w.mismatch = mismatch
         w.healthy = h.status == "SERVING" and not mismatch
-        w.last_seen = time.monotonic()
+        w.last_seen = w.health_at = time.monotonic()
         return True
 
     def _hashing_mismatch(self, h: pb.HealthResponse) -> str:
@@ -211,7 +216,7 @@ class WorkerPool:
                 w.last_load = ld
                 w.last_seen = time.monotonic()
                 self._answered(w)
-                if not w.healthy:
+                if not w.healthy or w.last_seen - w.health_at >= HEALTH_REFRESH_S:
                     await self._health(w)
                 if self.load is not None and w.worker_id:
                     self.load.update_from_report(w.worker_id, ld.waiting, ld.running + ld.waiting_for_kv,

@@ -107,6 +107,31 @@ def test_a_silent_worker_is_cut_off_and_taken_back_once_it_answers() -> None:
     asyncio.run(scenario())
 
 
+def test_a_worker_drained_elsewhere_is_seen_draining_within_a_second_and_stays_so() -> None:
+    """Its controller's ``Drain`` reaches the worker, not the router: the pool's periodic Health finds the flag
+    while Load keeps answering, stops offering the worker for either role, and never clears the flag again."""
+    class _Draining(_Stub):
+        draining = False
+
+        async def Health(self, request: pb.HealthRequest, timeout: float) -> pb.HealthResponse:
+            return pb.HealthResponse(status="SERVING", role="decode", worker_id="w0", draining=self.draining)
+
+    async def scenario() -> None:
+        stub = _Draining()
+        pool, w, _, task = _start(stub)
+        await _until(lambda: w.role == "decode")
+        assert pool.available("decode") == [w]
+        stub.draining = True
+        await _until(lambda: w.draining, timeout_s=3.0)
+        assert pool.available("decode") == [] and w.healthy  # kept for in-flight work, offered nothing new
+        stub.draining = False  # a stale answer (sent before the Drain) cannot undo it
+        await asyncio.sleep(1.5)
+        assert w.draining
+        await _stop(pool, task)
+
+    asyncio.run(scenario())
+
+
 def test_dead_after_must_be_positive() -> None:
     with pytest.raises(ValueError, match="dead_after_s"):
         WorkerPool([], dead_after_s=0)

@@ -6,16 +6,23 @@ sparse MoE layers, tied embeddings), so one class serves them all.
 Weights load through a per-parameter ``weight_loader`` (attached to each parameter) and a packed-modules mapping:
 HF's separate ``q_proj``/``k_proj``/``v_proj`` land in shards of one ``qkv_proj`` matrix, ``gate_proj``/``up_proj``
 in ``gate_up_proj``, and per-expert matrices in stacked expert tensors. The loaders take a tensor-parallel rank and
-world size and copy only this rank's slice: attention heads and MLP columns are split (column parallel), ``o_proj``
-and ``down_proj`` rows are split (row parallel, summed by ``all_reduce``), norms and embeddings are replicated.
+world size and copy only this rank's slice:
+
+- column parallel: attention heads (q, and k/v split across ranks, or replicated when there are fewer KV heads than
+  ranks) and MLP gate/up columns;
+- row parallel: ``o_proj`` and ``down_proj`` input columns, whose partial products ``tp_reduce`` sums;
+- vocab parallel: the embedding and the LM head hold ``ceil(vocab / tp)`` rows each; a rank embeds only its ids
+  (zeros elsewhere) and writes its logits into a zero row of the whole vocabulary, and ``tp_reduce`` sums both.
+  Every element then has one non-zero term, so the sum is exact (an all-gather done with the one collective);
+- norms and the MoE router are replicated; experts are split across expert-parallel ranks (``ep_reduce``).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import ClassVar, cast
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +55,20 @@ class ShardSpec:
         if not 0 <= self.ep_rank < self.ep_size:
             raise ValueError(f"ep_rank={self.ep_rank} not in [0, ep_size={self.ep_size})")
 
+    def vocab_rows(self, vocab_size: int) -> tuple[int, int]:
+        """(first row, rows per rank) of this rank's slice of a vocab-parallel table; the last may be padded."""
+        per = -(-vocab_size // self.tp_size)
+        return self.tp_rank * per, per
+
+
+def check_tp_heads(num_heads: int, num_kv_heads: int, tp: int) -> None:
+    """Raise ValueError unless ``tp`` ranks can split the attention heads (KV heads split or replicated)."""
+    if num_heads % tp:
+        raise ValueError(f"tensor parallel size {tp} must divide the attention heads ({num_heads})")
+    if num_kv_heads % tp and tp % num_kv_heads:
+        raise ValueError(f"tensor parallel size {tp} must divide the KV heads ({num_kv_heads}) or be a multiple of "
+                         "them (KV heads are then replicated)")
+
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(empty_on_huge_pages(shape, dtype), requires_grad=False)
@@ -57,10 +78,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: ShardSpec, dtype: torch.dtype, rotary: RotaryEmbedding) -> None:
         super().__init__()
         tp = shard.tp_size
-        if cfg.num_heads % tp or cfg.num_kv_heads % tp:
-            raise ValueError(f"tp_size={tp} must divide heads={cfg.num_heads} and kv heads={cfg.num_kv_heads}")
+        check_tp_heads(cfg.num_heads, cfg.num_kv_heads, tp)
         self.heads = cfg.num_heads // tp
-        self.kv_heads = cfg.num_kv_heads // tp
+        self.kv_heads = max(cfg.num_kv_heads // tp, 1)
+        # the checkpoint's first KV head on this rank: with fewer KV heads than ranks, the one its q heads share
+        self.kv_head_start = shard.tp_rank * cfg.num_kv_heads // tp
         self.head_dim = cfg.head_dim
         self.q_size = self.heads * cfg.head_dim
         self.kv_size = self.kv_heads * cfg.head_dim
@@ -154,11 +176,12 @@ class CausalLM(nn.Module):
         self.ep_reduce = ep_reduce
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, dtype)
         self.rotary = rotary
-        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.vocab_start, self.vocab_rows = self.shard.vocab_rows(cfg.vocab_size)
+        self.embed_tokens = _param(self.vocab_rows, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.shard, dtype, rotary) for i in range(cfg.num_layers))
         self._layer_seq: tuple[DecoderLayer, ...] = tuple(cast("Iterable[DecoderLayer]", self.layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size,
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(self.vocab_rows, cfg.hidden_size,
                                                                                dtype=dtype)
         self._attach_loaders()
 
@@ -171,7 +194,7 @@ class CausalLM(nn.Module):
         ``after_layer(i)`` is called once layer ``i`` has written its KV, which is when its blocks can be sent.
         """
         layers = layers if layers is not None else range(self.cfg.num_layers)
-        x = F.embedding(input_ids, self.embed_tokens) if hidden is None else hidden
+        x = self.embed(input_ids) if hidden is None else hidden
         if meta.cos is None:
             meta.cos, meta.sin = self.rotary.tables(positions)
         seq = self._layer_seq
@@ -192,25 +215,45 @@ class CausalLM(nn.Module):
                 prepack_linear_weight(w)
         prepack_linear_weight(self.lm_head)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.tp_size == 1:
+            return F.embedding(input_ids, self.embed_tokens)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_rows)
+        x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        return self.tp_reduce(x.masked_fill_(outside.unsqueeze(1), 0.0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(self.norm.forward(hidden), self.lm_head).float()
+        logits = linear(self.norm.forward(hidden), self.lm_head).float()
+        if self.shard.tp_size == 1:
+            return logits
+        full = logits.new_zeros(logits.shape[0], self.vocab_rows * self.shard.tp_size)
+        full.narrow(1, self.vocab_start, self.vocab_rows).copy_(logits)
+        return self.tp_reduce(full)[:, : self.cfg.vocab_size]
 
     # ---- weight loading -------------------------------------------------------------------------------------
 
     def _attach_loaders(self) -> None:
         sh = self.shard
+        _set_loader(self.embed_tokens, _vocab_loader(self.vocab_start, self.cfg.vocab_size))
+        if not self.cfg.tie_word_embeddings:
+            _set_loader(self.lm_head, _vocab_loader(self.vocab_start, self.cfg.vocab_size))
         for layer in cast("Iterable[DecoderLayer]", self.layers):
             attn = layer.self_attn
             q, kv = attn.q_size, attn.kv_size
-            offsets = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
-            _set_loader(attn.qkv_proj, _column_loader(offsets, sh))
+            kv_src, kv_total = attn.kv_head_start * attn.head_dim, self.cfg.num_kv_heads * attn.head_dim
+            # shard id -> (first row in the packed parameter, rows, first row in the checkpoint, checkpoint rows)
+            slices = {"q": (0, q, sh.tp_rank * q, q * sh.tp_size), "k": (q, kv, kv_src, kv_total),
+                      "v": (q + kv, kv, kv_src, kv_total)}
+            _set_loader(attn.qkv_proj, _column_loader(slices))
             if attn.qkv_bias is not None:
-                _set_loader(attn.qkv_bias, _column_loader(offsets, sh))
+                _set_loader(attn.qkv_bias, _column_loader(slices))
             _set_loader(attn.o_proj, _row_loader(sh))
             mlp = layer.mlp
             if isinstance(mlp, GatedMLP):
                 i = mlp.intermediate
-                _set_loader(mlp.gate_up_proj, _column_loader({0: (0, i), 1: (i, i)}, sh))
+                src, total = sh.tp_rank * i, i * sh.tp_size
+                _set_loader(mlp.gate_up_proj, _column_loader({0: (0, i, src, total), 1: (i, i, src, total)}))
                 _set_loader(mlp.down_proj, _row_loader(sh))
             elif isinstance(mlp, SparseMoE):
                 _set_loader(mlp.w13, _expert_loader(mlp))
@@ -316,12 +359,23 @@ def _default_loader(param: nn.Parameter, w: torch.Tensor, shard_id: object, expe
     param.data.copy_(w)
 
 
-def _column_loader(offsets: dict, sh: ShardSpec) -> Callable[..., None]:
+def _column_loader(slices: Mapping[Any, tuple[int, int, int, int]]) -> Callable[..., None]:
     def load(param: nn.Parameter, w: torch.Tensor, shard_id: str | int, expert: object) -> None:
-        start, size = offsets[shard_id]
-        if w.shape[0] != size * sh.tp_size:
-            raise ValueError(f"shard {shard_id!r}: checkpoint has {w.shape[0]} rows, expected {size * sh.tp_size}")
-        param.data.narrow(0, start, size).copy_(w.narrow(0, sh.tp_rank * size, size))
+        start, size, src, total = slices[shard_id]
+        if w.shape[0] != total:
+            raise ValueError(f"shard {shard_id!r}: checkpoint has {w.shape[0]} rows, expected {total}")
+        param.data.narrow(0, start, size).copy_(w.narrow(0, src, size))
+    return load
+
+
+def _vocab_loader(start: int, vocab_size: int) -> Callable[..., None]:
+    """This rank's rows ``[start, start + rows)`` of a vocab-parallel table; rows past the vocabulary are zero."""
+    def load(param: nn.Parameter, w: torch.Tensor, shard_id: object, expert: object) -> None:
+        if w.shape != (vocab_size, param.shape[1]):
+            raise ValueError(f"vocab table: checkpoint {tuple(w.shape)}, expected {(vocab_size, param.shape[1])}")
+        n = max(min(param.shape[0], vocab_size - start), 0)
+        param.data.narrow(0, 0, n).copy_(w.narrow(0, start, n))
+        param.data.narrow(0, n, param.shape[0] - n).zero_()
     return load
 
 

@@ -1,0 +1,53 @@
+"""How a replica is split into ranks, and the model constraints a split must meet (checked before anything starts).
+
+Every rank runs the same engine (scheduler, block pool, sampler) on the same requests, in lockstep: only the model's
+weights and KV heads are split, and the collectives inside the forward pass keep the ranks' hidden states and
+logits identical. Scheduling is deterministic, so no per-step broadcast is needed beyond the requests themselves.
+
+- ``tp`` ranks split attention heads, MLP columns and the vocabulary.
+- ``ep`` ranks split MoE experts. They are the same ranks as the TP group (``ep == tp``), or, with ``tp == 1``, ranks
+  whose attention is replicated. A replica therefore has ``max(tp, ep)`` ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.model_config import ModelConfig
+from engine.models.decoder import ShardSpec, check_tp_heads
+
+
+@dataclass(slots=True, frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.ep < 1:
+            raise ValueError(f"tp and ep must be >= 1, got tp={self.tp} ep={self.ep}")
+        if self.ep > 1 and self.tp > 1 and self.ep != self.tp:
+            raise ValueError(f"expert parallel size {self.ep} must equal the tensor parallel size {self.tp} "
+                             "(experts are split across the TP ranks) or TP must be 1")
+
+    @property
+    def world_size(self) -> int:
+        return max(self.tp, self.ep)
+
+    def shard(self, rank: int) -> ShardSpec:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} not in [0, {self.world_size})")
+        return ShardSpec(tp_rank=rank % self.tp, tp_size=self.tp, ep_rank=rank % self.ep, ep_size=self.ep)
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Raise ValueError naming the constraint this split breaks for ``cfg``."""
+        check_tp_heads(cfg.num_heads, cfg.num_kv_heads, self.tp)
+        if cfg.intermediate_size % self.tp:
+            raise ValueError(f"tensor parallel size {self.tp} must divide the MLP size ({cfg.intermediate_size})")
+        if self.ep > 1:
+            if cfg.moe is None:
+                raise ValueError(f"expert parallel size {self.ep} needs a MoE model; {cfg.architecture} has no experts")
+            if self.ep > cfg.moe.num_experts:
+                raise ValueError(f"expert parallel size {self.ep} is above the number of experts "
+                                 f"({cfg.moe.num_experts})")
+            if cfg.moe.num_experts % self.ep:
+                raise ValueError(f"expert parallel size {self.ep} must divide the experts ({cfg.moe.num_experts})")

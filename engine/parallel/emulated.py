@@ -1,0 +1,57 @@
+"""The split-emulating reference: a replica's ranks as threads of one process, summing partials in rank order.
+
+It builds the same per-rank shards as :class:`engine.parallel.llm.ParallelLLM` and runs them through
+:class:`engine.parallel.thread_group.ThreadGroup`, so its logits are those of a TP=1 computation that adds the same
+partial products in the same order. Real ranks must match it bit for bit (tests only).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from engine.llm import LLM, CompletionOutput
+from engine.model_config import ModelConfig
+from engine.models.decoder import _identity
+from engine.parallel.config import ParallelConfig
+from engine.parallel.logit_recorder import LogitRecorder
+from engine.parallel.thread_group import ThreadGroup
+from engine.sampling_params import SamplingParams
+
+
+def emulate(model: str, parallel: ParallelConfig, prompts: Sequence[str | list[int]], params: SamplingParams,
+            **llm_kwargs: Any) -> tuple[list[CompletionOutput], list[torch.Tensor], list[LLM]]:
+    """Rank 0's outputs and logits rows (per prompt), and every rank's engine (for block accounting)."""
+    parallel.check_model(ModelConfig.from_dir(model))
+    group = ThreadGroup(parallel.world_size)
+    llms, recorders = [], []
+    for rank in range(parallel.world_size):
+        red = group.reducer(rank)
+        llm = LLM(model, shard=parallel.shard(rank), tp_reduce=red if parallel.tp > 1 else _identity,
+                  ep_reduce=red if parallel.ep > 1 else _identity, **llm_kwargs)
+        llms.append(llm)
+        rec = LogitRecorder.attach(llm.engine)
+        rec.enabled = True
+        recorders.append(rec)
+    results: list[list[CompletionOutput] | None] = [None] * len(llms)
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = llms[rank].generate(prompts, params)
+        except BaseException as e:
+            errors.append(e)
+            group.abort()
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"emulated-rank{r}") for r in range(len(llms))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    assert results[0] is not None
+    return results[0], recorders[0].take(), llms

@@ -1,0 +1,127 @@
+"""``ParallelLLM``: the offline API (as :class:`engine.llm.LLM`) over a replica of tensor/expert-parallel ranks.
+
+The driver holds no model. It checks the split against the checkpoint's config (refusing a bad one before any
+process starts), spawns one process per rank (:mod:`.rank_process`), which join a gloo group on loopback, and sends
+each command to every rank. A rank that fails or dies takes the whole replica down: the driver stops every rank
+it started, by its process handle, and raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+
+from engine.llm import CompletionOutput
+from engine.model_config import ModelConfig
+from engine.parallel.config import ParallelConfig
+from engine.parallel.process_group import free_port
+from engine.parallel.rank_process import RankInfo, rank_main
+from engine.sampling_params import SamplingParams
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised or exited; the replica has been stopped."""
+
+
+class ParallelLLM:
+    def __init__(self, model: str, parallel: ParallelConfig, *, start_timeout_s: float = 300.0,
+                 command_timeout_s: float = 600.0, **llm_kwargs: Any) -> None:
+        parallel.check_model(ModelConfig.from_dir(model))
+        self.parallel = parallel
+        self.command_timeout_s = command_timeout_s
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._conns: list[Connection] = []
+        self._procs: list[BaseProcess] = []
+        try:
+            for rank in range(parallel.world_size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=rank_main, args=(rank, parallel, port, model, llm_kwargs, child),
+                                   name=f"tandem-rank{rank}", daemon=True)
+                proc.start()
+                child.close()
+                self._conns.append(parent)
+                self._procs.append(proc)
+            self.ranks: list[RankInfo] = self._gather(start_timeout_s, expect="ready")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    def generate(self, prompts: Sequence[str | list[int]], params: SamplingParams | Sequence[SamplingParams] | None
+                 = None, record_logits: bool = False) -> list[CompletionOutput]:
+        """As :meth:`engine.llm.LLM.generate`. With ``record_logits``, :attr:`last_logits` then holds each prompt's
+        sampled-from logits rows, ``[steps, vocab]`` in fp32, as rank 0 saw them."""
+        outs, logits = self._command(("generate", list(prompts), params, record_logits))[0]
+        self.last_logits: list[torch.Tensor] | None = logits
+        return outs  # type: ignore[no-any-return]
+
+    def check_block_accounting(self) -> None:
+        """Raise AssertionError unless every rank's block pool has every block free or cached."""
+        errors = [e for e in self._command(("check",)) if e is not None]
+        if errors:
+            raise AssertionError("; ".join(errors))
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.send(("close",))
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+
+    def __enter__(self) -> ParallelLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the pipes -------------------------------------------------------------------------------------------
+
+    def _command(self, cmd: tuple[Any, ...]) -> list[Any]:
+        for conn in self._conns:
+            conn.send(cmd)
+        return self._gather(self.command_timeout_s, expect="ok")
+
+    def _gather(self, timeout_s: float, expect: str) -> list[Any]:
+        """Each rank's reply, in rank order; any error, exit or timeout stops the replica and raises."""
+        replies: list[Any] = [None] * len(self._conns)
+        pending = set(range(len(self._conns)))
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            for rank in sorted(pending):
+                conn, proc = self._conns[rank], self._procs[rank]
+                if conn.poll(0.05):
+                    try:
+                        kind, value = conn.recv()
+                    except EOFError:
+                        kind, value = "error", f"rank {rank} closed its pipe (exit code {proc.exitcode})"
+                    if kind != expect:
+                        self.close(timeout_s=5.0)
+                        raise RankFailedError(str(value))
+                    replies[rank] = value
+                    pending.discard(rank)
+                elif not proc.is_alive():
+                    code = proc.exitcode
+                    self.close(timeout_s=5.0)
+                    raise RankFailedError(f"rank {rank} (pid {proc.pid}) exited with code {code}")
+            if time.monotonic() > deadline:
+                self.close(timeout_s=5.0)
+                raise RankFailedError(f"ranks {sorted(pending)} did not answer within {timeout_s:.0f} s")
+        return replies

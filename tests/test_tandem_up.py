@@ -398,8 +398,9 @@ def test_a_real_prometheus_scrapes_the_gateway_and_sees_every_worker(cluster: Cl
 def test_a_dead_worker_replica_is_restarted_and_re_registered(cluster: Cluster, client: openai.OpenAI,
                                                                checkpoint: Callable[[str], Path],
                                                                hf_greedy: Callable[..., list[int]]) -> None:
-    """SIGKILL the decode worker process: its Ray actor starts a new one, the router swaps the address, and
-    completions are exact again within a minute (the restarted worker is stopped by tandem down like the rest)."""
+    """SIGKILL the decode worker process: the controller replaces the replica (a new placement group and worker),
+    the router swaps the address, and completions are exact again within a minute (the replacement is stopped by
+    tandem down like the rest)."""
     decode = [p for p in cluster.state["worker_pids"]
               if "decode" in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()]
     assert len(decode) == 1

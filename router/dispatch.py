@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -61,7 +62,7 @@ class DisaggConfig:
     backoff_s: float = 0.05
     lease_ms: int = 30_000
     rpc_timeout_s: float = 300.0
-    # A streamed colocated request's tokens waiting for its client before the worker pauses it (router/session.py)
+    # A streamed request's tokens waiting for its client before the worker pauses it (router/session.py, _paced)
     max_buffered_tokens: int = 256
 
     def __post_init__(self) -> None:
@@ -357,8 +358,8 @@ class Dispatcher:
         if first.HasField("first_logprob"):
             dreq.first_logprob.CopyFrom(first.first_logprob)
         yield first_chunk(first, len(prompt))  # at once: decode's stream starts only once the KV has landed
-        async with contextlib.aclosing(_stream(plan.decode.stub.Decode(dreq, timeout=t), plan.decode,
-                                               "Decode")) as chunks:
+        call = plan.decode.stub.Decode(dreq, timeout=t)
+        async with contextlib.aclosing(_paced(call, plan.decode, rid, self.config.max_buffered_tokens)) as chunks:
             async for chunk in chunks:
                 if not chunk.num_cached_tokens:
                     chunk.num_cached_tokens = first.num_cached_tokens
@@ -420,6 +421,60 @@ async def _stream(call: Any, w: Worker, step: str) -> AsyncGenerator[pb.TokenChu
             # The last chunk is in and the status is on its way: cancelling now would reset the stream on the
             # worker. Cancel only a call that is still open a while later (a no-op once it has completed).
             asyncio.get_running_loop().call_later(_LINGER_S, call.cancel)
+
+
+async def _paced(call: Any, w: Worker, rid: str, limit: int) -> AsyncGenerator[pb.TokenChunk, None]:
+    """``Decode``'s stream, read ahead of the consumer by a task into a buffer of at most ``limit`` tokens. Past
+    that (the client reads slowly) the request is paused on the worker, over the router's session to it
+    (worker/parking.py), and resumed once the consumer has taken the buffer down to half: HTTP/2 flow control
+    alone would let the worker generate a whole window of small chunks (thousands of tokens) ahead of a client
+    that reads nothing."""
+    buf: deque[pb.TokenChunk] = deque()
+    buffered = 0
+    paused = False
+    ended = False
+    error: BaseException | None = None
+    wake = asyncio.Event()
+    session = w.session
+
+    async def pump() -> None:
+        nonlocal buffered, paused, ended, error
+        try:
+            async for chunk in _stream(call, w, "Decode"):
+                buf.append(chunk)
+                buffered += len(chunk.token_ids)
+                if buffered > limit and not paused and not chunk.finish_reason and session is not None:
+                    paused = True
+                    session.pace(rid, True)
+                wake.set()
+        except Exception as e:  # handed to the consumer
+            error = e
+        finally:
+            ended = True
+            wake.set()
+
+    task = asyncio.get_running_loop().create_task(pump())
+    try:
+        while True:
+            if buf:
+                chunk = buf.popleft()
+                buffered -= len(chunk.token_ids)
+                if paused and buffered <= limit // 2 and session is not None:
+                    paused = False
+                    session.pace(rid, False)
+                yield chunk
+                continue
+            if ended:
+                if error is not None:
+                    raise error
+                return
+            wake.clear()
+            await wake.wait()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 async def _abort(w: Worker, rid: str) -> None:

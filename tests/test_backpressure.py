@@ -9,6 +9,7 @@ the worker, which pauses the request: worker/parking.py).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -147,3 +148,46 @@ def test_a_1_byte_per_second_reader_is_paused_bounded_and_alone(
         w.stop()
         if pre is not None:
             pre.stop()
+
+
+def test_a_stream_paused_past_the_stall_timeout_fails_with_a_clear_error_not_retried(
+        checkpoint: Callable[[str], Path]) -> None:
+    """The router's session pauses a request whose consumer takes nothing (16 tokens buffered); the worker, with
+    ``--stream-stall-timeout 1``, fails it a second later. The consumer, when it comes back, gets what was
+    buffered and then FAILED_PRECONDITION naming the stall (the client's doing: the dispatcher does not retry
+    it), and the worker has freed every block."""
+    from router.session import SessionError, WorkerSession
+
+    w = start_worker("decode", str(checkpoint("llama")), "tcp", ["--num-kv-blocks", "128", "--threads", "1",
+                                                                 "--stream-stall-timeout", "1"])
+    try:
+        async def run() -> tuple[int, SessionError | None, pb.LoadResponse]:
+            async with grpc.aio.insecure_channel(w.address) as ch:
+                stub = pb_grpc.WorkerStub(ch)
+                session = WorkerSession(stub, w.address)
+                req = pb.GenerateRequest(request_id="stall", prompt_token_ids=[5, 6, 7],
+                                         params=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                                  ignore_eos=True))
+                gen = session.generate(req, 60.0, max_buffered_tokens=16)
+                got = len((await gen.__anext__()).token_ids)
+                await asyncio.sleep(4.0)  # takes nothing: paused, then failed by the worker
+                err = None
+                try:
+                    async for chunk in gen:
+                        got += len(chunk.token_ids)
+                except SessionError as e:
+                    err = e
+                deadline = time.monotonic() + 10
+                while (ld := await stub.Load(pb.LoadRequest(), timeout=10)).used_blocks:
+                    assert time.monotonic() < deadline, ld
+                    await asyncio.sleep(0.1)
+                await session.close()
+                return got, err, ld
+
+        got, err, ld = asyncio.run(run())
+        assert err is not None and err.code == grpc.StatusCode.FAILED_PRECONDITION, err
+        assert "stalled" in err.details, err.details
+        assert got < 200, f"{got} tokens generated for a consumer that took one chunk"
+        assert ld.paused == 0 and ld.running == 0 and ld.used_blocks == 0
+    finally:
+        w.stop()

@@ -75,8 +75,7 @@ class FakeHTTPWorker:
             events.append(b"data: " + orjson.dumps({"id": rid, "object": "text_completion", "created": 0,
                                                     "model": self.model, "choices": [], "usage": usage}) + b"\n\n")
         events.append(b"data: [DONE]\n\n")
-        for e in events:
-            await resp.write(e)
+        await resp.write(b"".join(events))  # every event at once: one ASGI send, as a fast backend would
         await resp.write_eof()
         return resp
 

@@ -278,7 +278,7 @@ def test_scale_decode_1_3_1_under_load_drains_before_removing(harness: Harness) 
     for r in removed:
         marked = r.draining_since
         assert marked is not None
-        assert any(d[0] < marked and d[2] == r.address for d in harness.dispatch_log), "it never served"
+        assert any(d[0] > marked for d in harness.dispatch_log), "no request was routed after the mark"
         late = [d for d in harness.dispatch_log if d[0] > marked and r.address in (d[2], d[3])]
         assert not late, f"{len(late)} requests routed to {r.replica_id} after it was marked draining"
         assert r.drain_acked and r.final_load is not None and r.removed_at is not None

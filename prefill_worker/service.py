@@ -16,6 +16,10 @@
   TTFT never waits on the transfer. The hold is dropped when the sender reports DONE or FAILED (peer death, lease
   expiry): every path frees the blocks. The sender wakes the engine loop the moment a transfer is DONE (that moment
   ends the request's ``TransferTiming``), so an idle loop frees the hold then, not at its next idle tick.
+
+Drain: an Inflight request has finished in the engine, yet its transfer is still work in flight. ``Drain`` counts
+it (``role_in_flight``) and a SIGTERM drain waits for it, so a drained worker goes only once every transfer it
+started ended DONE or FAILED.
 """
 
 from __future__ import annotations

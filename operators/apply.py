@@ -13,7 +13,11 @@ someone else and are never asserted over a live value:
 - a RayCluster worker group's ``replicas`` belongs to KubeRay's autoscaler; a patch carries the live value over
   (a merge patch replaces the whole ``workerGroupSpecs`` list).
 
-A no-op reconcile therefore issues GETs only: reconciling twice changes nothing.
+An owned object the TandemDeployment no longer renders (Redis after a switch to an external URL, the prefill
+tier's objects after the tier is removed) is deleted by ``prune``: only objects that carry this TandemDeployment's
+labels and its uid as their controller ownerReference, so nothing created by anyone else is touched.
+
+A no-op reconcile therefore issues reads only: reconciling twice changes nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import copy
 from enum import Enum
 from typing import Any
 
-from operators.kube import Kube, kind_of
+from operators.kube import Kind, Kube, kind_of
+from operators.labels import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGED_BY
 from operators.render import DEPLOYMENT_REPLICAS_ANNOTATION
 
 
@@ -84,3 +89,25 @@ async def apply(kube: Kube, desired: dict[str, Any]) -> Outcome:
         return Outcome.UNCHANGED
     await kube.patch(want)
     return Outcome.PATCHED
+
+
+def _owned_by(obj: dict[str, Any], uid: str) -> bool:
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(r.get("uid") == uid and r.get("controller") for r in refs)
+
+
+async def prune(kube: Kube, desired: list[dict[str, Any]], kinds: list[Kind], namespace: str, td_name: str,
+                td_uid: str) -> list[str]:
+    """Delete the objects of ``kinds`` that ``td`` owns but no longer renders; returns "Kind/name" of each."""
+    keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
+    selector = f"{LABEL_DEPLOYMENT}={td_name},{LABEL_MANAGED_BY}={MANAGED_BY}"
+    deleted = []
+    for kind in kinds:
+        for obj in await kube.list(kind, namespace, selector):
+            meta = obj.get("metadata", {})
+            labels = meta.get("labels") or {}
+            if (kind.kind, meta.get("name")) in keep or labels.get(LABEL_DEPLOYMENT) != td_name:
+                continue  # kept, or another deployment's (a list may ignore the selector)
+            if _owned_by(obj, td_uid) and await kube.delete(kind, namespace, meta["name"]):
+                deleted.append(f"{kind.kind}/{meta['name']}")
+    return deleted

@@ -1,7 +1,7 @@
 """A small typed door to the Kubernetes API for the objects the operator owns, on kubernetes_asyncio's ApiClient.
 
 kopf watches and patches the custom resources it handles; everything the operator creates goes through here:
-get, create, JSON merge patch (optionally of a subresource), list by label, and API-group discovery. The paths
+get, create, JSON merge patch (optionally of a subresource), list by label, delete, and API-group discovery. The paths
 come from a fixed table of the kinds the operator renders (no discovery round trip per object, and nothing it
 does not own can be touched by accident).
 
@@ -107,6 +107,16 @@ class Kube:
         meta = obj["metadata"]
         path = kind.path(meta["namespace"], meta["name"], subresource)
         return dict(await self._call("PATCH", path, body=obj, content_type=MERGE_PATCH))
+
+    async def delete(self, kind: Kind, namespace: str, name: str) -> bool:
+        """Delete one object, its dependents in the background; False when it was already gone."""
+        try:
+            await self._call("DELETE", kind.path(namespace, name), query=[("propagationPolicy", "Background")])
+        except k8s.ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
 
     async def has_group(self, group: str) -> bool:
         """Whether the API server serves ``group`` (e.g. monitoring.coreos.com for ServiceMonitors)."""

@@ -368,6 +368,31 @@ def test_an_api_server_error_is_retried_not_fatal() -> None:
     _run(scenario())
 
 
+def test_objects_the_deployment_no_longer_renders_are_deleted() -> None:
+    """Against kmock (no kube-apiserver can run here): switching Redis from in-cluster to an external URL deletes
+    the in-cluster Redis Deployment, Service and NetworkPolicy; an object of the same kind that the TandemDeployment
+    does not own is left alone."""
+    async def scenario() -> None:
+        async with running_operator(interval_s=60.0) as c:
+            await c.create_td(td_manifest())
+            await until(lambda: c.obj("networkpolicies", "llama-redis"), what="the in-cluster Redis objects")
+            foreign = {"apiVersion": "v1", "kind": "Service", "metadata": {
+                "name": "llama-notes", "namespace": NAMESPACE,
+                "labels": {"tandem.dev/deployment": "llama", "app.kubernetes.io/managed-by": "tandem-operator"}},
+                "spec": {"ports": [{"port": 80}]}}
+            async with c.k.post(f"/api/v1/namespaces/{NAMESPACE}/services", json=foreign) as resp:
+                assert resp.status in (200, 201)
+            await c.patch(f"{TD_PATH}/llama", {"metadata": {"generation": 2},
+                                               "spec": {"redis": {"inCluster": None, "url": "redis://r.ext:6379/0"}}})
+            await until(lambda: c.obj("deployments", "llama-redis") is None and c.obj("services", "llama-redis") is None
+                        and c.obj("networkpolicies", "llama-redis") is None, what="the Redis objects deleted")
+            router = c.obj("deployments", "llama-router")
+            assert router is not None and "redis://r.ext:6379/0" in router["spec"]["template"]["spec"][
+                "containers"][0]["args"]
+            assert c.obj("services", "llama-notes") is not None  # no ownerReference to the TandemDeployment
+    _run(scenario())
+
+
 def test_reconciling_twice_changes_nothing() -> None:
     """Against kmock (no kube-apiserver can run here): once settled, further reconciles (timer ticks, each
     re-rendering and comparing every owned object) issue no write at all."""

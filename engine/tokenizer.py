@@ -78,6 +78,7 @@ class Tokenizer:
             raise TemplateError(message)
 
         env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = _tojson  # transformers' (no HTML escaping), which tool-calling templates expect
         return env
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -88,5 +89,13 @@ class Tokenizer:
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        kwargs = {"tools": tools} if tools else {}
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
+                           add_special_tokens=False)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)

@@ -37,18 +37,21 @@ from engine.tokenizer import Tokenizer
 from proto.tandem.v1 import worker_pb2 as pb
 from router.admission import Admission, AdmissionConfig, retry_after_header
 from router.asgi import Request, Response, StreamResponse
+from router.chat_output import REASONING_PARSERS
 from router.dispatch import Dispatcher, DispatchError, Plan
 from router.metrics import RouterMetrics
 from router.openai_endpoints import UtilityEndpoints
 from router.openai_protocol import APIError, GenerationRequest, parse_request, usage
 from router.openai_responses import (
     Choice,
+    chat_deltas,
     chat_logprobs,
     completion_piece,
     final_body,
     new_choice,
     take_prompt_logprobs,
 )
+from router.tool_parsers import PARSERS
 
 log = logging.getLogger(__name__)
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -66,6 +69,8 @@ class GatewayConfig:
     # A non-streaming request is answered once, at the end, so the workers may send its tokens in chunks of this
     # many (worker.proto's output pacing): one gRPC message for a short answer instead of one per token.
     collect_chunk_tokens: int = 32
+    tool_call_parser: str = "hermes"  # how the model writes tool calls (router/tool_parsers.py)
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think>...</think> becomes reasoning_content
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -74,6 +79,11 @@ class GatewayConfig:
             raise ValueError(f"collect_chunk_tokens must be >= 0, got {self.collect_chunk_tokens}")
         if self.max_prompt_bytes < 1 or self.inline_parse_bytes < 0 or self.parse_threads < 1:
             raise ValueError("max_prompt_bytes and parse_threads must be >= 1, inline_parse_bytes >= 0")
+        if self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
 
 
 _Item = tuple[Choice, str, list[pb.TokenLogprob]] | BaseException  # one streamed chunk of a choice, or its error
@@ -236,7 +246,8 @@ class Gateway:
             if _prompt_bytes(body, chat) > cfg.max_prompt_bytes:
                 raise APIError(413, f"the prompt is longer than {cfg.max_prompt_bytes} bytes",
                                "messages" if chat else "prompt")
-        return parse_request(body, chat, self.tokenizer, cfg.model_name, cfg.max_model_len, cfg.vocab_size)
+        return parse_request(body, chat, self.tokenizer, cfg.model_name, cfg.max_model_len, cfg.vocab_size,
+                             cfg.tool_call_parser, cfg.reasoning_parser)
 
     def _choice(self, req: GenerationRequest, index: int) -> Choice:
         return new_choice(req, index, self.tokenizer)
@@ -363,10 +374,11 @@ class Gateway:
                     last = now
                     if req.chat:
                         lp = chat_logprobs(self._tok, lps) if req.want_logprobs else None
-                        if text or lps:
-                            await _sse(resp, self._chunk(req, obj, c.index, {"content": text}, None, lp))
-                        if c.finish_reason:
-                            await _sse(resp, self._chunk(req, obj, c.index, {}, c.finish_reason, None))
+                        deltas, finish = chat_deltas(c, text, bool(lps))  # content, reasoning, tool calls
+                        for j, delta in enumerate(deltas):
+                            await _sse(resp, self._chunk(req, obj, c.index, delta, None, None if j else lp))
+                        if finish:
+                            await _sse(resp, self._chunk(req, obj, c.index, {}, finish, None))
                     else:
                         await _sse(resp, {"id": req.request_id, "object": obj, "created": req.created,
                                           "model": req.model, "choices": [completion_piece(

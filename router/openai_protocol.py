@@ -6,8 +6,8 @@ offending parameter, so the gateway can answer ``{"error": {...}}`` exactly as O
 ``/v1/completions`` request) plus wire sampling params.
 
 Nothing accepted is ignored. Every field of OpenAI's and vLLM's request schemas that changes what is generated or
-how it is returned is either implemented or refused with a 400 naming it (:data:`UNSUPPORTED`; e.g. ``tools``,
-``guided_whitespace_pattern``, ``suffix``, beam search), refused only when it
+how it is returned is either implemented or refused with a 400 naming it (:data:`UNSUPPORTED`; e.g. the
+deprecated ``functions``, ``guided_whitespace_pattern``, ``suffix``, beam search), refused only when it
 asks for something other than the default. Fields outside both schemas are ignored, as vLLM does (OpenAI itself
 refuses them): SDKs and harnesses add bookkeeping fields (``user``, ``metadata``, ``store``, ``service_tier``, new
 ones every release) that change no output, and refusing them would break clients for nothing, while every field
@@ -44,7 +44,7 @@ def _not(*defaults: Any) -> Any:
 # Known fields that would change output and are not implemented: each refused (400 naming it) when it asks for
 # anything but the default. The structured-output fields are parsed in router.structured_fields.
 UNSUPPORTED: dict[str, Any] = {
-    "tools": _not([]), "tool_choice": _not("none"), "functions": _not([]), "function_call": _not("none"),
+    "functions": _not([]), "function_call": _not("none"),
     "guided_whitespace_pattern": _not(),
     "suffix": _not(""), "use_beam_search": _not(False), "length_penalty": _not(1, 1.0), "early_stopping": _not(False),
     "allowed_token_ids": _not(), "bad_words": _not([]), "truncate_prompt_tokens": _not(),
@@ -94,6 +94,9 @@ class GenerationRequest:
     prompts: list[list[int]] = field(default_factory=list)
     best_of: int = 1
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, as the client asked (None: not asked)
+    tools: Any = None  # router.tool_choice.ToolRequest of a chat request with tools
+    tool_parser: str = "hermes"  # how the model writes tool calls (router/tool_parsers.py)
+    reasoning: bool = False  # split <think>...</think> into reasoning_content
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -146,7 +149,8 @@ def _stops(body: dict[str, Any]) -> list[str]:
 
 
 def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str, max_model_len: int,
-                  vocab_size: int) -> GenerationRequest:
+                  vocab_size: int, tool_parser: str = "hermes",
+                  reasoning_parser: str | None = None) -> GenerationRequest:
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
     model = body.get("model")
@@ -156,7 +160,12 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{served_model}'", "model",
                        code="model_not_found")
     _refuse_unsupported(body, chat)
-    prompts = [chat_token_ids(body, tokenizer)] if chat else _prompts(body, tokenizer, vocab_size)
+    from router.structured_fields import parse_structured  # they import APIError from here
+    from router.tool_choice import parse_tools
+
+    tools = parse_tools(body, chat)
+    prompts = [chat_token_ids(body, tokenizer, tools=list(tools.tools) if tools else None)] if chat else \
+        _prompts(body, tokenizer, vocab_size)
     n = _num(body, "n", 1, 1, MAX_N, integer=True)
     best_of = _num(body, "best_of", n, 1, MAX_BEST_OF, integer=True)
     if best_of < n:
@@ -207,9 +216,13 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str
             if not isinstance(v, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in v):
                 raise APIError(400, f"'{name}' must be a list of token ids in [0, {vocab_size})", name)
             params.stop_token_ids.extend(v)
-    from router.structured_fields import parse_structured  # it imports APIError from here
-
     so = parse_structured(body, tokenizer, vocab_size)
+    forced = tools.constraint if tools is not None else None
+    if forced is not None:
+        if so is not None:
+            raise APIError(400, f"tool_choice {body.get('tool_choice')!r} is a constraint of its own: it cannot be "
+                           "combined with a structured output constraint", "tool_choice")
+        so = forced
     if so is not None:
         params.structured.CopyFrom(pb.StructuredOutput(kind=so.kind, spec=so.spec, strict=so.strict))
     bias = _logit_bias(body.get("logit_bias"), vocab_size)
@@ -258,7 +271,8 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str
                              prompt_token_ids=prompts[0], params=params, n=n, stream=stream,
                              include_usage=bool(opts.get("include_usage", False)), echo=echo,
                              logprobs=logprobs, want_logprobs=logprobs is not None, prompts=prompts,
-                             best_of=best_of, prompt_logprobs=prompt_logprobs)
+                             best_of=best_of, prompt_logprobs=prompt_logprobs, tools=tools, tool_parser=tool_parser,
+                             reasoning=chat and reasoning_parser is not None)
 
 
 def _is_int(v: Any) -> bool:
@@ -322,7 +336,8 @@ def _prompt_ids(prompt: Any, tokenizer: Tokenizer, vocab_size: int, where: str) 
     raise APIError(400, f"'{where}' must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
-def chat_token_ids(body: dict[str, Any], tokenizer: Tokenizer, add_generation_prompt: bool = True) -> list[int]:
+def chat_token_ids(body: dict[str, Any], tokenizer: Tokenizer, add_generation_prompt: bool = True,
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list", "messages")
@@ -332,6 +347,15 @@ def chat_token_ids(body: dict[str, Any], tokenizer: Tokenizer, add_generation_pr
             raise APIError(400, f"messages[{i}] needs a 'role' of system, user, assistant, developer or tool",
                            f"messages[{i}].role")
         content = m.get("content")
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if calls is not None:
+            if not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) for c in calls):
+                raise APIError(400, f"messages[{i}].tool_calls must be a list of function calls",
+                               f"messages[{i}].tool_calls")
+            if content is None:
+                content = ""
         if isinstance(content, list):  # content parts: keep the text ones
             texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
             if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
@@ -340,9 +364,14 @@ def chat_token_ids(body: dict[str, Any], tokenizer: Tokenizer, add_generation_pr
             content = "".join(t for t in texts if isinstance(t, str))
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string", f"messages[{i}].content")
-        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+        entry: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+        if calls:
+            entry["tool_calls"] = calls
+        if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
+            entry["tool_call_id"] = m["tool_call_id"]
+        clean.append(entry)
     try:
-        return tokenizer.encode_chat(clean, add_generation_prompt=add_generation_prompt)
+        return tokenizer.encode_chat(clean, add_generation_prompt=add_generation_prompt, tools=tools)
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
 

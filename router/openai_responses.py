@@ -25,6 +25,7 @@ from typing import Any
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 from proto.tandem.v1 import worker_pb2 as pb
+from router.chat_output import ChatOutput
 from router.openai_protocol import GenerationRequest, usage
 
 TokenText = Callable[[int], str]  # a token id's text (special tokens included)
@@ -46,13 +47,32 @@ class Choice:
     prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked for
     offset: int = 0  # text_offset of the next streamed token
     started: bool = False  # its first stream chunk is written (the echo, prompt logprobs went with it)
+    output: ChatOutput | None = None  # a chat choice with tools or a reasoning parser: its text split up
 
 
 def new_choice(req: GenerationRequest, index: int, tokenizer: Tokenizer) -> Choice:
     """Sequence ``index`` of ``req``: it runs prompt ``index // best_of``."""
     return Choice(index, IncrementalDetokenizer(tokenizer, tuple(req.params.stop),
                                                 req.params.include_stop_str_in_output),
-                  prompt=req.prompts[index // req.best_of])
+                  prompt=req.prompts[index // req.best_of], output=chat_output(req))
+
+
+def chat_output(req: GenerationRequest) -> ChatOutput | None:
+    if not req.chat or (req.tools is None and not req.reasoning):
+        return None
+    return ChatOutput(req.tools, req.tool_parser, req.reasoning)
+
+
+def chat_deltas(c: Choice, text: str, has_logprobs: bool) -> tuple[list[dict[str, Any]], str | None]:
+    """A streamed chat choice's deltas for its new ``text`` and its finish reason once it has one."""
+    if c.output is None:
+        return ([{"content": text}] if text or has_logprobs else []), c.finish_reason
+    deltas = c.output.feed(text)
+    finish = c.finish_reason
+    if finish:
+        more, finish = c.output.finish(finish)
+        deltas += more
+    return deltas, finish
 
 
 def take_prompt_logprobs(c: Choice, chunk: pb.TokenChunk) -> None:
@@ -83,9 +103,7 @@ def final_body(req: GenerationRequest, choices: list[Choice], tok: TokenText, de
     best = shown(req, choices)
     if req.chat:
         out["object"] = "chat.completion"
-        out["choices"] = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                           "logprobs": chat_logprobs(tok, c.logprobs) if req.want_logprobs else None,
-                           "finish_reason": c.finish_reason} for c in best]
+        out["choices"] = [_chat_choice(req, c, tok) for c in best]
         if req.prompt_logprobs is not None and best:
             out["prompt_logprobs"] = prompt_logprobs(tok, best[0].prompt_logprobs, req.prompt_logprobs)
     else:
@@ -96,6 +114,18 @@ def final_body(req: GenerationRequest, choices: list[Choice], tok: TokenText, de
             c.offset = 0
             out["choices"].append(completion_piece(req, c, c.text, c.logprobs, tok, decode))
     return out
+
+
+def _chat_choice(req: GenerationRequest, c: Choice, tok: TokenText) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    finish = c.finish_reason
+    split = chat_output(req)
+    if split is not None:
+        split.feed(c.text)
+        finish = split.finish(finish)[1]
+        message = split.message()
+    return {"index": c.index, "message": message,
+            "logprobs": chat_logprobs(tok, c.logprobs) if req.want_logprobs else None, "finish_reason": finish}
 
 
 def completion_piece(req: GenerationRequest, c: Choice, text: str, lps: Sequence[pb.TokenLogprob],

@@ -131,6 +131,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests-per-prefill-worker", type=int, default=256,
                    help="admission: requests in flight in this router per prefill worker; 429 beyond")
     p.add_argument("--retry-after", type=float, default=1.0, metavar="S", help="Retry-After of a 429 or 503")
+    p.add_argument("--tool-call-parser", default="hermes", choices=("hermes", "llama3_json", "mistral"),
+                   help="how the model writes tool calls, parsed with tool_choice auto")
+    p.add_argument("--reasoning-parser", default=None, choices=("qwen3", "deepseek_r1"),
+                   help="split <think>...</think> into message.reasoning_content")
     from auth.credentials import add_args as add_credential_args
 
     add_credential_args(p)  # the workers' cluster token and mTLS: --auth-token-file, --tls-cert/--tls-key/--tls-ca
@@ -157,7 +161,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         block_size=args.block_size, worker_dead_after_s=args.worker_dead_after,
                         api_keys=tuple(args.api_key), api_key_file=args.api_key_file, http=http_config(args),
                         admission=admission, max_prompt_bytes=args.max_prompt_bytes, metrics_port=args.metrics_port,
-                        credentials=from_args(args))
+                        credentials=from_args(args), tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser)
 
 
 def stop_on_signals() -> asyncio.Event:
@@ -208,7 +213,9 @@ def child_argv(args: argparse.Namespace, port: int, grpc_port: int | None) -> li
             str(args.body_read_timeout), "--max-body-bytes", str(args.max_body_bytes), "--max-prompt-bytes",
             str(args.max_prompt_bytes), "--max-requests-per-decode-worker", str(args.max_requests_per_decode_worker),
             "--max-requests-per-prefill-worker", str(args.max_requests_per_prefill_worker), "--retry-after",
-            str(args.retry_after)]
+            str(args.retry_after), "--tool-call-parser", args.tool_call_parser]
+    if args.reasoning_parser:
+        argv += ["--reasoning-parser", args.reasoning_parser]
     for key in args.api_key:
         argv += ["--api-key", key]
     for flag, value in (("--redis", args.redis), ("--served-model-name", args.served_model_name),

@@ -49,6 +49,8 @@ class RouterConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     max_prompt_bytes: int = 2 << 20
     metrics_port: int | None = None  # /metrics on a port of its own (and not on the gateway's)
+    tool_call_parser: str = "hermes"  # hermes | llama3_json | mistral (router/tool_parsers.py)
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1 (router/chat_output.py)
 
     def __post_init__(self) -> None:
         if not self.workers and not self.redis:
@@ -146,6 +148,7 @@ async def build_router(cfg: RouterConfig) -> Router:
     metrics = RouterMetrics(pool, retries=lambda: stats.retries, migrations=lambda: stats.migrations)
     gateway = Gateway(GatewayConfig(cfg.served_model_name or model.name, max_len, vocab,
                                     max_prompt_bytes=cfg.max_prompt_bytes,
-                                    metrics_on_main_port=cfg.metrics_port is None),
+                                    metrics_on_main_port=cfg.metrics_port is None,
+                                    tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser),
                       tokenizer, dispatcher, metrics, ApiKeys.load(cfg.api_keys, cfg.api_key_file), cfg.admission)
     return Router(pool, index, dispatcher, gateway, cfg.http, bus)

@@ -221,7 +221,7 @@ def test_include_stop_str_in_output_keeps_the_stop_string(client: openai.OpenAI,
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tools", [{"type": "function", "function": {"name": 3}}]),
     ("tool_choice", "required"), ("response_format", {"type": "json_schema", "json_schema": {"schema": 3}})])
 def test_chat_refuses_what_it_cannot_honour_naming_the_field(client: openai.OpenAI, field: str, value: Any) -> None:
     with pytest.raises(openai.BadRequestError) as e:

@@ -49,7 +49,7 @@ def refused(tok: Tokenizer, field: str, chat: bool = False, **body: Any) -> APIE
 
 @pytest.mark.parametrize(("field", "value"), [
     ("response_format", {"type": "json_schema", "json_schema": {}}),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("tool_choice", "required"),
     ("tool_choice", {"type": "function", "function": {"name": "f"}}), ("functions", [{"name": "f"}]),
     ("guided_whitespace_pattern", " *"), ("suffix", "tail"),
     ("use_beam_search", True), ("skip_special_tokens", False), ("allowed_token_ids", [1, 2]),

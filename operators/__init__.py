@@ -3,9 +3,14 @@
 network policies.
 
 Modules, in the order a reconcile uses them: ``spec`` (validate the custom resource into typed config), ``render``
-and its ``render_*`` parts (pure: spec -> manifest dicts), ``apply`` (create or patch each object to the fields the
-operator owns, through ``kube``), ``control`` (the controller's gRPC ``Control`` API), ``status`` (actual state into
-``.status``), ``handlers`` (the kopf registry that wires them), ``config`` (the operator's own settings).
+with ``render_ray``, ``render_router``, ``render_redis``, ``render_policy``, ``pods`` and ``labels`` (pure: spec ->
+manifest dicts), ``apply`` (create, patch to the fields the operator owns, prune what is no longer rendered) over
+``kube`` (the Kubernetes API), ``control`` (the controller's gRPC ``Control`` API), ``status`` (actual state into
+``.status``), ``handlers`` (the kopf registry that wires them), ``metrics`` and ``config`` (the operator's own).
+
+What it touches (the chart's RBAC grants exactly this): TandemDeployments (watch, patch, status), TandemTiers,
+RayClusters, Deployments, Services, PodDisruptionBudgets, NetworkPolicies and ServiceMonitors (watch, create,
+patch, delete), Events (create), and CRDs (list and watch: kopf learns from them which APIs exist).
 
 It imports neither torch nor ray (a test checks ``sys.modules``): the operator pod is small and starts in seconds.
 """

@@ -222,12 +222,15 @@ class WorkerPool:
                     self.load.update_from_report(w.worker_id, ld.waiting, ld.running + ld.waiting_for_kv,
                                                  ld.active_tokens, ld.used_blocks, ld.total_blocks)
             except grpc.aio.AioRpcError:
-                self.mark_down(w)
                 # Load waits for the engine's loop; Health does not: a busy worker still answers it, so only a
-                # worker that answers neither counts as silent.
+                # worker that answers neither is marked down (and, for dead_after_s, counts as silent). A busy one
+                # stays available meanwhile: its requests queue there, rather than failing with "no worker".
+                was_healthy = w.healthy
                 if await self._health(w):
                     self._answered(w)
-                else:
+                else:  # _health marked it down
+                    if was_healthy:
+                        log.warning("worker %s (%s) marked down: it answers no probe", w.worker_id, w.address)
                     self._unanswered(w, sent)
             await asyncio.sleep(self.poll_interval_s)
 

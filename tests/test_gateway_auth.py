@@ -151,3 +151,23 @@ def test_tandem_up_takes_api_keys_and_refuses_bad_ones_before_starting(tmp_path:
         UpConfig(api_key_file=str(tmp_path / "missing"))
     (tmp_path / "keys").write_text("admin:k\n")
     assert UpConfig(api_keys=("k1",), api_key_file=str(tmp_path / "keys")).api_keys == ("k1",)
+
+
+def test_two_router_processes_each_check_the_keys(worker: WorkerProcess, checkpoint: Callable[[str], Path]) -> None:
+    """``python -m router.serve --processes 2``: granian's two worker processes each build a router from the
+    parent's flags, keys included; connections land on either, and every one of them is checked."""
+    import sys
+
+    from router.serve import ReadyProcess
+
+    router = ReadyProcess.start("router x2", [sys.executable, "-m", "router.serve", "--model", str(checkpoint("llama")),
+                                             "--workers", worker.address, "--port", "0", "--processes", "2",
+                                             "--api-key", USER])
+    try:
+        url = f"http://127.0.0.1:{router.port}/v1/completions"
+        for _ in range(6):  # a new connection each: the kernel spreads them over both processes
+            assert httpx.post(url, json=_body(checkpoint), timeout=60).status_code == 401
+            r = httpx.post(url, json=_body(checkpoint), headers={"authorization": f"Bearer {USER}"}, timeout=60)
+            assert r.status_code == 200, r.text
+    finally:
+        assert router.stop() == 0, router.tail()

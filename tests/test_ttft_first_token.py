@@ -56,6 +56,7 @@ def test_first_sse_chunk_arrives_before_decode_starts_and_the_stream_stays_exact
         assert text == tok.decode(ref)
         assert arrivals[-1][1]["choices"][0]["finish_reason"] == "length"
         first_at, second_at = arrivals[0][0], arrivals[1][0]
+        print(f"first SSE chunk at {first_at * 1000:.0f} ms, decode's first at {second_at * 1000:.0f} ms")
         # Decode's stream starts only once the transfer landed, >= DELAY_S after prefill sampled the first token:
         # the first chunk came well before it.
         assert second_at - first_at >= DELAY_S * 0.8, (first_at, second_at)

@@ -29,13 +29,16 @@ def num_blocks_for(cache: CacheConfig, cfg: ModelConfig, dtype: torch.dtype, kv_
 
 def allocate_kv_cache(
     num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-    device: str | torch.device = "cpu",
+    device: str | torch.device = "cpu", layers: range | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pair per layer; only ``layers`` (a pipeline stage's, default all) get blocks, the rest none."""
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    if torch.device(device).type == "cpu":
-        return [(empty_on_huge_pages(shape, dtype).zero_(), empty_on_huge_pages(shape, dtype).zero_())
-                for _ in range(num_layers)]
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
-    ]
+    held = layers if layers is not None else range(num_layers)
+
+    def pair(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = (n, *shape[1:])
+        if torch.device(device).type == "cpu":
+            return empty_on_huge_pages(s, dtype).zero_(), empty_on_huge_pages(s, dtype).zero_()
+        return torch.zeros(s, dtype=dtype, device=device), torch.zeros(s, dtype=dtype, device=device)
+
+    return [pair(num_blocks if i in held else 0) for i in range(num_layers)]

@@ -26,7 +26,7 @@ from engine.kv_cache import allocate_kv_cache, num_blocks_for
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
-from engine.models.decoder import AllReduce, Attention, ShardSpec, _identity
+from engine.models.decoder import AllReduce, Attention, Pipe, ShardSpec, _identity
 from engine.request import Request, RequestStatus, TokenLogprobs
 from engine.sampler import Sampler, SampleResult
 from engine.sampling_params import SamplingParams
@@ -73,7 +73,7 @@ def _eos_ids(model_dir: Path, config_eos: tuple[int, ...], tok_eos: int | None) 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, shard: ShardSpec | None = None, tp_reduce: AllReduce = _identity,
-                 ep_reduce: AllReduce = _identity) -> None:
+                 ep_reduce: AllReduce = _identity, pipe: Pipe | None = None) -> None:
         self.config = config
         if config.device == "cpu":
             configure_cpu_runtime(config.num_threads)
@@ -84,7 +84,7 @@ class LLMEngine:
             raise RuntimeError("device cuda requested but torch.cuda.is_available() is False")
         dtype = config.torch_dtype
         self.model, self.model_config = load_model(model_dir, dtype, config.device,
-                                                   shard=shard, tp_reduce=tp_reduce, ep_reduce=ep_reduce)
+                                                   shard=shard, tp_reduce=tp_reduce, ep_reduce=ep_reduce, pipe=pipe)
         cfg = self.model_config
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         cache = config.cache
@@ -98,7 +98,7 @@ class LLMEngine:
         self.max_model_len = min(self.max_model_len, cache_tokens)
         self.block_size = cache.block_size
         self.kv_caches = allocate_kv_cache(cfg.num_layers, num_blocks, cache.block_size, kv_heads, cfg.head_dim,
-                                           dtype, device)
+                                           dtype, device, layers=self.model.stage)
         self.pool = BlockPool(num_blocks, cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from engine.model_config import ModelConfig
-from engine.models.decoder import AllReduce, CausalLM, ShardSpec, _identity
+from engine.models.decoder import AllReduce, CausalLM, Pipe, ShardSpec, _identity
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -47,11 +47,12 @@ def load_model(
     shard: ShardSpec | None = None,
     tp_reduce: AllReduce = _identity,
     ep_reduce: AllReduce = _identity,
+    pipe: Pipe | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     cfg = ModelConfig.from_dir(model_dir)
     positions = max_positions or cfg.max_position_embeddings
     with torch.device("cpu"):
-        model = CausalLM(cfg, dtype, positions, shard=shard, tp_reduce=tp_reduce, ep_reduce=ep_reduce)
+        model = CausalLM(cfg, dtype, positions, shard=shard, tp_reduce=tp_reduce, ep_reduce=ep_reduce, pipe=pipe)
     model.load_weights(iter_weights(model_dir))
     model.eval()
     if device != "cpu":

@@ -28,6 +28,13 @@ def test_ep_above_the_experts_or_on_a_dense_model_is_refused(checkpoint: Callabl
         ParallelConfig(tp=2, ep=4)
 
 
+def test_pp_above_the_layers_is_refused(checkpoint: Callable[[str], Path]) -> None:
+    with pytest.raises(ValueError, match=r"pipeline parallel size 5 is above the number of layers \(4\)"):
+        ParallelConfig(pp=5).check_model(ModelConfig.from_dir(checkpoint("llama")))
+    assert [ParallelConfig(pp=3).shard(r).stage_layers(4) for r in range(3)] == [range(0, 2), range(2, 3),
+                                                                                  range(3, 4)]
+
+
 def test_parallel_llm_refuses_a_bad_split_before_starting_a_rank(checkpoint: Callable[[str], Path]) -> None:
     with pytest.raises(ValueError, match="attention heads"):
         ParallelLLM(str(checkpoint("llama")), ParallelConfig(tp=3))
@@ -38,6 +45,8 @@ def test_ranks_map_to_tp_and_ep_shards() -> None:
     assert both.world_size == 2
     assert [(s.tp_rank, s.ep_rank) for s in map(both.shard, range(2))] == [(0, 0), (1, 1)]
     ep_only = ParallelConfig(ep=4)
+    tp_pp = ParallelConfig(tp=2, pp=2)
+    assert [(s.tp_rank, s.pp_rank) for s in map(tp_pp.shard, range(4))] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert ep_only.world_size == 4 and ep_only.shard(3).tp_size == 1 and ep_only.shard(3).ep_rank == 3
     with pytest.raises(ValueError):
         ParallelConfig(tp=0)

@@ -15,6 +15,10 @@ world size and copy only this rank's slice:
   (zeros elsewhere) and writes its logits into a zero row of the whole vocabulary, and ``tp_reduce`` sums both.
   Every element then has one non-zero term, so the sum is exact (an all-gather done with the one collective);
 - norms and the MoE router are replicated; experts are split across expert-parallel ranks (``ep_reduce``).
+
+Pipeline stages hold a contiguous range of layers (:meth:`ShardSpec.stage_layers`); the others are built but never
+loaded nor touched (their memory is never committed). A stage receives the previous stage's hidden states and sends
+its own through a :class:`Pipe`; the last stage's logits are shared with every rank.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +38,16 @@ from engine.model_config import ModelConfig
 from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE, linear, prepack_linear_weight
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Pipe(Protocol):
+    """A pipeline stage's links: hidden states from the previous stage, to the next, and the last stage's logits."""
+
+    def recv_hidden(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor: ...
+
+    def send_hidden(self, x: torch.Tensor) -> None: ...
+
+    def share_logits(self, logits: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor: ...
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -48,12 +62,30 @@ class ShardSpec:
     tp_size: int = 1
     ep_rank: int = 0
     ep_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
 
     def __post_init__(self) -> None:
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"pp_rank={self.pp_rank} not in [0, pp_size={self.pp_size})")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank={self.tp_rank} not in [0, tp_size={self.tp_size})")
         if not 0 <= self.ep_rank < self.ep_size:
             raise ValueError(f"ep_rank={self.ep_rank} not in [0, ep_size={self.ep_size})")
+
+    def stage_layers(self, num_layers: int) -> range:
+        """This pipeline stage's layers: contiguous, the first ``num_layers % pp_size`` stages one layer longer."""
+        base, extra = divmod(num_layers, self.pp_size)
+        start = self.pp_rank * base + min(self.pp_rank, extra)
+        return range(start, start + base + (self.pp_rank < extra))
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
     def vocab_rows(self, vocab_size: int) -> tuple[int, int]:
         """(first row, rows per rank) of this rank's slice of a vocab-parallel table; the last may be padded."""
@@ -167,10 +199,14 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
                  shard: ShardSpec | None = None, tp_reduce: AllReduce = _identity,
-                 ep_reduce: AllReduce = _identity) -> None:
+                 ep_reduce: AllReduce = _identity, pipe: Pipe | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.shard = shard or ShardSpec()
+        self.stage = self.shard.stage_layers(cfg.num_layers)
+        if self.shard.pp_size > 1 and pipe is None:
+            raise ValueError("a pipeline stage needs a pipe to its neighbours")
+        self.pipe = pipe
         self.dtype = dtype
         self.tp_reduce = tp_reduce
         self.ep_reduce = ep_reduce
@@ -189,11 +225,14 @@ class CausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 layers: range | None = None, hidden: torch.Tensor | None = None,
                 after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Run ``layers`` (all by default). A pipeline stage passes its range and the previous stage's ``hidden``.
+        """Run ``layers`` (this stage's by default) from ``hidden`` (the embeddings, or what the previous stage
+        sends through the pipe, by default).
 
         ``after_layer(i)`` is called once layer ``i`` has written its KV, which is when its blocks can be sent.
         """
-        layers = layers if layers is not None else range(self.cfg.num_layers)
+        layers = layers if layers is not None else self.stage
+        if hidden is None and self.pipe is not None and not self.shard.first_stage:
+            hidden = self.pipe.recv_hidden((input_ids.shape[0], self.cfg.hidden_size), self.dtype)
         x = self.embed(input_ids) if hidden is None else hidden
         if meta.cos is None:
             meta.cos, meta.sin = self.rotary.tables(positions)
@@ -202,11 +241,14 @@ class CausalLM(nn.Module):
             x = seq[i].forward(x, positions, meta, kv_caches[i], self.tp_reduce, self.ep_reduce)
             if after_layer is not None:
                 after_layer(i)
+        if self.pipe is not None and not self.shard.last_stage:
+            self.pipe.send_hidden(x)
         return x
 
     def prepack(self) -> None:
         """Pack the dense matmul weights for oneDNN (CPU); see :func:`prepack_linear_weight`."""
-        for layer in cast("Iterable[DecoderLayer]", self.layers):
+        for i in self.stage:
+            layer = self._layer_seq[i]
             attn = layer.self_attn
             weights = [attn.qkv_proj, attn.o_proj]
             if isinstance(layer.mlp, GatedMLP):
@@ -224,6 +266,12 @@ class CausalLM(nn.Module):
         return self.tp_reduce(x.masked_fill_(outside.unsqueeze(1), 0.0))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.pipe is None:
+            return self._logits(hidden)
+        shape = (hidden.shape[0], self.cfg.vocab_size)
+        return self.pipe.share_logits(self._logits(hidden) if self.shard.last_stage else None, shape)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(self.norm.forward(hidden), self.lm_head).float()
         if self.shard.tp_size == 1:
             return logits
@@ -307,11 +355,15 @@ class CausalLM(nn.Module):
             return (p + ("mlp.w13" if m.group(1) == "gate_up_proj" else "mlp.w2"), "fused", None)
         raise KeyError(name)
 
+    def in_stage(self, pname: str) -> bool:
+        layer = _layer_of(pname)
+        return layer is None or layer in self.stage
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         expected: dict[str, int] = {}
         for pname, param in params.items():
-            if pname == "lm_head" and self.cfg.tie_word_embeddings:
+            if (pname == "lm_head" and self.cfg.tie_word_embeddings) or not self.in_stage(pname):
                 continue
             expected[pname] = _expected_pieces(pname, param)
         seen: dict[str, int] = {}
@@ -323,6 +375,8 @@ class CausalLM(nn.Module):
             if target is None:
                 continue
             pname, shard_id, expert = target
+            if not self.in_stage(pname):
+                continue  # another pipeline stage's layer
             if pname not in params:
                 raise ValueError(f"weight {name!r} maps to {pname!r}, which this model does not have")
             param = params[pname]
@@ -333,6 +387,11 @@ class CausalLM(nn.Module):
         missing = [p for p, n in expected.items() if seen.get(p, 0) < n]
         if missing:
             raise ValueError(f"checkpoint is missing weights for {missing[:6]}{'...' if len(missing) > 6 else ''}")
+
+
+def _layer_of(pname: str) -> int | None:
+    m = re.match(r"layers\.(\d+)\.", pname)
+    return int(m.group(1)) if m else None
 
 
 def _expected_pieces(pname: str, param: nn.Parameter) -> int:

@@ -6,7 +6,9 @@ logits identical. Scheduling is deterministic, so no per-step broadcast is neede
 
 - ``tp`` ranks split attention heads, MLP columns and the vocabulary.
 - ``ep`` ranks split MoE experts. They are the same ranks as the TP group (``ep == tp``), or, with ``tp == 1``, ranks
-  whose attention is replicated. A replica therefore has ``max(tp, ep)`` ranks.
+  whose attention is replicated.
+- ``pp`` stages each hold a contiguous range of layers; a stage is ``max(tp, ep)`` ranks, so a replica has
+  ``max(tp, ep) * pp`` ranks, numbered stage by stage.
 """
 
 from __future__ import annotations
@@ -21,26 +23,36 @@ from engine.models.decoder import ShardSpec, check_tp_heads
 class ParallelConfig:
     tp: int = 1
     ep: int = 1
+    pp: int = 1
 
     def __post_init__(self) -> None:
-        if self.tp < 1 or self.ep < 1:
-            raise ValueError(f"tp and ep must be >= 1, got tp={self.tp} ep={self.ep}")
+        if self.tp < 1 or self.ep < 1 or self.pp < 1:
+            raise ValueError(f"tp, ep and pp must be >= 1, got tp={self.tp} ep={self.ep} pp={self.pp}")
         if self.ep > 1 and self.tp > 1 and self.ep != self.tp:
             raise ValueError(f"expert parallel size {self.ep} must equal the tensor parallel size {self.tp} "
                              "(experts are split across the TP ranks) or TP must be 1")
 
     @property
-    def world_size(self) -> int:
+    def stage_width(self) -> int:
+        """Ranks per pipeline stage."""
         return max(self.tp, self.ep)
+
+    @property
+    def world_size(self) -> int:
+        return self.stage_width * self.pp
 
     def shard(self, rank: int) -> ShardSpec:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} not in [0, {self.world_size})")
-        return ShardSpec(tp_rank=rank % self.tp, tp_size=self.tp, ep_rank=rank % self.ep, ep_size=self.ep)
+        stage, r = divmod(rank, self.stage_width)
+        return ShardSpec(tp_rank=r % self.tp, tp_size=self.tp, ep_rank=r % self.ep, ep_size=self.ep,
+                         pp_rank=stage, pp_size=self.pp)
 
     def check_model(self, cfg: ModelConfig) -> None:
         """Raise ValueError naming the constraint this split breaks for ``cfg``."""
         check_tp_heads(cfg.num_heads, cfg.num_kv_heads, self.tp)
+        if self.pp > cfg.num_layers:
+            raise ValueError(f"pipeline parallel size {self.pp} is above the number of layers ({cfg.num_layers})")
         if cfg.intermediate_size % self.tp:
             raise ValueError(f"tensor parallel size {self.tp} must divide the MLP size ({cfg.intermediate_size})")
         if self.ep > 1:

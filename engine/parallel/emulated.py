@@ -26,6 +26,8 @@ def emulate(model: str, parallel: ParallelConfig, prompts: Sequence[str | list[i
             **llm_kwargs: Any) -> tuple[list[CompletionOutput], list[torch.Tensor], list[LLM]]:
     """Rank 0's outputs and logits rows (per prompt), and every rank's engine (for block accounting)."""
     parallel.check_model(ModelConfig.from_dir(model))
+    if parallel.pp > 1:
+        raise ValueError("the split-emulating reference runs one pipeline stage (a pipeline changes no arithmetic)")
     group = ThreadGroup(parallel.world_size)
     llms, recorders = [], []
     for rank in range(parallel.world_size):

@@ -1,19 +1,23 @@
 """Joining a replica's rank processes with ``torch.distributed``: gloo on CPU, NCCL on CUDA (when available).
 
-Each rank calls :func:`join` with the same loopback rendezvous port; the returned reducer is what the model's
-``tp_reduce``/``ep_reduce`` call. With two ranks an all-reduce adds ``a + b`` (commutative, so bit-identical on both
-ranks and to an in-process ``p0 + p1``); see :mod:`engine.parallel.thread_group` for that reference.
+Every rank calls :func:`join` with the same loopback rendezvous port. Ranks are numbered stage by stage; each
+pipeline stage's ranks form the group its ``tp_reduce``/``ep_reduce`` sum over, and :class:`StagePipe` links a rank to
+the same-position rank of the neighbouring stages. With two ranks an all-reduce adds ``a + b`` (commutative, so
+bit-identical on both ranks and to an in-process ``p0 + p1``; see :mod:`engine.parallel.thread_group`).
 """
 
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from engine.models.decoder import AllReduce
+from engine.models.decoder import AllReduce, Pipe, _identity
+from engine.parallel.config import ParallelConfig
 
 
 def free_port() -> int:
@@ -30,16 +34,53 @@ def backend_for(device: str) -> str:
     return "gloo"
 
 
-def join(rank: int, world_size: int, port: int, device: str = "cpu", timeout_s: float = 300.0) -> AllReduce:
-    """Join the group of ``world_size`` ranks rendezvousing on ``127.0.0.1:port``; return its in-place sum."""
-    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+@dataclass(slots=True, frozen=True)
+class RankComms:
+    tp_reduce: AllReduce
+    ep_reduce: AllReduce
+    pipe: Pipe | None
 
-    def all_reduce(x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x)
+
+class StagePipe:
+    """Point-to-point hidden states between stages; the last stage's logits broadcast to every rank."""
+
+    def __init__(self, rank: int, parallel: ParallelConfig) -> None:
+        self.prev = rank - parallel.stage_width
+        self.next = rank + parallel.stage_width
+        self.logits_src = (parallel.pp - 1) * parallel.stage_width
+
+    def recv_hidden(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        x = torch.empty(shape, dtype=dtype)
+        dist.recv(x, src=self.prev)
         return x
 
-    return all_reduce
+    def send_hidden(self, x: torch.Tensor) -> None:
+        dist.send(x.contiguous(), dst=self.next)
+
+    def share_logits(self, logits: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
+        out = torch.empty(shape, dtype=torch.float32) if logits is None else logits.contiguous()
+        dist.broadcast(out, src=self.logits_src)
+        return out
+
+
+def join(rank: int, parallel: ParallelConfig, port: int, device: str = "cpu", timeout_s: float = 300.0) -> RankComms:
+    """Join the replica's group rendezvousing on ``127.0.0.1:port``; return this rank's collectives."""
+    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=parallel.world_size, timeout=timedelta(seconds=timeout_s))
+    width = parallel.stage_width
+    group: Any = None  # the whole world when there is one stage
+    if parallel.pp > 1:
+        # every rank creates every stage's group, in the same order (torch.distributed requires it)
+        groups = [dist.new_group(list(range(s * width, (s + 1) * width))) for s in range(parallel.pp)]
+        group = groups[rank // width]
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=group)
+        return x
+
+    return RankComms(tp_reduce=all_reduce if parallel.tp > 1 else _identity,
+                     ep_reduce=all_reduce if parallel.ep > 1 else _identity,
+                     pipe=StagePipe(rank, parallel) if parallel.pp > 1 else None)
 
 
 def leave() -> None:

@@ -15,7 +15,7 @@ from multiprocessing.connection import Connection
 from typing import Any, cast
 
 from engine.llm import LLM
-from engine.models.decoder import Attention, _identity
+from engine.models.decoder import Attention
 from engine.parallel.config import ParallelConfig
 from engine.parallel.logit_recorder import LogitRecorder
 from engine.parallel.process_group import join, leave
@@ -51,10 +51,12 @@ def cpus_for(rank: int, world_size: int, cpus: list[int]) -> list[int]:
 
 
 def weight_bytes(llm: LLM) -> int:
+    """Bytes of the weights this rank loaded (its shard of its stage's layers, plus what every rank holds)."""
+    model = llm.engine.model
     seen: set[int] = set()
     total = 0
-    for p in llm.engine.model.parameters():
-        if id(p) not in seen:
+    for name, p in model.named_parameters():
+        if model.in_stage(name) and id(p) not in seen:
             seen.add(id(p))
             total += p.numel() * p.element_size()
     return total
@@ -68,9 +70,9 @@ def rank_main(rank: int, parallel: ParallelConfig, port: int, model: str, llm_kw
         os.sched_setaffinity(0, cpus)
         shared = len(allowed) < parallel.world_size  # ranks share the cores: one thread each
         kwargs = {"num_threads": max(1, len(cpus) // parallel.world_size) if shared else len(cpus), **llm_kwargs}
-        reduce = join(rank, parallel.world_size, port, str(kwargs.get("device", "cpu")))
-        llm = LLM(model, shard=parallel.shard(rank), tp_reduce=reduce if parallel.tp > 1 else _identity,
-                  ep_reduce=reduce if parallel.ep > 1 else _identity, **kwargs)
+        comms = join(rank, parallel, port, str(kwargs.get("device", "cpu")))
+        llm = LLM(model, shard=parallel.shard(rank), tp_reduce=comms.tp_reduce, ep_reduce=comms.ep_reduce,
+                  pipe=comms.pipe, **kwargs)
         recorder = LogitRecorder.attach(llm.engine)
         attn = cast(Attention, llm.engine.model.layers[0].self_attn)
         conn.send(("ready", RankInfo(rank, os.getpid(), rss_bytes(), weight_bytes(llm), int(attn.kv_heads),

@@ -17,6 +17,7 @@ field added to either later is ignored until it is added here.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -160,7 +161,7 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{served_model}'", "model",
                        code="model_not_found")
     _refuse_unsupported(body, chat)
-    from router.structured_fields import parse_structured  # they import APIError from here
+    from router.structured_fields import parse_structured, parse_structured_spec  # they import APIError from here
     from router.tool_choice import parse_tools
 
     tools = parse_tools(body, chat)
@@ -224,7 +225,11 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str
                            "combined with a structured output constraint", "tool_choice")
         so = forced
     if so is not None:
-        params.structured.CopyFrom(pb.StructuredOutput(kind=so.kind, spec=so.spec, strict=so.strict))
+        if chat and reasoning_parser is not None:  # a free <think> block first, then the constraint
+            so = dataclasses.replace(so, after_reasoning=True)
+            parse_structured_spec(so, tokenizer, vocab_size)
+        params.structured.CopyFrom(pb.StructuredOutput(kind=so.kind, spec=so.spec, strict=so.strict,
+                                                       after_reasoning=so.after_reasoning))
     bias = _logit_bias(body.get("logit_bias"), vocab_size)
     if bias:
         params.logit_bias.update(bias)

@@ -55,11 +55,16 @@ def parse_structured(body: dict[str, Any], tokenizer: Tokenizer, vocab_size: int
         names = ", ".join(sorted({n for n, _ in found}))
         raise APIError(400, f"only one structured output constraint per request, got several ({names})", found[1][0])
     name, so = found[0]
+    parse_structured_spec(so, tokenizer, vocab_size, name)
+    return so
+
+
+def parse_structured_spec(so: StructuredOutput, tokenizer: Tokenizer, vocab_size: int, name: str = "") -> None:
+    """Compile ``so`` (cached) as the workers will; APIError(400) naming ``name`` if it does not compile."""
     try:
         compiler_for(tokenizer, vocab_size).grammar(so)
     except ValueError as e:
-        raise APIError(400, str(e), name) from None
-    return so
+        raise APIError(400, str(e), name or None) from None
 
 
 def _response_format(rf: Any) -> StructuredOutput | None:

@@ -196,3 +196,11 @@ def test_bad_specs_are_refused_naming_the_problem(llm: LLM, spec: StructuredOutp
     assert problem in str(e.value)
     with pytest.raises(ValueError):
         llm.engine.add_request(PROMPT, SamplingParams(structured=spec))
+
+
+def test_after_reasoning_leaves_the_think_block_free_and_constrains_what_follows(llm: LLM) -> None:
+    spec = StructuredOutput("regex", "[0-9]{3}", after_reasoning=True)
+    for text, ok in (("<think>anything, even {json or 12a</think>123", True), ("123", True),
+                     ("<think>x</think>12a", False), ("abc", False)):
+        m = llm.engine.grammars.matcher(spec)
+        assert m.consume_tokens(llm.tokenizer.encode(text, add_special_tokens=False)) == ok, text

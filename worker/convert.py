@@ -35,11 +35,13 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
 
 
 def structured_from_proto(s: pb.StructuredOutput) -> StructuredOutput:
-    return StructuredOutput(kind=s.kind, spec=s.spec, strict=s.strict, num_replay_tokens=s.num_replay_tokens)
+    return StructuredOutput(kind=s.kind, spec=s.spec, strict=s.strict, num_replay_tokens=s.num_replay_tokens,
+                            after_reasoning=s.after_reasoning)
 
 
 def structured_to_proto(s: StructuredOutput) -> pb.StructuredOutput:
-    return pb.StructuredOutput(kind=s.kind, spec=s.spec, strict=s.strict, num_replay_tokens=s.num_replay_tokens)
+    return pb.StructuredOutput(kind=s.kind, spec=s.spec, strict=s.strict, num_replay_tokens=s.num_replay_tokens,
+                               after_reasoning=s.after_reasoning)
 
 
 def params_to_proto(s: SamplingParams) -> pb.SamplingParams:

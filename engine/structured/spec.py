@@ -5,6 +5,9 @@ The kinds are those of OpenAI's ``response_format`` and vLLM's ``structured_outp
 keyword the library cannot enforce instead of ignoring it), ``regex``, ``choice`` (the spec is a JSON list of
 strings) and ``grammar`` (Lark, or llama.cpp's GBNF, which llguidance converts to Lark).
 
+``after_reasoning``: for a reasoning model (the router's ``--reasoning-parser``) the output may open with a
+``<think>...</think>`` block, left free; the constraint holds from the end of that block on.
+
 ``num_replay_tokens``: after a migration the router resends the tokens already generated at the end of the prompt;
 the new engine replays that many prompt-tail tokens into a fresh matcher before sampling, so the grammar state
 continues exactly where the failed worker left it.
@@ -22,6 +25,9 @@ from typing import Any
 
 import llguidance as llg
 
+# One lexeme: "<think>", anything without "</think>", then "</think>"; the answer's grammar follows.
+_REASONING_LARK = ("start: THINK @answer | @answer\n"
+                   r"THINK: /<think>(.|\n)*<\/think>/ & ~/<think>(.|\n)*<\/think>(.|\n)*<\/think>/")
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 _JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 
@@ -32,6 +38,7 @@ class StructuredOutput:
     spec: str = ""
     strict: bool = False
     num_replay_tokens: int = 0
+    after_reasoning: bool = False  # the constraint starts after an optional <think>...</think> block
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -44,9 +51,19 @@ class StructuredOutput:
     @property
     def key(self) -> str:
         """The compiled grammar's cache key: a hash of what determines it (not the replay count)."""
-        return hashlib.sha256(f"{self.kind}\0{int(self.strict)}\0{self.spec}".encode()).hexdigest()
+        return hashlib.sha256(f"{self.kind}\0{int(self.strict)}\0{int(self.after_reasoning)}\0{self.spec}".encode()
+                              ).hexdigest()
 
     def to_grammar(self) -> str:
+        """The llguidance grammar text (see :meth:`_grammar`), behind an optional reasoning block if asked."""
+        grammar = self._grammar()
+        if not self.after_reasoning:
+            return grammar
+        inner = json.loads(grammar)["grammars"]
+        inner[0]["name"] = "answer"
+        return json.dumps({"grammars": [{"lark_grammar": _REASONING_LARK}, *inner]})
+
+    def _grammar(self) -> str:
         """The llguidance grammar text. Raises ValueError for a spec that is not even well-formed (a JSON schema
         that is not JSON, a choice that is not a list of strings); deeper errors surface in validation."""
         if self.kind == "json_object":

@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="disaggregated mode's KV transfer (auto: nixl where installed, else tcp)")
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes joined by gloo; colocated)")
     gen.add_argument("--ep", type=int, default=1, help="expert-parallel ranks for a MoE model (colocated)")
+    gen.add_argument("--pp", type=int, default=1, help="pipeline stages, each a contiguous range of layers (colocated)")
     _add_engine_flags(gen)
 
     up = sub.add_parser("up", help="start a local cluster (Ray, prefill + decode workers, router) serving OpenAI")
@@ -167,14 +168,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
         if args.mode == "disaggregated":
-            if args.tp != 1 or args.ep != 1:
-                raise ValueError("--tp/--ep run colocated only (--mode colocated)")
+            if args.tp != 1 or args.ep != 1 or args.pp != 1:
+                raise ValueError("--tp/--ep/--pp run colocated only (--mode colocated)")
             return _print_outputs(args, _disaggregated(args, prompts, params))
         kw = dict(dtype=args.dtype, device=args.device, block_size=args.block_size,
                   num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, num_threads=args.threads)
-        if args.tp != 1 or args.ep != 1:
+        if args.tp != 1 or args.ep != 1 or args.pp != 1:
             from engine.parallel.config import ParallelConfig
             from engine.parallel.llm import ParallelLLM
 
@@ -182,7 +183,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 raise FileNotFoundError(f"{Path(args.model) / 'config.json'} not found: not an HF checkpoint directory")
             if args.threads is None:
                 kw.pop("num_threads")  # each rank takes its own cores
-            with ParallelLLM(args.model, ParallelConfig(tp=args.tp, ep=args.ep), **kw) as plm:
+            with ParallelLLM(args.model, ParallelConfig(tp=args.tp, ep=args.ep, pp=args.pp), **kw) as plm:
                 outputs = plm.generate(prompts, params)
         else:
             outputs = LLM(args.model, **kw).generate(prompts, params)  # type: ignore[arg-type]

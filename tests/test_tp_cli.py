@@ -1,4 +1,4 @@
-"""``tandem generate --tp/--ep``: a bad split exits 2 naming the constraint before any rank starts; TP=2 prints the
+"""``tandem generate --tp/--ep/--pp``: a bad split exits 2 naming the constraint before any rank starts; TP=2 prints the
 same greedy tokens as TP=1 (two real rank processes)."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def _generate(path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(("flags", "constraint"), [
     (["--tp", "3"], "tensor parallel size 3 must divide the attention heads (8)"),
     (["--ep", "2"], "expert parallel size 2 needs a MoE model"),
-    (["--tp", "2", "--mode", "disaggregated"], "--tp/--ep run colocated only"),
+    (["--pp", "5"], "pipeline parallel size 5 is above the number of layers (4)"),
+    (["--tp", "2", "--mode", "disaggregated"], "--tp/--ep/--pp run colocated only"),
 ])
 def test_generate_refuses_a_bad_split_with_exit_code_2(checkpoint: Callable[[str], Path], flags: list[str],
                                                        constraint: str) -> None:

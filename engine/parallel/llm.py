@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -95,9 +95,22 @@ class ParallelLLM:
     # ---- the pipes -------------------------------------------------------------------------------------------
 
     def _command(self, cmd: tuple[Any, ...]) -> list[Any]:
-        for conn in self._conns:
-            conn.send(cmd)
+        if not self._conns:
+            raise RankFailedError("the replica is stopped")
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send(cmd)
+            except OSError as e:
+                self._fail(f"rank {rank}'s pipe: {e}")
         return self._gather(self.command_timeout_s, expect="ok")
+
+    def _fail(self, reason: str) -> NoReturn:
+        """Stop every rank and raise, naming first the ranks that exited (the cause; the others' errors follow)."""
+        time.sleep(0.2)  # let a killed rank's exit be seen
+        dead = [f"rank {r} (pid {p.pid}) exited with code {p.exitcode}" for r, p in enumerate(self._procs)
+                if not p.is_alive()]
+        self.close(timeout_s=5.0)
+        raise RankFailedError("; ".join([*dead, reason]))
 
     def _gather(self, timeout_s: float, expect: str) -> list[Any]:
         """Each rank's reply, in rank order; any error, exit or timeout stops the replica and raises."""
@@ -113,15 +126,11 @@ class ParallelLLM:
                     except EOFError:
                         kind, value = "error", f"rank {rank} closed its pipe (exit code {proc.exitcode})"
                     if kind != expect:
-                        self.close(timeout_s=5.0)
-                        raise RankFailedError(str(value))
+                        self._fail(str(value))
                     replies[rank] = value
                     pending.discard(rank)
                 elif not proc.is_alive():
-                    code = proc.exitcode
-                    self.close(timeout_s=5.0)
-                    raise RankFailedError(f"rank {rank} (pid {proc.pid}) exited with code {code}")
+                    self._fail(f"rank {rank} stopped answering")
             if time.monotonic() > deadline:
-                self.close(timeout_s=5.0)
-                raise RankFailedError(f"ranks {sorted(pending)} did not answer within {timeout_s:.0f} s")
+                self._fail(f"ranks {sorted(pending)} did not answer within {timeout_s:.0f} s")
         return replies

@@ -42,6 +42,7 @@ from operators.spec import DeploymentSpec, SpecError, parse
 from operators.status import (
     deployment_status,
     invalid_spec_conditions,
+    missing_api_conditions,
     tier_desired,
     tier_status,
     with_transition_times,
@@ -62,7 +63,7 @@ class Runtime:
     kube: Kube
     control: ControlClients
     forwarded: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (ns, td, tier) -> last SetReplicas
-    invalid: dict[tuple[str, str], str] = field(default_factory=dict)  # (ns, td) -> the spec error reported
+    invalid: dict[tuple[str, str], str] = field(default_factory=dict)  # (ns, td) -> the Degraded message reported
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)  # one reconcile at a time per td
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
@@ -88,6 +89,19 @@ def _set_conditions(body: kopf.Body, patch: kopf.Patch, conditions: list[dict[st
     return True
 
 
+def _report(rt: Runtime, key: tuple[str, str], body: kopf.Body, patch: kopf.Patch,
+            logger: logging.Logger | logging.LoggerAdapter[Any], reason: str, message: str,
+            conditions: list[dict[str, str]]) -> None:
+    """Degraded with ``reason``: the conditions and one Warning Event per distinct message."""
+    if rt.invalid.get(key) == message:
+        return  # reported already; the patch of its condition may not be visible in ``body`` yet
+    rt.invalid[key] = message
+    if _set_conditions(body, patch, conditions):
+        patch.status["observedGeneration"] = body.get("metadata", {}).get("generation")
+        kopf.warn(body, reason=reason, message=message)
+        logger.warning("%s: %s", reason, message)
+
+
 async def reconcile(cfg: OperatorConfig, rt: Runtime, body: kopf.Body, namespace: str, patch: kopf.Patch,
                     logger: logging.Logger | logging.LoggerAdapter[Any]) -> DeploymentSpec | None:
     """Apply every owned object; None (and Degraded, and an Event) for a spec that cannot be reconciled.
@@ -106,29 +120,28 @@ async def _reconcile(cfg: OperatorConfig, rt: Runtime, body: kopf.Body, namespac
         objs = render(dict(body), namespace, monitoring=monitoring)
     except SpecError as e:
         metrics.RECONCILES.labels("invalid_spec").inc()
-        if rt.invalid.get(key) == str(e):
-            return None  # reported already; the patch of its condition may not be visible in ``body`` yet
-        rt.invalid[key] = str(e)
-        if _set_conditions(body, patch, invalid_spec_conditions(str(e))):
-            patch.status["observedGeneration"] = body.get("metadata", {}).get("generation")
-            kopf.warn(body, reason="InvalidSpec", message=str(e))
-            logger.warning("invalid spec: %s", e)
+        _report(rt, key, body, patch, logger, "InvalidSpec", str(e), invalid_spec_conditions(str(e)))
         return None
     except ApiException as e:
         metrics.RECONCILES.labels("error").inc()
         raise kopf.TemporaryError(f"API discovery failed: {e.status} {e.reason}", delay=cfg.retry_delay_s) from e
-    rt.invalid.pop(key, None)
     changed = []
     for obj in objs:
         try:
             outcome = await apply(rt.kube, obj)
         except ApiException as e:
             metrics.RECONCILES.labels("error").inc()
+            if e.status == 404:  # the object was missing and so is its API: nothing to retry on until it exists
+                message = (f"{obj['apiVersion']} {obj['kind']} is not served by this cluster"
+                           + (" (install KubeRay's operator)" if obj["kind"] == "RayCluster" else ""))
+                _report(rt, key, body, patch, logger, "MissingAPI", message, missing_api_conditions(message))
+                return None
             raise kopf.TemporaryError(f"{obj['kind']} {obj['metadata']['name']}: {e.status} {e.reason}",
                                       delay=cfg.retry_delay_s) from e
         if outcome is not Outcome.UNCHANGED:
             metrics.WRITES.labels(obj["kind"], outcome.value).inc()
             changed.append(f"{obj['kind']}/{obj['metadata']['name']} {outcome.value}")
+    rt.invalid.pop(key, None)
     uid = body.get("metadata", {}).get("uid")
     if uid:
         kinds = [KINDS["TandemTier"], *(k for k in OWNED if monitoring or k.kind != "ServiceMonitor")]

@@ -6,7 +6,8 @@ Inputs: each TandemTier's desired count (its ``spec.replicas`` clamped to its bo
 Conditions (each with a CamelCase reason and a message; ``lastTransitionTime`` moves only when the status does):
 - Ready: every tier has ``ready >= desired`` and every router replica is ready.
 - Progressing: not there yet (scaling, starting, or the controller not answering yet).
-- Degraded: the spec cannot be reconciled (``InvalidSpec``, see ``spec``), or a replica failed.
+- Degraded: the spec cannot be reconciled (``InvalidSpec``, see ``spec``), an API it needs is not served
+  (``MissingAPI``: KubeRay's RayCluster without KubeRay), or a replica failed.
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ def invalid_spec_conditions(message: str) -> list[dict[str, str]]:
     return [_condition("Ready", False, "InvalidSpec", message),
             _condition("Progressing", False, "InvalidSpec", "reconcile stopped until the spec changes"),
             _condition("Degraded", True, "InvalidSpec", message)]
+
+
+def missing_api_conditions(message: str) -> list[dict[str, str]]:
+    """An API the TandemDeployment needs is not served (KubeRay not installed): retried by the status timer."""
+    return [_condition("Ready", False, "MissingAPI", message),
+            _condition("Progressing", True, "MissingAPI", "retried every status interval"),
+            _condition("Degraded", True, "MissingAPI", message)]
 
 
 def tier_status(spec: DeploymentSpec, tier: str, desired: int, control: cpb.TierStatus | None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -163,7 +164,7 @@ async def until(check: Callable[[], Any], timeout: float = 60.0, what: str = "co
 
 @contextlib.asynccontextmanager
 async def running_operator(initial: dict[str, int] | None = None, interval_s: float = 1.0,
-                           monitoring: bool = False) -> AsyncIterator[Cluster]:
+                           monitoring: bool = False, kuberay: bool = True) -> AsyncIterator[Cluster]:
     control = FakeControl(initial or {"prefill": 2, "decode": 1})
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     cpb_grpc.add_ControlServicer_to_server(control, server)
@@ -171,7 +172,7 @@ async def running_operator(initial: dict[str, int] | None = None, interval_s: fl
     server.start()
     async with kmock.KubernetesEmulator() as k, kmock.Server(k) as srv:
         for key, kind, namespaced, subresources in _RESOURCES:
-            if key.startswith("monitoring.") and not monitoring:
+            if (key.startswith("monitoring.") and not monitoring) or (key.startswith("ray.io") and not kuberay):
                 continue
             k.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, subresources=subresources,
                                                   verbs={"get", "list", "watch", "create", "patch", "delete"})
@@ -390,6 +391,23 @@ def test_objects_the_deployment_no_longer_renders_are_deleted() -> None:
             assert router is not None and "redis://r.ext:6379/0" in router["spec"]["template"]["spec"][
                 "containers"][0]["args"]
             assert c.obj("services", "llama-notes") is not None  # no ownerReference to the TandemDeployment
+    _run(scenario())
+
+
+def test_a_cluster_without_kuberay_gets_degraded_missing_api_once() -> None:
+    """Against kmock (no kube-apiserver can run here), with no ray.io API served: Degraded=True with reason
+    MissingAPI naming KubeRay, one Warning Event however many timer ticks retry it, and no crash."""
+    async def scenario() -> None:
+        async with running_operator(interval_s=0.3, kuberay=False) as c:
+            (c.k ** 100)[re.compile(r"/apis/ray\.io/.*")] << 404  # kmock would serve any resource sent to it
+            await c.create_td(td_manifest())
+            def degraded() -> dict[str, Any] | None:
+                st = (c.obj("tandemdeployments", "llama") or {}).get("status") or {}
+                return next((x for x in st.get("conditions") or [] if x["type"] == "Degraded"), None)
+            cond = await until(degraded, what="the Degraded condition")
+            assert cond["status"] == "True" and cond["reason"] == "MissingAPI" and "KubeRay" in cond["message"]
+            await c.ticks(5)
+            assert len([e for e in c.events() if e.get("reason") == "MissingAPI"]) == 1
     _run(scenario())
 
 

@@ -7,6 +7,7 @@ with ``render_ray``, ``render_router``, ``render_redis``, ``render_policy``, ``p
 manifest dicts), ``apply`` (create, patch to the fields the operator owns, prune what is no longer rendered) over
 ``kube`` (the Kubernetes API), ``control`` (the controller's gRPC ``Control`` API), ``status`` (actual state into
 ``.status``), ``handlers`` (the kopf registry that wires them), ``metrics`` and ``config`` (the operator's own).
+``planner/`` is the SLO planner, a pure function the operator, ``tandem up`` and the simulator share.
 
 What it touches (the chart's RBAC grants exactly this): TandemDeployments (watch, patch, status), TandemTiers,
 RayClusters, Deployments, Services, PodDisruptionBudgets, NetworkPolicies and ServiceMonitors (watch, create,

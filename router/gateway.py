@@ -256,8 +256,16 @@ class Gateway:
                 t0: float) -> Response:
         """The whole answer of a request whose choices are all done."""
         self.metrics.e2e.observe(time.perf_counter() - t0)
+        self.request_done(req.num_prompt_tokens, choices, t0)
         headers = {"x-tandem-route": _route_header(plans)} if request.explain else None
         return _json(self._final_body(req, choices), headers=headers)
+
+    def request_done(self, prompt_tokens: int, choices: list[Choice], t0: float) -> None:
+        """Observe a finished request's phases, token counts and finish reasons (router/metric_catalogue.py)."""
+        firsts = [c.first_at for c in choices if c.first_at]
+        self.metrics.request_done(prompt_tokens, [len(c.token_ids) for c in choices],
+                                  (c.finish_reason for c in choices), t0, min(c.created_at for c in choices),
+                                  min(firsts, default=0.0), time.perf_counter())
 
     def admit(self) -> None:
         """Check that a request would be admitted now (no slot is taken: see ``admitted``)."""
@@ -280,6 +288,8 @@ class Gateway:
     def _absorb(self, req: GenerationRequest, c: Choice, chunk: pb.TokenChunk) -> str:
         """Take one chunk into ``c`` (tokens, text, logprobs, finish reason); return its new text."""
         c.cached = max(c.cached, chunk.num_cached_tokens)
+        if not c.first_at and chunk.token_ids:
+            c.first_at = time.perf_counter()
         take_prompt_logprobs(c, chunk)
         if c.detok.stop:  # token by token: the token that completes a stop string ends the choice
             new = ""
@@ -393,6 +403,7 @@ class Gateway:
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             self.metrics.e2e.observe(time.perf_counter() - t0)
+            self.request_done(req.num_prompt_tokens, choices, t0)
             return resp
         finally:
             for t in tasks:

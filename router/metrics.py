@@ -1,8 +1,10 @@
 """Prometheus metrics of one router (a registry per router, so several can live in one process for tests).
 
-Latency histograms use buckets suited to LLM serving: TTFT and end-to-end from 1 ms to 2 min, ITL from 0.5 ms to
-5 s. Worker-side gauges (KV blocks used/free, queue depth, transfers) are read from the pool's latest ``Load``
-reports at scrape time, so they are never stale by more than one poll interval.
+Every name, help text and bucket list comes from router/metric_catalogue.py. Worker-side gauges (KV blocks
+used/free, queue depth, running requests, transfers) are read from the pool's latest ``Load`` reports at scrape
+time, so they are never stale by more than one poll interval; tier replicas from the controller's status when one is
+attached (``tandem up``). With ``vllm_names`` every family that has a vLLM equivalent is exported a second time under
+its ``vllm:*`` name with a ``model_name`` label, so that dashboards built for vLLM work unchanged.
 
 The router's own counters and histograms are updated on every request, so they are plain numbers owned by the
 event loop (an increment is an attribute add, an observation a ``bisect`` and two adds) and become Prometheus
@@ -14,17 +16,17 @@ Everything here is touched from the router's event loop only (the scrape handler
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router.metric_catalogue import EXTRA_VLLM_ALIASES, VLLM_ALIASES, MetricSpec, spec
 from router.pool import WorkerPool
 
-_LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-_ITL = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5)
+TierReplicas = Callable[[], dict[str, tuple[int, int]]]  # tier -> (desired, ready)
 
 
 class CounterValue:
@@ -82,23 +84,24 @@ class _Family:
         return child
 
 
+def _gauge(name: str) -> GaugeMetricFamily:
+    m = spec(name)
+    return GaugeMetricFamily(m.name, m.help, labels=list(m.labels))
+
+
 class _PoolCollector(Collector):
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: WorkerPool, tiers: TierReplicas | None) -> None:
         self.pool = pool
+        self.tiers = tiers
 
     def collect(self) -> Iterator[Metric]:
-        used = GaugeMetricFamily("tandem_kv_blocks_used", "KV cache blocks in use", labels=["worker", "role"])
-        free = GaugeMetricFamily("tandem_kv_blocks_free", "KV cache blocks free (incl. evictable cached)",
-                                 labels=["worker", "role"])
-        queue = GaugeMetricFamily("tandem_worker_queue_depth", "Requests waiting to be scheduled",
-                                  labels=["worker", "role"])
-        running = GaugeMetricFamily("tandem_worker_running_requests", "Requests running or receiving KV",
-                                    labels=["worker", "role"])
-        transfers = GaugeMetricFamily("tandem_kv_transfers_in_flight", "KV transfers in flight",
-                                      labels=["worker", "role"])
-        up = GaugeMetricFamily("tandem_worker_up", "1 if the worker answers health checks", labels=["worker", "role"])
-        cutoffs = CounterMetricFamily("tandem_router_worker_cutoffs", "Times a worker that answered no probe had "
-                                      "its in-flight requests failed over", labels=["worker", "role"])
+        used, free, usage = (_gauge("tandem_kv_blocks_used"), _gauge("tandem_kv_blocks_free"),
+                             _gauge("tandem_kv_cache_usage_ratio"))
+        queue, running = _gauge("tandem_worker_queue_depth"), _gauge("tandem_worker_running_requests")
+        transfers, up = _gauge("tandem_kv_transfers_in_flight"), _gauge("tandem_worker_up")
+        generated = _gauge("tandem_worker_generated_tokens")
+        c = spec("tandem_router_worker_cutoffs")
+        cutoffs = CounterMetricFamily(c.name, c.help, labels=list(c.labels))
         for w in self.pool.workers.values():
             labels = [w.worker_id or w.address, w.role or "unknown"]
             up.add_metric(labels, 1.0 if w.healthy else 0.0)
@@ -108,10 +111,18 @@ class _PoolCollector(Collector):
                 continue
             used.add_metric(labels, ld.used_blocks)
             free.add_metric(labels, ld.free_blocks)
+            usage.add_metric(labels, ld.used_blocks / ld.total_blocks if ld.total_blocks else 0.0)
             queue.add_metric(labels, ld.waiting)
             running.add_metric(labels, ld.running + ld.waiting_for_kv)
             transfers.add_metric(labels, ld.transfers_in_flight)
-        yield from (used, free, queue, running, transfers, up, cutoffs)
+            generated.add_metric(labels, ld.generated_tokens)
+        yield from (used, free, usage, queue, running, transfers, up, cutoffs, generated)
+        if self.tiers is not None:
+            desired, ready = _gauge("tandem_tier_replicas_desired"), _gauge("tandem_tier_replicas_ready")
+            for tier, (d, r) in sorted(self.tiers().items()):
+                desired.add_metric([tier], d)
+                ready.add_metric([tier], r)
+            yield from (desired, ready)
 
 
 class _LocalCollector(Collector):
@@ -120,7 +131,7 @@ class _LocalCollector(Collector):
     def __init__(self) -> None:
         self.counters: list[_Family] = []
         self.histograms: list[_Family] = []
-        self.computed: list[tuple[str, str, Callable[[], float]]] = []  # counters read from elsewhere
+        self.computed: list[tuple[MetricSpec, Callable[[], float]]] = []  # read from elsewhere at scrape time
 
     def collect(self) -> Iterator[Metric]:
         for fam in self.counters:
@@ -128,10 +139,11 @@ class _LocalCollector(Collector):
             for values, child in fam.children.items():
                 c.add_metric(list(values), child.value)
             yield c
-        for name, doc, read in self.computed:
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], read())
-            yield c
+        for m, read in self.computed:
+            f: Metric = (CounterMetricFamily(m.name, m.help) if m.kind == "counter"
+                         else GaugeMetricFamily(m.name, m.help))
+            f.add_metric([], read())  # type: ignore[attr-defined]
+            yield f
         for fam in self.histograms:
             h = HistogramMetricFamily(fam.name, fam.doc, labels=list(fam.labelnames))
             for values, child in fam.children.items():
@@ -139,45 +151,94 @@ class _LocalCollector(Collector):
             yield h
 
 
+class _VllmNames(Collector):
+    """Every family of ``sources`` that has a vLLM equivalent, again under its ``vllm:*`` name(s), each sample with
+    a ``model_name`` label (what vLLM's dashboards filter on)."""
+
+    def __init__(self, sources: Iterable[Collector], model_name: str) -> None:
+        self.sources = tuple(sources)
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for source in self.sources:
+            for fam in source.collect():
+                names = (VLLM_ALIASES.get(fam.name), *EXTRA_VLLM_ALIASES.get(fam.name, ()))
+                for alias in names:
+                    if alias is None:
+                        continue
+                    out = Metric(alias, fam.documentation, fam.type)
+                    for s in fam.samples:
+                        out.add_sample(alias + s.name[len(fam.name):], {**s.labels, "model_name": self.model_name},
+                                       s.value)
+                    yield out
+
+
 class RouterMetrics:
     def __init__(self, pool: WorkerPool, retries: Callable[[], float] | None = None,
-                 migrations: Callable[[], float] | None = None) -> None:
+                 migrations: Callable[[], float] | None = None, model_name: str = "",
+                 vllm_names: bool = False, tiers: TierReplicas | None = None) -> None:
         self.registry = CollectorRegistry()
         self._local = _LocalCollector()
-        self.ttft: _Family = self._histogram("tandem_ttft_seconds", "Time to first token, as the client sees it",
-                                             _LAT, ("mode",))
-        self.itl: HistogramValue = self._histogram("tandem_itl_seconds", "Inter-token latency of streamed responses",
-                                                   _ITL).labels()
-        self.e2e: HistogramValue = self._histogram("tandem_e2e_latency_seconds", "End-to-end request latency",
-                                                   _LAT).labels()
-        self.requests: _Family = self._counter("tandem_requests", "Requests by endpoint and HTTP status",
-                                               ("endpoint", "status"))
-        self.admission_rejected: _Family = self._counter("tandem_admission_rejected",
-                                                         "Requests refused with 429 by admission control, by tier",
-                                                         ("tier",))
-        self.decisions: _Family = self._counter("tandem_router_decisions", "Routing decisions by mode and reason",
-                                                ("mode", "reason"))
-        self.prompt_tokens: CounterValue = self._counter("tandem_prompt_tokens", "Prompt tokens received").labels()
-        self.cached_tokens: CounterValue = self._counter("tandem_prompt_cached_tokens",
-                                                         "Prompt tokens served from prefix cache").labels()
-        self.generation_tokens: CounterValue = self._counter("tandem_generation_tokens", "Tokens generated").labels()
+        self.ttft: _Family = self._histogram("tandem_ttft_seconds")
+        for mode in ("colocated", "disaggregated"):  # exported from the start: a rate() needs the series' zero
+            self.ttft.labels(mode)
+        self.itl: HistogramValue = self._histogram("tandem_itl_seconds").labels()
+        self.e2e: HistogramValue = self._histogram("tandem_e2e_latency_seconds").labels()
+        self.queue_time: HistogramValue = self._histogram("tandem_request_queue_time_seconds").labels()
+        self.prefill_time: HistogramValue = self._histogram("tandem_request_prefill_time_seconds").labels()
+        self.decode_time: HistogramValue = self._histogram("tandem_request_decode_time_seconds").labels()
+        self.inference_time: HistogramValue = self._histogram("tandem_request_inference_time_seconds").labels()
+        self.request_prompt_tokens: HistogramValue = self._histogram("tandem_request_prompt_tokens").labels()
+        self.request_generation_tokens: HistogramValue = self._histogram("tandem_request_generation_tokens").labels()
+        self.request_max_tokens: HistogramValue = self._histogram("tandem_request_max_num_generation_tokens").labels()
+        self.requests: _Family = self._counter("tandem_requests")
+        self.success: _Family = self._counter("tandem_request_success")
+        self.admission_rejected: _Family = self._counter("tandem_admission_rejected")
+        self.decisions: _Family = self._counter("tandem_router_decisions")
+        self.prompt_tokens: CounterValue = self._counter("tandem_prompt_tokens").labels()
+        self.cached_tokens: CounterValue = self._counter("tandem_prompt_cached_tokens").labels()
+        self.generation_tokens: CounterValue = self._counter("tandem_generation_tokens").labels()
+        prompt, cached = self.prompt_tokens, self.cached_tokens
+        self._local.computed.append((spec("tandem_prefix_cache_hit_rate"),
+                                     lambda: cached.value / prompt.value if prompt.value else 0.0))
         if retries is not None:
-            self._local.computed.append(("tandem_router_retries", "Requests retried on another worker", retries))
+            self._local.computed.append((spec("tandem_router_retries"), retries))
         if migrations is not None:
-            self._local.computed.append(("tandem_router_migrations", "Streams migrated after a decode failure",
-                                         migrations))
+            self._local.computed.append((spec("tandem_router_migrations"), migrations))
+        pool_collector = _PoolCollector(pool, tiers)
         self.registry.register(self._local)
-        self.registry.register(_PoolCollector(pool))
+        self.registry.register(pool_collector)
+        if vllm_names:
+            self.registry.register(_VllmNames((self._local, pool_collector), model_name))
 
-    def _counter(self, name: str, doc: str, labelnames: tuple[str, ...] = ()) -> _Family:
-        fam = _Family(name, doc, labelnames, CounterValue)
+    def _counter(self, name: str) -> _Family:
+        m = spec(name)
+        fam = _Family(m.name, m.help, m.labels, CounterValue)
         self._local.counters.append(fam)
         return fam
 
-    def _histogram(self, name: str, doc: str, bounds: tuple[float, ...], labelnames: tuple[str, ...] = ()) -> _Family:
-        fam = _Family(name, doc, labelnames, lambda: HistogramValue(bounds))
+    def _histogram(self, name: str) -> _Family:
+        m = spec(name)
+        bounds = m.buckets
+        fam = _Family(m.name, m.help, m.labels, lambda: HistogramValue(bounds))
         self._local.histograms.append(fam)
         return fam
+
+    def request_done(self, prompt_tokens: int, generated: list[int], finish_reasons: Iterable[str | None],
+                     t0: float, dispatched: float, first_token: float, end: float) -> None:
+        """One finished request: its phases (arrival ``t0``, handed to routing at ``dispatched``, first token,
+        last token; perf_counter seconds, ``first_token`` 0 when none came), its token counts per sequence and
+        each sequence's finish reason."""
+        self.queue_time.observe(dispatched - t0)
+        self.inference_time.observe(end - dispatched)
+        if first_token:
+            self.prefill_time.observe(first_token - dispatched)
+            self.decode_time.observe(end - first_token)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(sum(generated))
+        self.request_max_tokens.observe(max(generated, default=0))
+        for reason in finish_reasons:
+            self.success.labels(reason or "abort").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -18,6 +18,7 @@ without vLLM's ``rank``, which the workers do not compute.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,8 @@ class Choice:
     offset: int = 0  # text_offset of the next streamed token
     started: bool = False  # its first stream chunk is written (the echo, prompt logprobs went with it)
     output: ChatOutput | None = None  # a chat choice with tools or a reasoning parser: its text split up
+    created_at: float = field(default_factory=time.perf_counter)  # made once admitted, as it is handed to routing
+    first_at: float = 0.0  # when its first generated token arrived (perf_counter; 0 until then)
 
 
 def new_choice(req: GenerationRequest, index: int, tokenizer: Tokenizer) -> Choice:

@@ -51,6 +51,7 @@ class RouterConfig:
     metrics_port: int | None = None  # /metrics on a port of its own (and not on the gateway's)
     tool_call_parser: str = "hermes"  # hermes | llama3_json | mistral (router/tool_parsers.py)
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1 (router/chat_output.py)
+    vllm_metrics: bool = False  # also export vllm:* names where vLLM has an equivalent (router/metric_catalogue.py)
 
     def __post_init__(self) -> None:
         if not self.workers and not self.redis:
@@ -145,7 +146,8 @@ async def build_router(cfg: RouterConfig) -> Router:
     decode_sel = Selector(index, load, cost, cfg.block_size, extra, seed=cfg.seed + 1)
     dispatcher = Dispatcher(pool, prefill_sel, decode_sel, DisaggConfig(min_uncached_tokens=cfg.min_uncached_tokens))
     stats = dispatcher.stats
-    metrics = RouterMetrics(pool, retries=lambda: stats.retries, migrations=lambda: stats.migrations)
+    metrics = RouterMetrics(pool, retries=lambda: stats.retries, migrations=lambda: stats.migrations,
+                            model_name=cfg.served_model_name or model.name, vllm_names=cfg.vllm_metrics)
     gateway = Gateway(GatewayConfig(cfg.served_model_name or model.name, max_len, vocab,
                                     max_prompt_bytes=cfg.max_prompt_bytes,
                                     metrics_on_main_port=cfg.metrics_port is None,

@@ -103,7 +103,6 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput,
                 after_layer: Callable[[int], None] | None = None) -> tuple[list[Request], SampleResult | None]:
         inputs = self.prepare(out)
-        self.sampler.begin(inputs.sample_requests)  # constrained rows' grammar masks, computed during the forward
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, after_layer=after_layer)
         if any(r.params.prompt_logprobs is not None for r in out.requests):
             add_prompt_logprobs(hidden, out.requests, out.num_new_tokens, self.model.compute_logits)

@@ -11,13 +11,11 @@ probabilities and generator state, so the same seed gives the same tokens whatev
 Unseeded rows share the engine's generator.
 
 Constrained rows (``params.structured``): after penalties and bias, every token the request's grammar does not allow
-next gets -inf (:mod:`engine.structured.bitmask`), then the same pick. :meth:`Sampler.begin`, called before the
-forward pass, starts computing those masks so that they overlap the model.
+next gets -inf (:mod:`engine.structured.bitmask`), then the same pick.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance as llg
@@ -38,32 +36,19 @@ class Sampler:
         self.generator = generator or torch.Generator().manual_seed(0)
         self.vocab_size = vocab_size  # the grammar masks' width (0: the logits' width)
         self._llg: llg.LLExecutor | None = None
-        self._background: ThreadPoolExecutor | None = None
-        self._pending: tuple[list[Request], MaskBatch] | None = None
-
-    def begin(self, requests: list[Request]) -> None:
-        """The rows the next call will sample: start computing their grammar masks (if any) in the background."""
-        self._pending = None
-        if self.vocab_size and any(r.matcher is not None for r in requests):
-            if self._background is None:
-                self._background = ThreadPoolExecutor(1, thread_name_prefix="tandem-mask")
-            masks = self._masks(requests, self.vocab_size)
-            masks.start()
-            self._pending = (requests, masks)
 
     def _masks(self, requests: list[Request], vocab_size: int) -> MaskBatch:
         if self._llg is None:
             self._llg = llg.LLExecutor()
-        return MaskBatch(self._llg, [r.matcher for r in requests], vocab_size, self._background)
+        return MaskBatch(self._llg, [r.matcher for r in requests], vocab_size)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """``logits``: float32 [len(requests), vocab], on CPU or GPU."""
         n = len(requests)
         raw = logits
         params = [r.params for r in requests]
-        pending, self._pending = self._pending, None
-        masks = pending[1] if pending is not None and pending[0] is requests else None
-        if masks is None and any(r.matcher is not None for r in requests):
+        masks = None
+        if any(r.matcher is not None for r in requests):
             masks = self._masks(requests, self.vocab_size or logits.shape[1])
         if masks is None and all(p.greedy and not p.needs_processing for p in params):
             tokens = logits.argmax(dim=-1)

@@ -1,55 +1,45 @@
 """The token bitmask of a batch's constrained rows: computed by llguidance, applied to the logits in the sampler.
 
-Lifecycle per step: :meth:`MaskBatch.start` (before the forward pass) hands the constrained rows' matchers to
-llguidance's thread pool, which fills one int32 bitmask row per request off the GIL while the model runs;
-:meth:`MaskBatch.apply` (in the sampler) waits for it and sets every disallowed token's logit to -inf. Unconstrained
-rows are never touched, so they sample exactly as in a batch without constrained requests.
+Per step the sampler builds a :class:`MaskBatch` for its rows: llguidance fills one int32 bitmask row per constrained
+request (on its own thread pool, in parallel over requests, off the GIL), then every disallowed token's logit becomes
+-inf. Unconstrained rows are never touched, so they sample exactly as in a batch without constrained requests.
+
+The masks are computed inline, after the forward pass, not overlapped with it: for 32 JSON-schema requests the fill
+takes ~25 µs, while handing it to a background Python thread cost ~2 ms a step in GIL hand-offs (measured with
+``tandem bench structured``), so overlapping would only add latency.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance as llg
 import llguidance.torch as llg_torch
+import numpy as np
 import torch
-
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 class MaskBatch:
     """Masks for one step. ``matchers[i]`` is row i's matcher, or None for an unconstrained row."""
 
-    def __init__(self, executor: llg.LLExecutor, matchers: Sequence[llg.LLMatcher | None], vocab_size: int,
-                 background: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, executor: llg.LLExecutor, matchers: Sequence[llg.LLMatcher | None], vocab_size: int) -> None:
         self.rows = [i for i, m in enumerate(matchers) if m is not None]
+        self.all_rows = len(self.rows) == len(matchers)
         self.vocab_size = vocab_size
         self.bitmask = llg_torch.allocate_token_bitmask(len(self.rows), vocab_size) if self.rows else None
         self._pairs = [(m, j) for j, m in enumerate(m for m in matchers if m is not None)]
         self._executor = executor
-        self._background = background
-        self._future: Future[None] | None = None
-
-    def start(self) -> None:
-        """Compute the masks in the background (llguidance releases the GIL), if a background thread was given."""
-        if self.bitmask is not None and self._background is not None and self._future is None:
-            self._future = self._background.submit(self._fill)
-
-    def _fill(self) -> None:
-        assert self.bitmask is not None
-        llg_torch.fill_next_token_bitmask_par(self._executor, self._pairs, self.bitmask)
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Mask ``logits`` [batch, vocab'] in place (vocab' >= the grammar's vocabulary; extra columns are padding
-        the model's head has and no tokenizer token maps to, so they are masked too)."""
+        """Mask ``logits`` [batch, vocab'] in place (vocab' may exceed the grammar's vocabulary: the model's head
+        has padding columns no token maps to, and they are masked too)."""
         if self.bitmask is None:
             return
-        if self._future is None:
-            self._fill()
-        else:
-            self._future.result()  # re-raises the fill's error here, on the engine's thread
+        llg_torch.fill_next_token_bitmask_par(self._executor, self._pairs, self.bitmask)
         allowed = unpack(self.bitmask, logits.shape[1]).to(logits.device)
+        if self.all_rows:
+            logits.masked_fill_(~allowed, float("-inf"))
+            return
         idx = torch.tensor(self.rows, dtype=torch.long, device=logits.device)
         logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
@@ -57,7 +47,8 @@ class MaskBatch:
 def unpack(bitmask: torch.Tensor, width: int) -> torch.Tensor:
     """int32 [rows, words] bitmask -> bool [rows, width] (bit b of word w is token 32*w + b; beyond the mask,
     False)."""
-    bits = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).bool().view(bitmask.shape[0], -1)
-    if bits.shape[1] >= width:
-        return bits[:, :width]
-    return torch.cat([bits, bits.new_zeros(bits.shape[0], width - bits.shape[1])], dim=1)
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little").view(np.bool_)
+    out = torch.from_numpy(bits)
+    if out.shape[1] >= width:
+        return out[:, :width]
+    return torch.cat([out, out.new_zeros(out.shape[0], width - out.shape[1])], dim=1)

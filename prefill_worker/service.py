@@ -100,6 +100,8 @@ class PrefillService(WorkerService):
         self.transfer_delay_s = 0.0
         self._delayed: deque[tuple[float, str, int]] = deque()
         self.timings: deque[TransferTiming] = deque(maxlen=1024)
+        self.transfer_totals = {"kv_transfers_done": 0, "kv_transfers_failed": 0, "kv_transfer_bytes": 0,
+                                "kv_transfer_exposed_us": 0}  # since start, reported in Load (loop thread)
         self._done_at: dict[str, float] = {}  # perf_counter when the sender reported DONE (written on its thread)
         self.loop.after_layer = self._after_layer
         self.loop.add_hook(self._poll_transfers)
@@ -251,6 +253,11 @@ class PrefillService(WorkerService):
                 done_at = self._done_at.pop(rid, None)
                 end = done_at if ok and done_at is not None else time.perf_counter()
                 self.timings.append(TransferTiming(rid, self.inflight[rid].compute_done, end, ok))
+                totals = self.transfer_totals
+                totals["kv_transfers_done" if ok else "kv_transfers_failed"] += 1
+                totals["kv_transfer_bytes"] += st.bytes_sent
+                if ok:
+                    totals["kv_transfer_exposed_us"] += int(1e6 * max(0.0, end - self.inflight[rid].compute_done))
                 self._drop(rid)
         # A request that never reached its final prefill step (aborted, or finished early) releases its lease.
         for rid in list(self.bootstrap):
@@ -277,7 +284,7 @@ class PrefillService(WorkerService):
 
     def role_load(self, eng: LLMEngine) -> dict[str, int]:
         return {"transfers_in_flight": len(self.inflight),
-                "held_blocks": sum(len(i.held) for i in self.inflight.values())}
+                "held_blocks": sum(len(i.held) for i in self.inflight.values()), **self.transfer_totals}
 
 
 def _noop(_engine: LLMEngine) -> None:

@@ -23,6 +23,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 WORKER = ("worker", "role")
+KV_WORKER = ("worker", "role", "backend")
 
 
 @dataclass(slots=True, frozen=True)
@@ -107,6 +108,11 @@ METRICS: tuple[MetricSpec, ...] = (
     _g("tandem_kv_transfers_in_flight", "KV transfers in flight", WORKER),
     _g("tandem_worker_generated_tokens", "Output tokens the worker produced since it started (its own count)",
        WORKER),
+    _c("tandem_kv_transfers", "Outgoing KV transfers finished, by prefill worker and backend", KV_WORKER),
+    _c("tandem_kv_transfer_failures", "Outgoing KV transfers failed (error or lease expired)", KV_WORKER),
+    _c("tandem_kv_transfer_bytes", "KV bytes handed to the transport", KV_WORKER),
+    _c("tandem_kv_transfer_exposed_seconds", "Seconds finished KV transfers outlived their prefill's compute (the "
+       "transfer time layer-wise overlap did not hide)", KV_WORKER),
     # tiers, from the controller's Status when one is attached (tandem up)
     _g("tandem_tier_replicas_desired", "Replicas the controller is asked to keep, by tier", ("tier",)),
     _g("tandem_tier_replicas_ready", "Replicas ready (lease in the registry), by tier", ("tier",)),

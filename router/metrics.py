@@ -89,6 +89,11 @@ def _gauge(name: str) -> GaugeMetricFamily:
     return GaugeMetricFamily(m.name, m.help, labels=list(m.labels))
 
 
+def _counter(name: str) -> CounterMetricFamily:
+    m = spec(name)
+    return CounterMetricFamily(m.name, m.help, labels=list(m.labels))
+
+
 class _PoolCollector(Collector):
     def __init__(self, pool: WorkerPool, tiers: TierReplicas | None) -> None:
         self.pool = pool
@@ -100,8 +105,9 @@ class _PoolCollector(Collector):
         queue, running = _gauge("tandem_worker_queue_depth"), _gauge("tandem_worker_running_requests")
         transfers, up = _gauge("tandem_kv_transfers_in_flight"), _gauge("tandem_worker_up")
         generated = _gauge("tandem_worker_generated_tokens")
-        c = spec("tandem_router_worker_cutoffs")
-        cutoffs = CounterMetricFamily(c.name, c.help, labels=list(c.labels))
+        cutoffs, kv_done, kv_failed, kv_bytes, kv_seconds = (_counter(n) for n in (
+            "tandem_router_worker_cutoffs", "tandem_kv_transfers", "tandem_kv_transfer_failures",
+            "tandem_kv_transfer_bytes", "tandem_kv_transfer_exposed_seconds"))
         for w in self.pool.workers.values():
             labels = [w.worker_id or w.address, w.role or "unknown"]
             up.add_metric(labels, 1.0 if w.healthy else 0.0)
@@ -116,7 +122,14 @@ class _PoolCollector(Collector):
             running.add_metric(labels, ld.running + ld.waiting_for_kv)
             transfers.add_metric(labels, ld.transfers_in_flight)
             generated.add_metric(labels, ld.generated_tokens)
-        yield from (used, free, usage, queue, running, transfers, up, cutoffs, generated)
+            if w.role == "prefill":
+                kv = [*labels, w.kv_backend or "unknown"]
+                kv_done.add_metric(kv, ld.kv_transfers_done)
+                kv_failed.add_metric(kv, ld.kv_transfers_failed)
+                kv_bytes.add_metric(kv, ld.kv_transfer_bytes)
+                kv_seconds.add_metric(kv, ld.kv_transfer_exposed_us / 1e6)
+        yield from (used, free, usage, queue, running, transfers, up, cutoffs, generated, kv_done, kv_failed, kv_bytes,
+                    kv_seconds)
         if self.tiers is not None:
             desired, ready = _gauge("tandem_tier_replicas_desired"), _gauge("tandem_tier_replicas_ready")
             for tier, (d, r) in sorted(self.tiers().items()):
@@ -205,11 +218,15 @@ class RouterMetrics:
             self._local.computed.append((spec("tandem_router_retries"), retries))
         if migrations is not None:
             self._local.computed.append((spec("tandem_router_migrations"), migrations))
-        pool_collector = _PoolCollector(pool, tiers)
+        self._pool_collector = pool_collector = _PoolCollector(pool, tiers)
         self.registry.register(self._local)
         self.registry.register(pool_collector)
         if vllm_names:
             self.registry.register(_VllmNames((self._local, pool_collector), model_name))
+
+    def attach_tiers(self, tiers: TierReplicas) -> None:
+        """Export each tier's desired and ready replicas, read from ``tiers()`` at every scrape (the controller)."""
+        self._pool_collector.tiers = tiers
 
     def _counter(self, name: str) -> _Family:
         m = spec(name)

@@ -75,6 +75,7 @@ class Worker:
     last_traffic: float = 0.0  # monotonic time a Decode stream last delivered from it (router/dispatch.py)
     cut_off: bool = False  # silent for dead_after_s: everything on it was failed over
     cutoffs: int = 0  # times it was cut off (tandem_router_worker_cutoffs_total)
+    kv_backend: str = ""  # its KV transfer backend, from Health (a metrics label)
 
     @property
     def answering(self) -> bool:
@@ -186,6 +187,7 @@ class WorkerPool:
             w.healthy = False
             return False
         w.role, w.worker_id, w.draining, w.compat_hash = h.role, h.worker_id, w.draining or h.draining, h.compat_hash
+        w.kv_backend = h.kv_backend
         if w.session is not None:  # the worker's plain-TCP Session port, on the host its gRPC address names
             w.session.use_tcp(host_of(w.address), h.session_port)
         mismatch = self._hashing_mismatch(h)

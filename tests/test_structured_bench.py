@@ -1,0 +1,20 @@
+"""``tandem bench structured`` runs end to end on the tiny model and reports both sides per batch size."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+def test_bench_structured_reports_constrained_and_unconstrained_step_times(checkpoint: Callable[[str], Path]) -> None:
+    out = subprocess.run([sys.executable, "-m", "cli.main", "bench", "structured", "--model", str(checkpoint("llama")),
+                          "--batch-sizes", "1,4", "--steps", "2", "--repeats", "1", "--threads", "1", "--json"],
+                         capture_output=True, text=True, timeout=600, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["batch"] for r in report["rows"]] == [1, 4]
+    for r in report["rows"]:
+        assert r["unconstrained_step_ms"] > 0 and r["json_schema_step_ms"] > 0
+        assert abs(r["overhead_pct"] - (r["json_schema_step_ms"] / r["unconstrained_step_ms"] - 1) * 100) < 0.5

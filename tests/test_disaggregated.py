@@ -137,7 +137,11 @@ def test_block_accounting_exact_after_500_mixed_requests_with_aborts(pair: Pair)
 def test_output_pacing_holds_tokens_until_min_chunk_tokens_without_changing_them(pair: Pair) -> None:
     """worker.proto's output pacing, on Decode (disaggregated) and Generate (colocated on the decode worker): with
     ``min_chunk_tokens`` = 4 every chunk but the last carries at least 4 tokens, with ``min_chunk_tokens`` above
-    the answer's length the answer is one chunk, and the tokens, text and finish reason are the unpaced ones."""
+    the answer's length the answer is one chunk, and the tokens, text and finish reason are the unpaced ones.
+
+    One exemption, the first token of a disaggregated request: it comes from ``PrefillResponse`` and is yielded
+    alone the moment ``Prefill`` returns (TTFT never waits, on pacing or on the transfer), so it is always a
+    1-token chunk of its own; pacing applies, exactly as above, to decode's stream from the second token on."""
     prompt = prompts(1, seed=7)[0]
     wire = params_to_proto(GREEDY)
 
@@ -151,15 +155,17 @@ def test_output_pacing_holds_tokens_until_min_chunk_tokens_without_changing_them
     def flat(chunks: list[pb.TokenChunk]) -> tuple[list[int], str, str]:
         return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1].finish_reason
 
-    for run in (decode, generate):
+    for run, exempt in ((decode, 1), (generate, 0)):
         plain = run(f"pace-{run.__name__}-0", 0)
         tokens, _, finish = flat(plain)
         assert len(tokens) == MAX_NEW and finish == "length"
         paced = run(f"pace-{run.__name__}-4", 4)
         assert flat(paced) == flat(plain)
-        assert all(len(c.token_ids) >= 4 for c in paced[:-1]) and len(paced) <= -(-MAX_NEW // 4)
+        assert all(len(c.token_ids) == 1 for c in paced[:exempt])  # prefill's first token, alone and unpaced
+        sizes = [len(c.token_ids) for c in paced[exempt:]]
+        assert all(n >= 4 for n in sizes[:-1]) and len(sizes) <= -(-(MAX_NEW - exempt) // 4), sizes
         whole = run(f"pace-{run.__name__}-all", MAX_NEW + 5)
-        assert len(whole) == 1 and flat(whole) == flat(plain)
+        assert [len(c.token_ids) for c in whole] == [1] * exempt + [MAX_NEW - exempt] and flat(whole) == flat(plain)
     assert_all_free(pair)
 
 

@@ -85,11 +85,13 @@ class AioWorker(pb_grpc.WorkerServicer):
                      min_chunk_tokens: int = 0, skip_first: bool = False) -> AsyncIterator[pb.TokenChunk]:
         """``WorkerService.stream_outputs`` on the event loop: one chunk per wake-up (everything queued since is
         merged into it), held until ``min_chunk_tokens`` are ready; the request is aborted on the engine if the
-        stream ends before it does (client gone, deadline, error)."""
+        stream ends before it does (client gone, deadline, error). ``skip_first``: the caller already sent the
+        first token (``DecodeRequest.first_token_sent``); it is left out of the stream and of the count that
+        pacing holds tokens for, so every chunk but the last still carries ``min_chunk_tokens``."""
         svc = self.svc
         timeout_s = svc.request_timeout_s
         batch: list[Any] = []
-        held = 0
+        held = -1 if skip_first else 0  # tokens this stream will send once the batch goes out
         sent = 0
         ended = False
         try:
@@ -114,6 +116,7 @@ class AioWorker(pb_grpc.WorkerServicer):
                     chunk = chunk_from_outputs(batch, sent)
                     if skip_first and not sent:
                         chunk = without_first_token(chunk, batch[0])
+                        held += 1  # ``sent`` indexes the request's outputs, the skipped first token included
                     sent += held
                     batch = []
                     held = 0

@@ -129,11 +129,12 @@ class WorkerService(pb_grpc.WorkerServicer):
         One chunk per wake-up, not per step: outputs already queued behind the one that woke this thread (steps
         that ran while the client or this thread was slow) are merged into it, at no added latency. With
         ``min_chunk_tokens`` > 1 (a caller that does not stream to its own client) tokens are held until that
-        many are ready or the request finished, so an 8-token answer is one message instead of eight.
+        many are ready or the request finished, so an 8-token answer is one message instead of eight. A skipped
+        first token is not counted: every chunk but the last carries ``min_chunk_tokens`` of the stream's own.
         """
         context.add_callback(lambda: self.loop.call(lambda eng: self.abort_quietly(eng, rid)))
         batch: list[RequestOutput] = []
-        held = 0
+        held = -1 if skip_first else 0  # tokens this stream will send once the batch goes out
         sent = 0
         while True:
             out = self._next_output(q, rid, context)
@@ -154,6 +155,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 chunk = chunk_from_outputs(batch, sent)
                 if skip_first and not sent:
                     chunk = without_first_token(chunk, batch[0])
+                    held += 1  # ``sent`` indexes the request's outputs, the skipped first token included
                 if chunk.token_ids or chunk.finish_reason:
                     yield chunk
                 sent += held

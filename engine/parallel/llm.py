@@ -66,6 +66,10 @@ class ParallelLLM:
         self.last_logits: list[torch.Tensor] | None = logits
         return outs  # type: ignore[no-any-return]
 
+    def stats(self) -> list[dict[str, float]]:
+        """Each rank's engine step seconds, steps, all-reduce seconds and calls since the last call; and its RSS."""
+        return self._command(("stats",))
+
     def check_block_accounting(self) -> None:
         """Raise AssertionError unless every rank's block pool has every block free or cached."""
         errors = [e for e in self._command(("check",)) if e is not None]

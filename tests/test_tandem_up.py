@@ -8,6 +8,7 @@ with SIGINT and checks that every process it started is gone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -25,6 +26,9 @@ import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
+
+from router.asgi import HTTPConfig
+from router.server import RouterConfig
 
 pytestmark = pytest.mark.slow
 
@@ -294,14 +298,25 @@ def test_bad_chat_input_and_invalid_json_get_400(cluster: Cluster, client: opena
 
 def test_unknown_endpoint_wrong_method_and_oversized_body_get_4xx(cluster: Cluster) -> None:
     """404 for a path the gateway does not serve, 405 for a served path with the wrong method, 413 for a body over
-    the 8 MiB limit (refused from its Content-Length, before it is read); each with an OpenAI error body."""
+    the configured body limit (refused from its Content-Length, before it is read) and 413 for a well-formed
+    request whose prompt is over the prompt-byte cap (before it is tokenised); each with an OpenAI error body."""
+    limits = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+    max_body, max_prompt = HTTPConfig().max_body_bytes, limits["max_prompt_bytes"]  # tandem up's defaults
+    assert max_prompt < max_body
     r = httpx.get(cluster.url + "/v1/engines", timeout=10)
     assert r.status_code == 404 and "/v1/engines" in r.json()["error"]["message"]
     r = httpx.get(cluster.url + "/v1/completions", timeout=10)
     assert r.status_code == 405 and "GET" in r.json()["error"]["message"]
-    r = httpx.post(cluster.url + "/v1/completions", content=b"x" * (9 << 20), timeout=30,
+    r = httpx.post(cluster.url + "/v1/completions", content=b"x" * (max_body + 1), timeout=30,
                    headers={"content-type": "application/json"})
-    assert r.status_code == 413 and r.json()["error"]["message"]
+    assert r.status_code == 413 and str(max_body) in r.json()["error"]["message"]
+    for path, body, param in (
+            ("/v1/completions", {"model": "m", "prompt": "x" * (max_prompt + 1)}, "prompt"),
+            ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x" * max_prompt},
+                                                                 {"role": "user", "content": "y"}]}, "messages")):
+        r = httpx.post(cluster.url + path, json=body, timeout=30)
+        assert r.status_code == 413, (path, r.text[:200])
+        assert r.json()["error"]["param"] == param and str(max_prompt) in r.json()["error"]["message"]
 
 
 def test_health_and_metrics_endpoints(cluster: Cluster, client: openai.OpenAI) -> None:

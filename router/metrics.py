@@ -207,6 +207,8 @@ class RouterMetrics:
         self.requests: _Family = self._counter("tandem_requests")
         self.success: _Family = self._counter("tandem_request_success")
         self.admission_rejected: _Family = self._counter("tandem_admission_rejected")
+        for tier in ("prefill", "decode"):
+            self.admission_rejected.labels(tier)
         self.decisions: _Family = self._counter("tandem_router_decisions")
         self.prompt_tokens: CounterValue = self._counter("tandem_prompt_tokens").labels()
         self.cached_tokens: CounterValue = self._counter("tandem_prompt_cached_tokens").labels()

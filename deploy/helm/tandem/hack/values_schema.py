@@ -146,6 +146,8 @@ def values_schema() -> dict[str, Any]:
                     "labels": _MAP,
                 }
             ),
+            "dashboards": _obj({"enabled": {"type": "boolean"}, "labels": _MAP, "annotations": _MAP}),
+            "alerts": _obj({"enabled": {"type": "boolean"}, "labels": _MAP}),
             "deployment": _obj(
                 {
                     "enabled": {"type": "boolean"},

@@ -1,22 +1,28 @@
 """The token bitmask of a batch's constrained rows: computed by llguidance, applied to the logits in the sampler.
 
 Per step the sampler builds a :class:`MaskBatch` for its rows: llguidance fills one int32 bitmask row per constrained
-request (on its own thread pool, in parallel over requests, off the GIL), then every disallowed token's logit becomes
--inf. Unconstrained rows are never touched, so they sample exactly as in a batch without constrained requests.
+request (on its own thread pool, in parallel over requests, off the GIL, when the host has more than two CPUs),
+then every disallowed token's logit becomes -inf. Unconstrained rows are never touched, so they sample exactly as in
+a batch without constrained requests.
 
-The masks are computed inline, after the forward pass, not overlapped with it: for 32 JSON-schema requests the fill
-takes ~25 µs, while handing it to a background Python thread cost ~2 ms a step in GIL hand-offs (measured with
-``tandem bench structured``), so overlapping would only add latency.
+The masks are computed inline, after the forward pass, not overlapped with it: handing the fill to a background
+Python thread cost ~2 ms a step in GIL hand-offs on a 2-core host (``tandem bench structured``), about what the fill of
+32 JSON-schema rows costs there, so on such hosts overlapping gains nothing.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import llguidance as llg
 import llguidance.torch as llg_torch
 import numpy as np
 import torch
+
+# llguidance's thread pool pays a thread wake-up per step; with two CPUs or fewer (where its pool has one thread) that
+# costs more than it saves: 10 ms against 5 ms a step for 32 JSON-schema rows on a busy 2-core host.
+_PARALLEL = (os.cpu_count() or 1) > 2
 
 
 class MaskBatch:
@@ -35,7 +41,11 @@ class MaskBatch:
         has padding columns no token maps to, and they are masked too)."""
         if self.bitmask is None:
             return
-        llg_torch.fill_next_token_bitmask_par(self._executor, self._pairs, self.bitmask)
+        if len(self._pairs) > 1 and _PARALLEL:
+            llg_torch.fill_next_token_bitmask_par(self._executor, self._pairs, self.bitmask)
+        else:
+            for m, j in self._pairs:
+                llg_torch.fill_next_token_bitmask(m, self.bitmask, j)
         allowed = unpack(self.bitmask, logits.shape[1]).to(logits.device)
         if self.all_rows:
             logits.masked_fill_(~allowed, float("-inf"))

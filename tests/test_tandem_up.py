@@ -8,7 +8,6 @@ with SIGINT and checks that every process it started is gone.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
@@ -27,7 +26,6 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from router.asgi import HTTPConfig
 from router.server import RouterConfig
 
 pytestmark = pytest.mark.slow
@@ -300,8 +298,8 @@ def test_unknown_endpoint_wrong_method_and_oversized_body_get_4xx(cluster: Clust
     """404 for a path the gateway does not serve, 405 for a served path with the wrong method, 413 for a body over
     the configured body limit (refused from its Content-Length, before it is read) and 413 for a well-formed
     request whose prompt is over the prompt-byte cap (before it is tokenised); each with an OpenAI error body."""
-    limits = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
-    max_body, max_prompt = HTTPConfig().max_body_bytes, limits["max_prompt_bytes"]  # tandem up's defaults
+    defaults = RouterConfig(model="m", workers=("127.0.0.1:1",))  # tandem up leaves these limits at their defaults
+    max_body, max_prompt = defaults.http.max_body_bytes, defaults.max_prompt_bytes
     assert max_prompt < max_body
     r = httpx.get(cluster.url + "/v1/engines", timeout=10)
     assert r.status_code == 404 and "/v1/engines" in r.json()["error"]["message"]

@@ -2,7 +2,9 @@
 
 ``tandem scale TIER N`` asks a controller (by default the running ``tandem up``'s, from its state file) for N
 replicas of TIER through ``Control.SetReplicas``, optionally waits until the tier has converged, and prints the
-resulting status. Exit codes: 0 done, 1 the controller is unreachable or did not converge in time, 2 bad input.
+resulting status. ``SetReplicas`` needs the cluster token: ``--auth-token-file``, else ``$TANDEM_CLUSTER_TOKEN``,
+else the running ``tandem up``'s token file (0600, beside its state file). Exit codes: 0 done, 1 the controller is
+unreachable, refused the token or did not converge in time, 2 bad input.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ def add_scale_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait", type=float, default=0.0,
                    help="seconds to wait until the tier has its replicas ready and none draining (0: do not wait)")
     p.add_argument("--json", action="store_true", help="print the status as JSON")
+    from auth.credentials import add_args as add_credential_args
+
+    # The cluster token SetReplicas needs (default: $TANDEM_CLUSTER_TOKEN, else the running `tandem up`'s token
+    # file) and, for a controller serving mutual TLS, this client's certificate.
+    add_credential_args(p)
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
@@ -99,21 +106,37 @@ def _port_flags(args: argparse.Namespace) -> list[str]:
 def cmd_scale(args: argparse.Namespace) -> int:
     import grpc
 
-    from controlplane.paths import STATE_FILE
+    from auth.credentials import Credentials, from_args
+    from auth.grpc_client import attach, channel
+    from auth.token import read_token_file
+    from controlplane.paths import STATE_FILE, token_file_for
     from proto.tandem.v1 import control_pb2 as cpb
     from proto.tandem.v1 import control_pb2_grpc as cpb_grpc
 
     if args.replicas < 0:
         print(f"error: replicas must be >= 0, got {args.replicas}", file=sys.stderr)
         return 2
+    try:
+        creds = from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     target = args.control
     if target is None:
         if not STATE_FILE.is_file():
             print("error: no running `tandem up` found (pass --control HOST:PORT)", file=sys.stderr)
             return 1
-        target = json.loads(STATE_FILE.read_text())["control"]
-    with grpc.insecure_channel(target) as channel:
-        stub = cpb_grpc.ControlStub(channel)
+        state = json.loads(STATE_FILE.read_text())
+        target = state["control"]
+        token_file = state.get("token_file") or str(token_file_for(STATE_FILE))
+        if creds.token is None:
+            try:
+                creds = Credentials(read_token_file(token_file), creds.tls)
+            except (OSError, ValueError) as e:
+                print(f"error: the cluster token of the running `tandem up` ({token_file}): {e}", file=sys.stderr)
+                return 1
+    with channel(target, creds) as ch:
+        stub = attach(cpb_grpc.ControlStub(ch), creds)
         try:
             tier = stub.SetReplicas(cpb.SetReplicasRequest(tier=args.tier, replicas=args.replicas), timeout=10).tier
             deadline = time.monotonic() + args.wait

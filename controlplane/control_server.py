@@ -4,6 +4,14 @@ Runs on the controller's asyncio loop (``grpc.aio``), so every call reads and ch
 between reconcile steps, never during one. Bad input is INVALID_ARGUMENT (an unknown tier, a count outside
 ``[0, max_replicas]``: a negative count sent on the wire as uint32 arrives as a huge one); an unknown replica for
 ``Drain`` is NOT_FOUND.
+
+Who may call: ``SetReplicas`` and ``Drain`` change the cluster and need the cluster token
+(``auth.grpc_server.CONTROL_ADMIN_METHODS``: UNAUTHENTICATED without it or with another); ``Status`` stays open. It
+is read-only and carries no request data (replica ids, states, addresses and in-flight counts; the addresses are in
+the Redis registry anyway), so probes, dashboards and ``tandem scale --wait`` read it without holding the secret,
+and nothing it reveals lets a caller change anything without the token. With TLS files in the controller's
+credentials the port is mutual TLS as well (the chart's default), so in Kubernetes only holders of a certificate
+from the cluster's CA reach any of the three.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import time
 
 import grpc
 
+from auth.grpc_server import CONTROL_ADMIN_METHODS, AioAdminGuard, add_port
 from controlplane.controller import Controller
 from controlplane.replica_state import TIERS, Replica, ReplicaState
 from proto.tandem.v1 import control_pb2 as cpb
@@ -60,10 +69,13 @@ class ControlService(cpb_grpc.ControlServicer):
 
 
 async def start_control_server(controller: Controller, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Serve Control on ``host:port`` (0: a free port); return the started server and its port."""
-    server = grpc.aio.server()
+    """Serve Control on ``host:port`` (0: a free port) with the controller's credentials: its cluster token guards
+    ``SetReplicas`` and ``Drain``, its TLS files (if any) make the port mutual TLS. Returns the started server and
+    its port."""
+    creds = controller.credentials
+    server = grpc.aio.server(interceptors=[AioAdminGuard(creds.token, CONTROL_ADMIN_METHODS)])
     cpb_grpc.add_ControlServicer_to_server(ControlService(controller), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", creds)
     if not bound:
         raise OSError(f"could not bind the Control API to {host}:{port}")
     await server.start()

@@ -9,7 +9,8 @@ Start-up, printed as it goes, each line stamped with the seconds since this proc
    :class:`WorkerReplica` actor per prefill/decode replica, started in parallel, each READY once its worker answers
    health checks;
 4. the router in this process, with the ready workers; then the Control API (``tandem.v1.Control``, on the port
-   recorded in the state file, which ``tandem scale`` reads) and the URL.
+   recorded in the state file, which ``tandem scale`` reads, with the cluster token that its ``SetReplicas`` and
+   ``Drain`` need in a 0600 file beside it) and the URL.
 
 Steps 1 and 2 overlap: while ``ray.init`` waits for its processes, a thread generates the tiny model if needed,
 imports the router (HTTP server, tokenizer, gRPC stubs) and compiles the engine's native kernels (a cold cache
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from controlplane.paths import DEFAULT_MODEL_DIR, STATE_FILE
+from controlplane.paths import DEFAULT_MODEL_DIR, STATE_FILE, token_file_for
 from router.serve import stop_on_signals
 
 if TYPE_CHECKING:
@@ -200,8 +201,8 @@ def run_up(cfg: UpConfig) -> int:
         return asyncio.run(_serve(cfg, model, resolve_kv_backend(cfg.kv_backend)))
     finally:
         ray.shutdown()
-        with contextlib.suppress(FileNotFoundError):
-            STATE_FILE.unlink()
+        STATE_FILE.unlink(missing_ok=True)
+        token_file_for(STATE_FILE).unlink(missing_ok=True)
         _say("stopped")
 
 
@@ -277,6 +278,11 @@ class LocalCluster:
                 _say(f"warning: no gRPC API ({e}); pass --grpc-port to choose another port")
         server, self.control_port = await start_control_server(controller, cfg.host, cfg.control_port)
         self._servers.append(server)
+        if self.state_file is not None and controller.credentials.token is not None:
+            from auth.token import write_token_file
+
+            self.state_file.parent.mkdir(parents=True, exist_ok=True)
+            write_token_file(token_file_for(self.state_file), controller.credentials.token)
         self.write_state()
 
     def write_state(self) -> None:
@@ -286,7 +292,8 @@ class LocalCluster:
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"pid": os.getpid(), "port": self.cfg.port,
-                                   "control": f"{self.cfg.host}:{self.control_port}", "worker_pids": pids}))
+                                   "control": f"{self.cfg.host}:{self.control_port}", "worker_pids": pids,
+                                   "token_file": str(token_file_for(self.state_file))}))
         tmp.replace(self.state_file)
 
     async def close(self) -> None:

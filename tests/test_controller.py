@@ -22,6 +22,8 @@ import grpc
 import httpx
 import pytest
 
+from auth.credentials import Credentials
+from auth.grpc_client import attach
 from controlplane.replica_state import Replica, ReplicaState, in_flight
 from proto.tandem.v1 import control_pb2 as cpb
 from proto.tandem.v1 import control_pb2_grpc as cpb_grpc
@@ -70,7 +72,8 @@ class Harness:
         self.model = model.name  # the served model name
         self.call(self.cluster.start(), 240)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.cluster.control_port}")
-        self.control = cpb_grpc.ControlStub(self.channel)
+        self.creds = Credentials.from_env()  # the cluster token SetReplicas and Drain need
+        self.control = attach(cpb_grpc.ControlStub(self.channel), self.creds)
         self.dispatch_log: list[tuple[float, int, str, str]] = []  # (when, prompt length, decode, prefill)
         self.on_loop(self._log_dispatch)
 
@@ -228,7 +231,7 @@ def test_control_api_round_trip_and_refuses_bad_tiers_and_counts(harness: Harnes
                                       response_deserializer=cpb.SetReplicasResponse.FromString)
     minus_one = cpb.SetReplicasRequest(tier="decode").SerializeToString() + b"\x10" + b"\xff" * 9 + b"\x01"
     with pytest.raises(grpc.RpcError) as negative:
-        raw(minus_one, timeout=10)
+        raw(minus_one, timeout=10, metadata=harness.creds.metadata)
     assert negative.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
     with pytest.raises(grpc.RpcError) as unknown:

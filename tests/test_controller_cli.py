@@ -18,6 +18,7 @@ import grpc
 import httpx
 import pytest
 
+from auth.token import new_token
 from proto.tandem.v1 import control_pb2 as cpb
 from proto.tandem.v1 import control_pb2_grpc as cpb_grpc
 
@@ -47,9 +48,12 @@ def test_tandem_scale_a_running_tandem_up_and_replace_a_killed_worker(checkpoint
                                                                        tmp_path: Path) -> None:
     """``tandem scale decode 2`` converges and prints the tier; SIGKILL of one decode worker while two clients
     send requests: every request succeeds, and a new replica (restarts 1) takes its place; bad input to
-    ``tandem scale`` exits 2; ``tandem down`` leaves no worker behind."""
+    ``tandem scale`` exits 2, and so does a wrong cluster token (1) or none (UNAUTHENTICATED); ``tandem down``
+    leaves no worker behind."""
     model = checkpoint("llama")
-    env = {**os.environ, "TANDEM_HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"}
+    # No token in the environment: `tandem up` makes one, and `tandem scale` must find it in the token file.
+    env = {**{k: v for k, v in os.environ.items() if k != "TANDEM_CLUSTER_TOKEN"}, "TANDEM_HOME": str(tmp_path),
+           "RAY_AUTH_MODE": "disabled"}
     port = _free_port()
     up = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--model", str(model), "--prefill", "0",
                            "--decode", "1", "--port", str(port), "--grpc-port", "-1"], stdout=subprocess.PIPE,
@@ -74,6 +78,16 @@ def test_tandem_scale_a_running_tandem_up_and_replace_a_killed_worker(checkpoint
         assert _tandem(env, "scale", "router", "1").returncode == 2
 
         state = json.loads((tmp_path / "up.json").read_text())
+        # SetReplicas needs the cluster token: `tandem scale` read it from the 0600 file beside the state file;
+        # another token, or none at all, is refused and changes nothing.
+        token_file = Path(state["token_file"])
+        assert token_file.parent == tmp_path and token_file.stat().st_mode & 0o777 == 0o600
+        wrong = _tandem({**env, "TANDEM_CLUSTER_TOKEN": new_token()}, "scale", "decode", "1")
+        assert wrong.returncode == 1 and "wrong cluster token" in wrong.stderr
+        anonymous = cpb_grpc.ControlStub(grpc.insecure_channel(state["control"]))
+        with pytest.raises(grpc.RpcError) as refused:
+            anonymous.SetReplicas(cpb.SetReplicasRequest(tier="decode", replicas=1), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         pids.update(state["worker_pids"])
         assert len(pids) == 2
         victim = sorted(pids)[0]
@@ -114,6 +128,8 @@ def test_tandem_scale_a_running_tandem_up_and_replace_a_killed_worker(checkpoint
         assert ok[0] > served_before > 0
         pids.update(json.loads((tmp_path / "up.json").read_text())["worker_pids"])
         assert len(pids) == 3  # the replacement is a new process
+        (dec,) = [t for t in control.Status(cpb.StatusRequest(), timeout=10).tiers if t.tier == "decode"]
+        assert dec.desired == 2  # neither refused call changed it
 
         down = _tandem(env, "down")
         assert down.returncode == 0, down.stderr

@@ -18,6 +18,8 @@ import grpc
 import pytest
 import redis
 
+from auth.credentials import Credentials
+from auth.grpc_client import attach
 from auth.signing import verify
 from auth.token import new_token
 from proto.tandem.v1 import control_pb2 as cpb
@@ -73,7 +75,7 @@ def test_tandem_controller_registers_in_redis_scales_and_stops_on_sigterm(checkp
     threading.Thread(target=ctl.stdout.read, daemon=True).start()  # keep its log pipe drained
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{cport}")
-        control = cpb_grpc.ControlStub(channel)
+        control = attach(cpb_grpc.ControlStub(channel), Credentials(token))  # SetReplicas needs the token
 
         def decode() -> cpb.TierStatus:
             return next(t for t in control.Status(cpb.StatusRequest(), timeout=10).tiers if t.tier == "decode")

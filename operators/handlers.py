@@ -12,7 +12,8 @@ Level-triggered, in three loops over the same render and apply:
   recreates it, and writes nothing otherwise.
 - A timer per TandemDeployment: reconcile again (a missed event is repaired within one interval), read the
   controller's ``Status``, forward any tier whose controller-side desired count differs from its TandemTier
-  (``SetReplicas``), and write ``.status`` of the TandemDeployment and its TandemTiers when they changed.
+  (``SetReplicas``), and write ``.status`` of the TandemDeployment and its TandemTiers when they changed. Every
+  Control call carries the deployment's cluster token, over mTLS when it is on (``operators.secrets``).
 
 A TandemTier change (``kubectl scale``, an HPA, KEDA, the planner) is forwarded at once by ``on.event`` on
 TandemTiers: its ``spec.replicas`` clamped to ``[minReplicas, maxReplicas]`` of the TandemDeployment goes to
@@ -34,10 +35,11 @@ from kubernetes_asyncio.client import ApiException
 from operators import metrics
 from operators.apply import Outcome, apply, prune
 from operators.config import OperatorConfig
-from operators.control import ControlClients, ControlError
+from operators.control import ControlAuth, ControlClients, ControlError
 from operators.kube import KINDS, Kube
 from operators.labels import GROUP, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGED_BY, VERSION
 from operators.render import render
+from operators.secrets import control_auth
 from operators.spec import DeploymentSpec, SpecError, parse
 from operators.status import (
     deployment_status,
@@ -179,10 +181,11 @@ async def reassert(rt: Runtime, td: dict[str, Any], namespace: str, kind: str, n
                     logger.info("re-asserted %s/%s: %s", kind, name, outcome.value)
 
 
-async def _forward(cfg: OperatorConfig, rt: Runtime, namespace: str, td: str, tier: str, replicas: int) -> None:
+async def _forward(cfg: OperatorConfig, rt: Runtime, namespace: str, td: str, tier: str, replicas: int,
+                   auth: ControlAuth) -> None:
     address = cfg.control_address_for(td, namespace)
     try:
-        await rt.control.set_replicas(address, tier, replicas)
+        await rt.control.set_replicas(address, tier, replicas, auth)
     except ControlError:
         metrics.SET_REPLICAS.labels(tier, "error").inc()
         raise
@@ -202,11 +205,12 @@ async def observe(cfg: OperatorConfig, rt: Runtime, body: kopf.Body, namespace: 
     address = cfg.control_address_for(spec.name, namespace)
     control, control_error = None, None
     try:
-        control = await rt.control.status(address)
+        auth = await control_auth(rt.kube, spec, namespace)
+        control = await rt.control.status(address, auth)
         for name, want in desired.items():
             got = control.get(name)
             if got is None or got.desired != want:
-                await _forward(cfg, rt, namespace, spec.name, name, want)
+                await _forward(cfg, rt, namespace, spec.name, name, want, auth)
                 logger.info("forwarded %s replicas=%d to the controller (it had %s)", name, want,
                             None if got is None else got.desired)
     except ControlError as e:
@@ -257,7 +261,7 @@ async def forward_tier(cfg: OperatorConfig, rt: Runtime, body: kopf.Body, namesp
         kopf.warn(body, reason="Clamped", message=f"replicas {asked} clamped to {want}: the TandemDeployment "
                                                   f"allows [{t.min_replicas}, {t.max_replicas}]")
     try:
-        await _forward(cfg, rt, namespace, td_name, tier, want)
+        await _forward(cfg, rt, namespace, td_name, tier, want, await control_auth(rt.kube, spec, namespace))
     except ControlError as e:
         logger.warning("%s; the status timer retries", e)
         return

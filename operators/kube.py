@@ -10,6 +10,7 @@ Connection: the in-cluster service account, else the kubeconfig; or an explicit 
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +93,16 @@ class Kube:
             if e.status == 404:
                 return None
             raise
+
+    async def secret_data(self, namespace: str, name: str) -> dict[str, bytes] | None:
+        """A Secret's decoded ``data`` (None if there is no such Secret): read by name only, as the RBAC allows."""
+        try:
+            secret = dict(await self._call("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}"))
+        except k8s.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        return {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
 
     async def list(self, kind: Kind, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         out = await self._call("GET", kind.path(namespace), query=[("labelSelector", label_selector)])

@@ -56,11 +56,13 @@ def controller_args(spec: DeploymentSpec) -> list[str]:
     decode = spec.tier("decode")
     assert decode is not None
     prefill = spec.tier("prefill")
-    worker_flags = ["--dtype", spec.model.dtype, *pods.credential_flags(spec)]
+    worker_flags = ["--dtype", spec.model.dtype]
+    # The controller's own credentials: it serves Control with them (token guard, mTLS) and hands the same files
+    # on to every worker it starts (cli/controller.py), which the worker pods mount at the same paths.
     return ["controller", "--model", spec.model.path, "--redis", pods.redis_url(spec),
             "--prefill", str(prefill.replicas if prefill else 0), "--decode", str(decode.replicas),
             "--control-port", str(CONTROL_PORT), "--host", "0.0.0.0", "--kv-backend", decode.kv_backend,
-            "--ranks", str(decode.ranks), "--ray-address", "auto",
+            "--ranks", str(decode.ranks), "--ray-address", "auto", *pods.credential_flags(spec),
             *(f"--worker-flag={flag}" for flag in worker_flags)]
 
 

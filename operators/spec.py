@@ -6,8 +6,9 @@ Redis password without a URL) still reach the operator. Every such case raises `
 names the field; the reconcile turns it into ``Degraded=True`` and a Warning Event, and does not retry until the
 spec changes.
 
-Absent fields take the CRD's defaults (mTLS on with the Secret ``tandem-mtls``, one router, bfloat16, nixl), so a
-TandemDeployment read from a file renders as the API server would store it.
+Absent fields take the CRD's defaults (mTLS on with the Secret ``tandem-mtls`` and server name ``tandem``, the cluster
+token from the Secret ``tandem-cluster-token`` key ``token``, one router, bfloat16, nixl), so a TandemDeployment read
+from a file renders as the API server would store it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ DEFAULT_IMAGE = "ghcr.io/tandem-dev/tandem"
 DEFAULT_TAG = "0.1.0"
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 DEFAULT_MTLS_SECRET = "tandem-mtls"
+DEFAULT_SERVER_NAME = "tandem"  # the DNS name every Tandem server's certificate carries (pod IPs are not known)
+DEFAULT_TOKEN_SECRET = ("tandem-cluster-token", "token")
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)$")
 
 
@@ -134,8 +137,17 @@ class RedisSpec:
 
 @dataclass(slots=True, frozen=True)
 class SecuritySpec:
+    """``token_secret`` holds the cluster token (auth/token.py): admin RPCs carry it (the workers' Drain, Snapshot,
+    Abort and KVEvents, the controller's SetReplicas and Drain) and it keys the HMAC that signs the Redis registry
+    entries (auth/signing.py). One secret for both, because the signing key is derived from the token."""
+
     mtls_secret: str | None = None  # Secret with tls.crt, tls.key and ca.crt; None: mTLS off
-    registry_secret: SecretKey | None = None
+    token_secret: SecretKey = field(default_factory=lambda: SecretKey(*DEFAULT_TOKEN_SECRET))
+    server_name: str | None = None  # what clients check servers' certificates against (mTLS only)
+
+    def __post_init__(self) -> None:
+        if self.server_name is not None and (not self.mtls_secret or not self.server_name):
+            raise SpecError("spec.security.mtls.serverName needs mTLS enabled and must not be empty")
 
 
 @dataclass(slots=True, frozen=True)
@@ -202,7 +214,7 @@ def _parse(name: str, spec: dict[str, Any]) -> DeploymentSpec:
     mtls_on, mtls_secret = mtls.get("enabled", True), mtls.get("secretName", DEFAULT_MTLS_SECRET)
     if mtls_on and not mtls_secret:
         raise SpecError("spec.security.mtls: enabled needs secretName")
-    registry = security.get("registrySecret")
+    token = security.get("tokenSecret") or dict(zip(("name", "key"), DEFAULT_TOKEN_SECRET, strict=True))
     return DeploymentSpec(
         name=name,
         image=Image(image.get("repository", DEFAULT_IMAGE), str(image.get("tag", DEFAULT_TAG)),
@@ -214,7 +226,8 @@ def _parse(name: str, spec: dict[str, Any]) -> DeploymentSpec:
         tiers=tiers,
         redis=_redis(spec.get("redis")),
         security=SecuritySpec(mtls_secret if mtls_on else None,
-                              SecretKey(registry["name"], registry["key"]) if registry else None),
+                              SecretKey(str(token.get("name") or ""), str(token.get("key") or "")),
+                              mtls.get("serverName", DEFAULT_SERVER_NAME) if mtls_on else None),
         slo=dict(spec.get("slo") or {}),
     )
 

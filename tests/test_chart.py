@@ -211,10 +211,10 @@ def test_external_redis_scenario_and_mtls_on_by_default(chart: Path) -> None:
     assert spec["security"]["mtls"] == {"enabled": True, "secretName": "tandem-mtls"}
 
 
-def test_mtls_scenario_names_its_secret_and_the_registry_key(chart: Path) -> None:
+def test_mtls_scenario_names_its_secret_server_name_and_the_cluster_token(chart: Path) -> None:
     spec = _one(_render(chart, "-f", str(CHART / "ci" / "mtls-values.yaml")), "TandemDeployment")["spec"]
-    assert spec["security"] == {"mtls": {"enabled": True, "secretName": "serving-mtls"},
-                                "registrySecret": {"name": "tandem-registry", "key": "hmac"}}
+    assert spec["security"] == {"mtls": {"enabled": True, "secretName": "serving-mtls", "serverName": "tandem.serving"},
+                                "tokenSecret": {"name": "tandem-token", "key": "token"}}
 
 
 def test_monitoring_objects_scrape_the_operator_only_when_on(chart: Path) -> None:

@@ -4,15 +4,19 @@ real kopf operator (``operators.handlers.build_registry``) running against both 
 No kube-apiserver can run on this machine or in CI, so kmock (by kopf's author) stands in for it; it has no
 resourceVersion, schema validation or scale subresource, so a TandemDeployment is stored with a fixed
 resourceVersion and a scale is a merge patch of the TandemTier's ``spec.replicas``. The Control server is real
-gRPC on 127.0.0.1 with a fake servicer, since no Ray cluster runs here.
+gRPC on 127.0.0.1 with a fake servicer, since no Ray cluster runs here; it is guarded as the real one is (the
+cluster token on SetReplicas, mutual TLS with a throwaway CA's certificate for the name ``tandem``), and the
+operator reads both from the TandemDeployment's Secrets, which the harness creates in kmock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import re
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +31,10 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
+from auth.credentials import Credentials
+from auth.dev_certs import DevCA
+from auth.grpc_server import CONTROL_ADMIN_METHODS, AdminGuard, add_port
+from auth.token import new_token
 from operators.config import OperatorConfig
 from operators.handlers import build_registry
 from proto.tandem.v1 import control_pb2 as cpb
@@ -68,6 +76,7 @@ _RESOURCES = [  # (group/version/plural, kind, namespaced, subresources)
     ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True, set()),
     ("monitoring.coreos.com/v1/servicemonitors", "ServiceMonitor", True, set()),
     ("v1/events", "Event", True, set()),
+    ("v1/secrets", "Secret", True, set()),
     ("v1/namespaces", "Namespace", False, set()),
     ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, set()),
 ]
@@ -88,19 +97,26 @@ class FakeControl(cpb_grpc.ControlServicer):
         self.lock = threading.Lock()
         self.desired = dict(initial)
         self.calls: list[tuple[str, int]] = []
+        self.peers: set[str] = set()  # the common names of the client certificates that called
 
     def _tier(self, tier: str) -> cpb.TierStatus:
         n = self.desired[tier]
         return cpb.TierStatus(tier=tier, desired=n, ready=n, replicas=[
             cpb.ReplicaStatus(replica_id=f"{tier}-{i}", tier=tier, state=cpb.REPLICA_STATE_READY) for i in range(n)])
 
+    def _peer(self, context: grpc.ServicerContext) -> None:
+        for name in context.auth_context().get("x509_common_name", []):
+            self.peers.add(name.decode())
+
     def SetReplicas(self, request: cpb.SetReplicasRequest, context: grpc.ServicerContext) -> cpb.SetReplicasResponse:
+        self._peer(context)
         with self.lock:
             self.calls.append((request.tier, request.replicas))
             self.desired[request.tier] = request.replicas
             return cpb.SetReplicasResponse(tier=self._tier(request.tier))
 
     def Status(self, request: cpb.StatusRequest, context: grpc.ServicerContext) -> cpb.StatusResponse:
+        self._peer(context)
         with self.lock:
             return cpb.StatusResponse(tiers=[self._tier(t) for t in self.desired])
 
@@ -118,7 +134,7 @@ class Cluster:
         return None
 
     def objects(self) -> list[dict[str, Any]]:
-        skip = {"tandemdeployments", "events", "namespaces", "customresourcedefinitions"}
+        skip = {"tandemdeployments", "events", "namespaces", "customresourcedefinitions", "secrets"}
         return [copy.deepcopy(dict(o.raw)) for (res, _, _), o in list(self.k.objects.items())
                 if res.plural not in skip and not o.deleted]
 
@@ -166,9 +182,15 @@ async def until(check: Callable[[], Any], timeout: float = 60.0, what: str = "co
 async def running_operator(initial: dict[str, int] | None = None, interval_s: float = 1.0,
                            monitoring: bool = False, kuberay: bool = True) -> AsyncIterator[Cluster]:
     control = FakeControl(initial or {"prefill": 2, "decode": 1})
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    certs = tempfile.TemporaryDirectory(prefix="tandem-kmock-")
+    ca = DevCA.create(certs.name)
+    token = new_token()
+    server_tls = ca.issue(certs.name, "controller", dns_names=("tandem",))
+    client_tls = ca.issue(certs.name, "tandem-operator")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                         interceptors=[AdminGuard(token, CONTROL_ADMIN_METHODS)])
     cpb_grpc.add_ControlServicer_to_server(control, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = add_port(server, "127.0.0.1:0", Credentials(token, server_tls))
     server.start()
     async with kmock.KubernetesEmulator() as k, kmock.Server(k) as srv:
         for key, kind, namespaced, subresources in _RESOURCES:
@@ -177,6 +199,15 @@ async def running_operator(initial: dict[str, int] | None = None, interval_s: fl
             k.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, subresources=subresources,
                                                   verbs={"get", "list", "watch", "create", "patch", "delete"})
         url = str(srv.url).rstrip("/")
+        cert_pem, key_pem, ca_pem = client_tls.read()
+        secrets: list[tuple[str, dict[str, bytes]]] = [("tandem-cluster-token", {"token": token.encode()})]
+        secrets.append(("tandem-mtls", {"tls.crt": cert_pem, "tls.key": key_pem, "ca.crt": ca_pem}))
+        for name, data in secrets:
+            secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                      "metadata": {"name": name, "namespace": NAMESPACE},
+                      "data": {k: base64.b64encode(v).decode() for k, v in data.items()}}
+            async with k.post(f"/api/v1/namespaces/{NAMESPACE}/secrets", json=secret) as resp:
+                assert resp.status in (200, 201), await resp.text()
         cfg = OperatorConfig(control_address=f"127.0.0.1:{port}", kube_url=url,
                              status_interval_s=interval_s, status_initial_delay_s=0.2, retry_delay_s=1.0)
         settings = kopf.OperatorSettings()
@@ -197,6 +228,7 @@ async def running_operator(initial: dict[str, int] | None = None, interval_s: fl
                 await asyncio.wait_for(task, timeout=30)
             finally:
                 server.stop(grace=None)
+                certs.cleanup()
 
 
 pytestmark = pytest.mark.slow  # each test runs the operator, kmock and a gRPC server for several seconds
@@ -283,6 +315,8 @@ def test_scaling_a_tier_calls_set_replicas_clamped_and_is_not_reset_by_reconcile
             await until(lambda: c.obj("tandemtiers", "llama-decode"), what="the decode TandemTier")
             await c.patch(f"{TT_PATH}/llama-decode", {"spec": {"replicas": 3}})
             await until(lambda: ("decode", 3) in c.control.calls, what="SetReplicas(decode, 3)")
+            # past the token guard, over mTLS with the certificate from the deployment's Secret
+            assert c.control.peers == {"tandem-operator"}
             await c.patch(f"{TT_PATH}/llama-decode", {"spec": {"replicas": 9}})
             await until(lambda: ("decode", 4) in c.control.calls, what="SetReplicas(decode, 4), clamped")
             assert ("decode", 9) not in c.control.calls

@@ -226,12 +226,16 @@ def test_absent_fields_take_the_crd_defaults() -> None:
     assert parse(_td(security={"mtls": {"enabled": False}})).security.mtls_secret is None
 
 
-def test_rendered_commands_parse_with_the_real_parsers() -> None:
-    """The router's, the controller's and (through --worker-flag) the workers' command lines are what their own
-    argparse parsers accept, so a flag renamed on either side fails here rather than in a crash-looping pod."""
+def test_rendered_commands_parse_with_the_real_parsers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router's, the controller's and (through --worker-flag, and the credential flags the controller hands on)
+    the workers' command lines are what their own argparse parsers accept, so a flag renamed on either side fails
+    here rather than in a crash-looping pod. Every process gets the same token file, TLS files and server name."""
     import argparse
 
+    import auth.credentials
     from auth.credentials import add_args as add_credential_args
+    from auth.credentials import from_args, to_flags
+    from auth.tls import TLSFiles
     from cli.controller import add_controller_args
     from router.serve import add_router_args
     from worker.server import add_worker_args
@@ -246,15 +250,28 @@ def test_rendered_commands_parse_with_the_real_parsers() -> None:
         add_credential_args(p)
     r = p.parse_args(router["args"][2:])
     assert (r.port, r.grpc_port, r.metrics_port, r.api_key_file) == (8000, 8001, 9090, "/etc/tandem/api-keys/keys")
+    creds = ("/etc/tandem/token/token", "/etc/tandem/tls/tls.crt", "/etc/tandem/tls/tls.key", "/etc/tandem/tls/ca.crt",
+             "tandem")
+    assert (r.auth_token_file, r.tls_cert, r.tls_key, r.tls_ca, r.tls_server_name) == creds
     head = objs[("RayCluster", "llama")]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][1]
     p = argparse.ArgumentParser(exit_on_error=False)
     add_controller_args(p)
     c = p.parse_args(head["args"][1:])
     assert (c.prefill, c.decode, c.control_port, c.ranks, c.ray_address) == (2, 1, 9400, 2, "auto")
+    assert (c.auth_token_file, c.tls_cert, c.tls_key, c.tls_ca, c.tls_server_name) == creds
+    # What `tandem controller` hands each worker (cli/controller.py): its own credential flags. The mounted files do
+    # not exist here, so their checks are skipped.
+    monkeypatch.setattr(TLSFiles, "__post_init__", lambda self: None)
+    monkeypatch.setattr(auth.credentials, "read_token_file", lambda path: "x" * 32)
     p = argparse.ArgumentParser(exit_on_error=False)
     add_worker_args(p)
-    w = p.parse_args(["--role", "decode", "--model", c.model, *c.worker_flag])
-    assert w.dtype == "bfloat16" and w.tls_cert == "/etc/tandem/tls/tls.crt"
+    w = p.parse_args(["--role", "decode", "--model", c.model, *c.worker_flag, *to_flags(from_args(c),
+                                                                                           c.auth_token_file)])
+    assert w.dtype == "bfloat16" and (w.auth_token_file, w.tls_cert, w.tls_key, w.tls_ca, w.tls_server_name) == creds
+    groups = objs[("RayCluster", "llama")]["spec"]["workerGroupSpecs"]
+    worker_pod = next(g for g in groups if g["groupName"] == "decode")
+    mounts = {m["mountPath"] for m in worker_pod["template"]["spec"]["containers"][0]["volumeMounts"]}
+    assert {"/etc/tandem/token", "/etc/tandem/tls"} <= mounts  # the same paths on every pod
 
 
 def test_status_conditions_follow_the_controller_and_the_router() -> None:

@@ -3,10 +3,15 @@
 Inputs are built in preallocated numpy buffers exposed to torch without copies (``torch.from_numpy``), so a step
 allocates only the small per-step index tensors. Logits are computed only for rows that produce a token: the last
 new token of each request whose computed length reaches its full length this step.
+
+A pipeline stage sets ``micro_batches``: a step of decodes then runs as that many forward calls over consecutive
+slices of the batch, so that stage ``s`` computes slice ``k + 1`` while stage ``s + 1`` computes slice ``k`` (each
+forward sends its hidden states on as soon as its layers are done).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -51,6 +56,7 @@ class ModelRunner:
         attn = cast(Attention, model.layers[0].self_attn)
         self._native = native_attention_supported(attn.heads, attn.kv_heads, attn.head_dim, model.dtype, device)
         self._native_prefill = model.dtype == torch.float32  # bf16 prefills and lone decodes stay on SDPA
+        self.micro_batches = 1
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         n = len(out.requests)
@@ -99,11 +105,32 @@ class ModelRunner:
             sample_requests=sample_reqs,
         )
 
+    def _forward_micro_batches(self, out: SchedulerOutput, inputs: StepInputs,
+                               after_layer: Callable[[int], None] | None) -> torch.Tensor:
+        """A step of decodes (one token per request, rows in request order) as ``micro_batches`` forward calls."""
+        n = len(out.requests)
+        ctx = np.fromiter((r.num_computed_tokens + 1 for r in out.requests), dtype=np.int64, count=n)
+        m = min(self.micro_batches, n)
+        bounds = [n * k // m for k in range(m + 1)]
+        parts = []
+        for a, b in itertools.pairwise(bounds):
+            width = -(-int(ctx[a:b].max()) // self.block_size)
+            native = self._native and (self._native_prefill or b - a > 1)  # as prepare() chooses
+            meta = build_metadata(np.ones(b - a, dtype=np.int64), ctx[a:b], self._tables[a:b, :width],
+                                  self.block_size, self.sliding_window, self.device, native=native)
+            parts.append(self.model(inputs.input_ids[a:b], inputs.positions[a:b], meta, self.kv_caches,
+                                    after_layer=after_layer))
+        return torch.cat(parts)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput,
                 after_layer: Callable[[int], None] | None = None) -> tuple[list[Request], SampleResult | None]:
         inputs = self.prepare(out)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, after_layer=after_layer)
+        if self.micro_batches > 1 and inputs.sample_rows is None and len(out.requests) > 1:
+            hidden = self._forward_micro_batches(out, inputs, after_layer)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches,
+                                after_layer=after_layer)
         if any(r.params.prompt_logprobs is not None for r in out.requests):
             add_prompt_logprobs(hidden, out.requests, out.num_new_tokens, self.model.compute_logits)
         if not inputs.sample_requests:

@@ -2,7 +2,8 @@
 oversubscribed on this machine's two cores), joined by gloo on loopback.
 
 A pipeline moves hidden states between stages and changes no arithmetic, so PP=2's logits are bit-identical to a
-plain TP=1 engine's, and TP=2 x PP=2's to the TP=2 split-emulating reference. Greedy tokens equal transformers'
+plain TP=1 engine's that splits decode batches into the same two micro-batches (the stages' overlap), and
+TP=2 x PP=2's to the TP=2 split-emulating reference that does the same. Greedy tokens equal transformers'
 (near-tie rule in ``tests/parallel_parity.py``); block accounting is checked on every rank.
 """
 
@@ -39,6 +40,7 @@ def test_pp2_logits_bit_identical_to_tp1_and_tokens_match_transformers(
     path = checkpoint("llama")
     prompts = _prompts()
     plain = LLM(str(path), **ENGINE)  # type: ignore[arg-type]
+    plain.engine.runner.micro_batches = 2
     rec = LogitRecorder.attach(plain.engine)
     rec.enabled = True
     want = plain.generate(prompts, GREEDY)
@@ -64,7 +66,7 @@ def test_tp2_pp2_four_ranks_bit_identical_to_tp2_reference(
         outs = llm.generate(prompts, GREEDY, record_logits=True)
         llm.check_block_accounting()
     assert llm.last_logits is not None
-    ref_outs, ref_logits, _ = emulate(str(path), ParallelConfig(tp=2), prompts, GREEDY, **ENGINE)
+    ref_outs, ref_logits, _ = emulate(str(path), ParallelConfig(tp=2), prompts, GREEDY, micro_batches=2, **ENGINE)
     assert_bit_identical(llm.last_logits, ref_logits, "llama TP=2 x PP=2")
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref_outs]
     for prompt, out, rows in zip(prompts, outs, llm.last_logits, strict=True):

@@ -23,8 +23,9 @@ from engine.sampling_params import SamplingParams
 
 
 def emulate(model: str, parallel: ParallelConfig, prompts: Sequence[str | list[int]], params: SamplingParams,
-            **llm_kwargs: Any) -> tuple[list[CompletionOutput], list[torch.Tensor], list[LLM]]:
-    """Rank 0's outputs and logits rows (per prompt), and every rank's engine (for block accounting)."""
+            micro_batches: int = 1, **llm_kwargs: Any) -> tuple[list[CompletionOutput], list[torch.Tensor], list[LLM]]:
+    """Rank 0's outputs and logits rows (per prompt), and every rank's engine (for block accounting).
+    ``micro_batches``: split decode steps as a pipeline of that many stages would."""
     parallel.check_model(ModelConfig.from_dir(model))
     if parallel.pp > 1:
         raise ValueError("the split-emulating reference runs one pipeline stage (a pipeline changes no arithmetic)")
@@ -34,6 +35,7 @@ def emulate(model: str, parallel: ParallelConfig, prompts: Sequence[str | list[i
         red = group.reducer(rank)
         llm = LLM(model, shard=parallel.shard(rank), tp_reduce=red if parallel.tp > 1 else _identity,
                   ep_reduce=red if parallel.ep > 1 else _identity, **llm_kwargs)
+        llm.engine.runner.micro_batches = micro_batches
         llms.append(llm)
         rec = LogitRecorder.attach(llm.engine)
         rec.enabled = True

@@ -94,6 +94,7 @@ def rank_main(rank: int, parallel: ParallelConfig, port: int, model: str, llm_kw
         tp_reduce, ep_reduce = TimedReduce(comms.tp_reduce), TimedReduce(comms.ep_reduce)
         llm = LLM(model, shard=parallel.shard(rank), tp_reduce=tp_reduce if parallel.tp > 1 else _identity,
                   ep_reduce=ep_reduce if parallel.ep > 1 else _identity, pipe=comms.pipe, **kwargs)
+        llm.engine.runner.micro_batches = parallel.pp  # decode batches flow through the stages in pp slices
         recorder = LogitRecorder.attach(llm.engine)
         attn = cast(Attention, llm.engine.model.layers[0].self_attn)
         conn.send(("ready", RankInfo(rank, os.getpid(), rss_bytes(), weight_bytes(llm), int(attn.kv_heads),

@@ -50,6 +50,19 @@ def test_predictive_is_floored_by_the_reactive_thresholds() -> None:
     assert "latency" in p.decision("decode").reason
 
 
+def test_a_slow_ttft_made_by_decode_grows_decode_not_prefill() -> None:
+    """TTFT is over its SLO, but prefill has nothing queued: the prompts wait for decode to reserve KV blocks
+    (decode's queue and KV are full). Decode grows; prefill is not blamed."""
+    obs = Observations(
+        time_s=0, window_s=30, request_rate=10, input_len=LengthStats(1000, 1500), output_len=LengthStats(100, 200),
+        prefix_hit_rate=0.0, ttft=Percentiles(p90=20.0), itl=Percentiles(p90=0.02),
+        tiers=(TierObservation("prefill", 4, queue_depth=0, kv_utilisation=0.1),
+               TierObservation("decode", 2, queue_depth=30, kv_utilisation=0.99)))
+    p = plan(config(), obs)
+    assert p.desired("prefill") == 4
+    assert p.desired("decode") > 2 and "queue" in p.decision("decode").reason
+
+
 def test_forecast_follows_a_ramp_ahead_of_the_observed_rate() -> None:
     cfg = config(forecast_alpha=0.5, forecast_beta=0.5)
     state = PlannerState()

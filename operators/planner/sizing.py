@@ -7,11 +7,12 @@ Predictive, for a forecast rate ``r`` (requests/s), mean prompt ``I`` and output
     colocated        = ceil(both loads added, each over its own capacity)
 
 Reactive, per tier, from what the tier reports now: the pressure is the largest of queue per ready replica over
-``queue_high``, KV utilisation over ``kv_high`` and the tier's latency p90 over its SLO (TTFT for prefill, ITL for
-decode, the larger for colocated). Pressure above 1 asks for ``ceil(current · pressure)`` replicas; every signal
-below its low mark (queue under ``queue_low``, KV under ``kv_low``, latency under half its SLO) lets the tier shrink by
-one; anything between holds. In predictive mode the reactive answer is the floor: a forecast never sizes a tier
-below what its queues and latencies demand now, and never shrinks a tier whose signals are not low.
+``queue_high``, KV utilisation over ``kv_high`` and the tier's latency p90 over its SLO (TTFT for prefill while its
+own queue holds prompts, ITL for decode, the larger for colocated). Pressure above 1 asks for
+``ceil(current · pressure)`` replicas; every signal below its low mark (queue under ``queue_low``, KV under
+``kv_low``, latency under half its SLO) lets the tier shrink by one; anything between holds. In predictive mode the
+reactive answer is the floor: a forecast never sizes a tier below what its queues and latencies demand now, and never
+shrinks a tier whose signals are not low.
 """
 
 from __future__ import annotations
@@ -47,10 +48,15 @@ def predictive(cfg: PlannerConfig, tier: TierConfig, obs: Observations, rate: fl
     return Sizing(replicas, f"predictive: {rate:.3g} req/s forecast needs {need:.2f} replicas")
 
 
-def _latency_p90(cfg: PlannerConfig, tier: TierConfig, obs: Observations) -> float:
-    """The tier's latency p90 over its SLO (0 when nothing was measured)."""
+def _latency_p90(cfg: PlannerConfig, tier: TierConfig, obs: Observations, t: TierObservation) -> float:
+    """The tier's latency p90 over its SLO (0 when nothing was measured).
+
+    A prefill tier answers for TTFT only while prompts wait in its own queue: in a disaggregated fleet TTFT also holds
+    the wait for decode to reserve KV blocks, and blaming prefill for that would grow the wrong tier (and, under the
+    budget, starve the one that needs the GPUs)."""
     ratios = []
-    if tier.role in (Role.PREFILL, Role.BOTH) and obs.ttft.p90 is not None:
+    own_queue = t.queue_depth / max(t.ready, 1) > cfg.queue_low
+    if obs.ttft.p90 is not None and (tier.role is Role.BOTH or (tier.role is Role.PREFILL and own_queue)):
         ratios.append(obs.ttft.p90 / cfg.ttft_slo_s)
     if tier.role in (Role.DECODE, Role.BOTH) and obs.itl.p90 is not None:
         ratios.append(obs.itl.p90 / cfg.itl_slo_s)
@@ -61,7 +67,7 @@ def reactive(cfg: PlannerConfig, tier: TierConfig, obs: Observations, t: TierObs
     """The thresholds' answer, and whether every signal is low (the only state in which it lets the tier shrink)."""
     current = t.current
     queue = t.queue_depth / max(t.ready, 1)
-    latency = _latency_p90(cfg, tier, obs)
+    latency = _latency_p90(cfg, tier, obs, t)
     signals = {"queue": queue / cfg.queue_high, "kv": t.kv_utilisation / cfg.kv_high, "latency": latency}
     worst = max(signals, key=lambda k: signals[k])
     pressure = signals[worst]

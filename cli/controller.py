@@ -16,6 +16,8 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from auth.credentials import Credentials
+    from controlplane.controller import ControllerConfig
     from proto.tandem.v1.control_pb2 import TierStatus
 
 KV_BACKEND_CHOICES = ["auto", "nixl", "torch", "tcp"]
@@ -28,11 +30,20 @@ def add_controller_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode replicas at start")
     p.add_argument("--control-port", type=int, default=9400, help="tandem.v1.Control gRPC port")
     p.add_argument("--host", default="0.0.0.0", help="address the Control API listens on")
-    p.add_argument("--kv-backend", default="auto", choices=KV_BACKEND_CHOICES)
+    p.add_argument("--kv-backend", default="auto", choices=KV_BACKEND_CHOICES,
+                   help="every tier's KV transport, unless --prefill-kv-backend / --decode-kv-backend name one")
     p.add_argument("--drain-timeout", type=float, default=120.0,
                    help="seconds a draining replica may take to finish its in-flight work before it is removed")
     p.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs per rank (placement-group bundle)")
-    p.add_argument("--ranks", type=int, default=1, help="ranks (bundles) per replica")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="ranks (bundles) per replica of every tier, unless --prefill-ranks / --decode-ranks say")
+    for tier in ("prefill", "decode"):
+        p.add_argument(f"--{tier}-ranks", type=int, default=None, help=f"ranks (bundles) per {tier} replica")
+        p.add_argument(f"--{tier}-kv-backend", default=None, choices=KV_BACKEND_CHOICES,
+                       help=f"{tier} workers' KV transport")
+    p.add_argument("--tier-resources", action="store_true",
+                   help="each bundle also asks for one unit of the Ray resource tandem_<tier>, which only that "
+                        "tier's nodes advertise (the operator's worker groups do), so replicas land on their own tier")
     p.add_argument("--worker-host", default="node",
                    help="worker listen/advertise address; 'node': each Ray node's IP (default)")
     p.add_argument("--worker-port", type=int, default=None,
@@ -64,26 +75,36 @@ def add_scale_args(p: argparse.ArgumentParser) -> None:
     add_credential_args(p)
 
 
+def controller_config(args: argparse.Namespace, creds: Credentials) -> ControllerConfig:
+    """The controller's config from ``add_controller_args``' flags; ValueError for a bad value."""
+    from auth.credentials import to_flags
+    from controlplane.controller import ControllerConfig
+    from controlplane.replica import NODE_IP
+
+    return ControllerConfig(
+        args.model, args.prefill, args.decode, args.kv_backend, args.cpus_per_replica, args.ranks,
+        worker_flags=(*_port_flags(args), *args.worker_flag, *to_flags(creds, args.auth_token_file)),
+        redis=args.redis,
+        worker_host=NODE_IP if args.worker_host == "node" else args.worker_host, drain_timeout_s=args.drain_timeout,
+        prefill_ranks=args.prefill_ranks, decode_ranks=args.decode_ranks,
+        prefill_kv_backend=args.prefill_kv_backend, decode_kv_backend=args.decode_kv_backend,
+        tier_resources=args.tier_resources)
+
+
 def cmd_controller(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    from auth.credentials import from_args, to_flags
+    from auth.credentials import from_args
     from auth.token import TOKEN_ENV
-    from controlplane.controller import ControllerConfig
     from controlplane.daemon import DaemonConfig, run_controller
-    from controlplane.replica import NODE_IP
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         creds = from_args(args)
         if creds.token is not None:  # a Ray started here passes it on to every worker through the environment
             os.environ[TOKEN_ENV] = creds.token
-        controller = ControllerConfig(
-            args.model, args.prefill, args.decode, args.kv_backend, args.cpus_per_replica, args.ranks,
-            worker_flags=(*_port_flags(args), *args.worker_flag, *to_flags(creds, args.auth_token_file)),
-            redis=args.redis,
-            worker_host=NODE_IP if args.worker_host == "node" else args.worker_host, drain_timeout_s=args.drain_timeout)
+        controller = controller_config(args, creds)
         cfg = DaemonConfig(controller, args.host, args.control_port,
                            args.ray_address or os.environ.get("RAY_ADDRESS") or "local")
     except ValueError as e:

@@ -7,10 +7,11 @@ replicas):
 - **probe**: each READY or DRAINING replica's ``Load`` (its in-flight count for Status and for choosing what to
   drain) and each READY replica's actor ``alive()`` (its worker process). A dead worker or actor: FAILED.
 - **scale up**: fewer active (STARTING + READY) replicas than desired starts new ones, each in its own task: a
-  placement group with one bundle per rank (PACK), a :class:`WorkerReplica` actor in its first bundle, the worker
-  process, then ``Health`` until SERVING, then registration (the :class:`Registrar`: the in-process router of
-  ``tandem up``; with a Redis URL, its lease in the registry). Only then READY. A placement group that Ray
-  cannot place yet (a pending pod) stays STARTING and never blocks a scale-down.
+  placement group with one bundle per rank of that tier (PACK; in Kubernetes each bundle also asks for the tier's
+  Ray resource ``tandem_<tier>``, so it lands on that tier's pods), a :class:`WorkerReplica` actor in its first
+  bundle, the worker process, then ``Health`` until SERVING, then registration (the :class:`Registrar`: the
+  in-process router of ``tandem up``; with a Redis URL, its lease in the registry). Only then READY. A placement
+  group that Ray cannot place yet (a pending pod) stays STARTING and never blocks a scale-down.
 - **scale down**: more active replicas than desired drains the surplus, STARTING ones first (nothing runs there),
   then the READY ones with the least in-flight work. Draining: the registrar hears it first (the router stops
   choosing it), then the worker's ``Drain`` RPC marks it draining in the registry and makes it refuse new work;
@@ -58,9 +59,9 @@ class ControllerConfig:
     model: str
     prefill: int = 1
     decode: int = 1
-    kv_backend: str = "tcp"
+    kv_backend: str = "tcp"  # every tier's unless the tier names its own below
     cpus_per_replica: float = 0.5  # per rank: each placement-group bundle asks for this many CPUs
-    ranks: int = 1  # bundles per replica (tp * pp); one worker process per replica today
+    ranks: int = 1  # bundles per replica (tp * pp), every tier's unless the tier names its own; one worker process
     worker_flags: tuple[str, ...] = ()
     worker_host: str = "127.0.0.1"  # controlplane.replica.NODE_IP in a cluster: each node's own IP
     redis: str | None = None  # set: a replica is READY once its lease is in this registry
@@ -68,12 +69,25 @@ class ControllerConfig:
     start_timeout_s: float = 300.0  # from a placed group to a healthy, registered worker
     reconcile_interval_s: float = 0.5
     max_replicas: int = 256  # per tier: SetReplicas above it is refused
+    prefill_ranks: int | None = None  # None: ``ranks``
+    decode_ranks: int | None = None
+    prefill_kv_backend: str | None = None  # None: ``kv_backend``
+    decode_kv_backend: str | None = None
+    # Each bundle also asks for one unit of the Ray custom resource ``tandem_<tier>``, which the operator's worker
+    # group of that tier advertises once per rank (operators/render_ray.py): a tier's replicas land only on its own
+    # pods. Off for a local Ray (``tandem up``), which advertises no such resource.
+    tier_resources: bool = False
 
     def __post_init__(self) -> None:
         from worker.launcher import KV_BACKENDS
 
-        if self.kv_backend not in KV_BACKENDS:
-            raise ValueError(f"unknown kv_backend {self.kv_backend!r} (choose from {', '.join(KV_BACKENDS)})")
+        for name in ("kv_backend", "prefill_kv_backend", "decode_kv_backend"):
+            backend = getattr(self, name)
+            if backend is not None and backend not in KV_BACKENDS:
+                raise ValueError(f"unknown {name} {backend!r} (choose from {', '.join(KV_BACKENDS)})")
+        for name in ("prefill_ranks", "decode_ranks"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for tier, n in (("prefill", self.prefill), ("decode", self.decode)):
             if not 0 <= n <= self.max_replicas:
                 raise ValueError(f"{tier} replicas must be in [0, {self.max_replicas}], got {n}")
@@ -81,6 +95,26 @@ class ControllerConfig:
             raise ValueError(f"need cpus_per_replica > 0 and ranks >= 1, got {self.cpus_per_replica}/{self.ranks}")
         if min(self.drain_timeout_s, self.start_timeout_s, self.reconcile_interval_s) <= 0:
             raise ValueError("drain_timeout_s, start_timeout_s and reconcile_interval_s must be > 0")
+
+    def ranks_of(self, tier: str) -> int:
+        own = self.prefill_ranks if tier == "prefill" else self.decode_ranks
+        return self.ranks if own is None else own
+
+    def kv_backend_of(self, tier: str) -> str:
+        own = self.prefill_kv_backend if tier == "prefill" else self.decode_kv_backend
+        return self.kv_backend if own is None else own
+
+    def bundles(self, tier: str) -> list[dict[str, float]]:
+        """The placement-group bundles of one ``tier`` replica: one per rank."""
+        bundle = {"CPU": self.cpus_per_replica}
+        if self.tier_resources:
+            bundle[tier_resource(tier)] = 1.0
+        return [dict(bundle) for _ in range(self.ranks_of(tier))]
+
+
+def tier_resource(tier: str) -> str:
+    """The Ray custom resource that only ``tier``'s nodes (pods) advertise."""
+    return f"tandem_{tier}"
 
 
 class Registrar(Protocol):
@@ -247,7 +281,7 @@ class Controller:
     # ---- scale up --------------------------------------------------------------------------------------------
 
     def _begin_start(self, tier: str) -> None:
-        r = Replica(f"{tier}-{uuid.uuid4().hex[:8]}", tier, self.cfg.ranks, restarts=self._failures[tier])
+        r = Replica(f"{tier}-{uuid.uuid4().hex[:8]}", tier, self.cfg.ranks_of(tier), restarts=self._failures[tier])
         self.replicas[r.replica_id] = r
         self._spawn(r, self._start(r))
         self.changed.set()
@@ -258,10 +292,10 @@ class Controller:
 
         from controlplane.replica import ReplicaSpec, WorkerReplica
 
-        spec = ReplicaSpec(r.tier, self.cfg.model,
-                           self.cfg.kv_backend, self.cfg.cpus_per_replica, self._flags(), self.cfg.worker_host)
+        spec = ReplicaSpec(r.tier, self.cfg.model, self.cfg.kv_backend_of(r.tier), self.cfg.cpus_per_replica,
+                           self._flags(), self.cfg.worker_host)
         try:
-            r.placement_group = placement_group([{"CPU": self.cfg.cpus_per_replica}] * r.ranks, strategy="PACK",
+            r.placement_group = placement_group(self.cfg.bundles(r.tier), strategy="PACK",
                                                 name=f"tandem-{r.replica_id}")
             await _ray(r.placement_group.ready(), None)  # unbounded: a pending group waits for capacity
             # @ray.remote made WorkerReplica an ActorClass (mypy keeps a decorated class's own type)

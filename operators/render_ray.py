@@ -48,6 +48,7 @@ _RAY_TMP_MOUNT = {"name": "ray-tmp", "mountPath": "/tmp/ray"}
 
 
 def ray_resource(tier: str) -> str:
+    """The Ray custom resource a tier's pods advertise: ``controlplane.controller.tier_resource`` (a test checks)."""
     return f"tandem_{tier}"
 
 
@@ -59,10 +60,14 @@ def controller_args(spec: DeploymentSpec) -> list[str]:
     worker_flags = ["--dtype", spec.model.dtype]
     # The controller's own credentials: it serves Control with them (token guard, mTLS) and hands the same files
     # on to every worker it starts (cli/controller.py), which the worker pods mount at the same paths.
+    # Per tier: its ranks and KV backend, and --tier-resources, so each replica's bundles ask for the tier's Ray
+    # resource and land on that tier's worker group only.
+    tiers = [flag for t in spec.tiers for flag in (f"--{t.name}-ranks", str(t.ranks),
+                                                   f"--{t.name}-kv-backend", t.kv_backend)]
     return ["controller", "--model", spec.model.path, "--redis", pods.redis_url(spec),
             "--prefill", str(prefill.replicas if prefill else 0), "--decode", str(decode.replicas),
-            "--control-port", str(CONTROL_PORT), "--host", "0.0.0.0", "--kv-backend", decode.kv_backend,
-            "--ranks", str(decode.ranks), "--ray-address", "auto", *pods.credential_flags(spec),
+            "--control-port", str(CONTROL_PORT), "--host", "0.0.0.0", "--kv-backend", decode.kv_backend, *tiers,
+            "--tier-resources", "--ray-address", "auto", *pods.credential_flags(spec),
             *(f"--worker-flag={flag}" for flag in worker_flags)]
 
 

@@ -166,6 +166,10 @@ class DeploymentSpec:
     def __post_init__(self) -> None:
         if self.router_replicas < 1:
             raise SpecError(f"spec.router.replicas must be >= 1, got {self.router_replicas}")
+        backends = {t.name: t.kv_backend for t in self.tiers}
+        if len(set(backends.values())) > 1:  # a prefill worker's sender and a decode worker's receiver must match
+            raise SpecError(f"spec.prefill.kvBackend ({backends['prefill']}) and spec.decode.kvBackend "
+                            f"({backends['decode']}) must match: KV moves from prefill to decode over one transport")
 
     @property
     def disaggregated(self) -> bool:

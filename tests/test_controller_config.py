@@ -1,5 +1,6 @@
 """The controller's and ``tandem scale``'s input checks, without Ray: configs refuse bad values with ValueError,
-SetReplicas' validation, the worker port flags of ``tandem controller``, and ``tandem scale``'s exit codes."""
+SetReplicas' validation, the worker port flags of ``tandem controller``, its per-tier ranks and KV backends and
+the placement-group bundles they make, and ``tandem scale``'s exit codes."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from controlplane.replica import ReplicaSpec
 
 @pytest.mark.parametrize("bad", [
     {"prefill": -1}, {"decode": 300}, {"kv_backend": "carrier-pigeon"}, {"cpus_per_replica": 0}, {"ranks": 0},
-    {"drain_timeout_s": 0}, {"start_timeout_s": -1}, {"reconcile_interval_s": 0},
+    {"drain_timeout_s": 0}, {"start_timeout_s": -1}, {"reconcile_interval_s": 0}, {"prefill_ranks": 0},
+    {"decode_ranks": -1}, {"decode_kv_backend": "rdma"}, {"prefill_kv_backend": ""},
 ])
 def test_controller_config_refuses_bad_values(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
@@ -84,3 +86,41 @@ def test_tandem_scale_exit_codes_without_a_controller(tmp_path: Path) -> None:
         closed = s.getsockname()[1]
     unreachable = scale("decode", "2", "--control", f"127.0.0.1:{closed}")
     assert unreachable.returncode == 1 and f"127.0.0.1:{closed}" in unreachable.stderr
+
+
+def _controller_args(*flags: str) -> argparse.Namespace:
+    from cli.controller import add_controller_args
+
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_controller_args(p)
+    return p.parse_args(["--model", "/m", "--redis", "redis://r:6379", *flags])
+
+
+def test_per_tier_ranks_and_kv_backends_parse_and_default_to_the_shared_flags() -> None:
+    from cli.controller import controller_config
+
+    shared = controller_config(_controller_args("--ranks", "2", "--kv-backend", "tcp"), Credentials(None))
+    assert [(shared.ranks_of(t), shared.kv_backend_of(t)) for t in ("prefill", "decode")] == [(2, "tcp"), (2, "tcp")]
+    assert not shared.tier_resources
+    own = controller_config(_controller_args("--ranks", "2", "--kv-backend", "tcp", "--prefill-ranks", "1",
+                                             "--decode-ranks", "4", "--prefill-kv-backend", "nixl",
+                                             "--decode-kv-backend", "nixl", "--tier-resources"), Credentials(None))
+    assert [(own.ranks_of(t), own.kv_backend_of(t)) for t in ("prefill", "decode")] == [(1, "nixl"), (4, "nixl")]
+    assert own.tier_resources
+    with pytest.raises(argparse.ArgumentError):
+        _controller_args("--decode-kv-backend", "rdma")
+    with pytest.raises(ValueError):
+        controller_config(_controller_args("--decode-ranks", "0"), Credentials(None))
+
+
+def test_bundles_ask_for_the_tiers_ray_resource_once_per_rank_only_with_tier_resources() -> None:
+    from controlplane.controller import tier_resource
+    from operators.render_ray import ray_resource
+
+    cfg = ControllerConfig("/m", cpus_per_replica=1.0, prefill_ranks=1, decode_ranks=2, tier_resources=True)
+    assert cfg.bundles("prefill") == [{"CPU": 1.0, "tandem_prefill": 1.0}]
+    assert cfg.bundles("decode") == [{"CPU": 1.0, "tandem_decode": 1.0}] * 2
+    local = ControllerConfig("/m", cpus_per_replica=0.5, decode_ranks=2)  # tandem up: a local Ray has no such resource
+    assert local.bundles("decode") == [{"CPU": 0.5}] * 2 and local.bundles("prefill") == [{"CPU": 0.5}]
+    # the operator's worker groups advertise exactly the names the controller asks for
+    assert all(tier_resource(t) == ray_resource(t) for t in ("prefill", "decode"))

@@ -4,6 +4,7 @@ the render CLI's errors, and that the operator never imports torch or ray. No Ku
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 from typing import Any
@@ -119,6 +120,7 @@ def test_render_is_deterministic() -> None:
     ({"model": {"source": {"pvc": {"claimName": "m"}, "hostPath": {"path": "/m"}}}}, "exactly one of pvc"),
     ({"router": {"replicas": 0}}, "router.replicas must be >= 1"),
     ({"decode": None}, "spec.decode is required"),
+    ({"decode": {"replicas": 1, "kvBackend": "tcp"}}, "spec.prefill.kvBackend (nixl) and spec.decode.kvBackend (tcp)"),
     ({"decode": {"replicas": "many"}}, "spec:"),
 ])
 def test_bad_specs_raise_a_spec_error_naming_the_field(change: dict[str, Any], message: str) -> None:
@@ -257,7 +259,10 @@ def test_rendered_commands_parse_with_the_real_parsers(monkeypatch: pytest.Monke
     p = argparse.ArgumentParser(exit_on_error=False)
     add_controller_args(p)
     c = p.parse_args(head["args"][1:])
-    assert (c.prefill, c.decode, c.control_port, c.ranks, c.ray_address) == (2, 1, 9400, 2, "auto")
+    assert (c.prefill, c.decode, c.control_port, c.ray_address) == (2, 1, 9400, "auto")
+    # per tier: prefill tp=1, decode tp=2; each replica's bundles ask for the tier's Ray resource
+    assert (c.prefill_ranks, c.decode_ranks, c.prefill_kv_backend, c.decode_kv_backend, c.tier_resources) == (
+        1, 2, "nixl", "nixl", True)
     assert (c.auth_token_file, c.tls_cert, c.tls_key, c.tls_ca, c.tls_server_name) == creds
     # What `tandem controller` hands each worker (cli/controller.py): its own credential flags. The mounted files do
     # not exist here, so their checks are skipped.
@@ -272,6 +277,17 @@ def test_rendered_commands_parse_with_the_real_parsers(monkeypatch: pytest.Monke
     worker_pod = next(g for g in groups if g["groupName"] == "decode")
     mounts = {m["mountPath"] for m in worker_pod["template"]["spec"]["containers"][0]["volumeMounts"]}
     assert {"/etc/tandem/token", "/etc/tandem/tls"} <= mounts  # the same paths on every pod
+    # each tier's pods advertise its Ray resource once per rank: exactly one replica's bundles fit a pod
+    from cli.controller import controller_config
+
+    cfg = controller_config(c, from_args(c))
+    for g in groups:
+        advertised = json.loads(g["rayStartParams"]["resources"])
+        wanted: dict[str, float] = {}
+        for bundle in cfg.bundles(g["groupName"]):
+            for k, v in bundle.items():
+                wanted[k] = wanted.get(k, 0) + v
+        assert advertised == {k: v for k, v in wanted.items() if k != "CPU"}
 
 
 def test_status_conditions_follow_the_controller_and_the_router() -> None:

@@ -180,6 +180,9 @@ def test_compiled_grammars_are_cached_by_spec_hash(llm: LLM) -> None:
     compiler.grammar(spec)
     compiler.grammar(StructuredOutput("regex", "[a-c]{2}", num_replay_tokens=3))
     assert (compiler.hits, compiler.misses) == (1, 1)
+    a, b = compiler.matcher(spec), compiler.matcher(spec)  # copies of one compiled matcher: independent states
+    assert a.consume_tokens(llm.tokenizer.encode("ab", add_special_tokens=False)) and a.is_accepting()
+    assert not b.is_accepting() and b.consume_tokens(llm.tokenizer.encode("c", add_special_tokens=False))
 
 
 @pytest.mark.parametrize(("spec", "problem"), [

@@ -12,8 +12,10 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from parallel_parity import assert_bit_identical, assert_greedy_matches
 
 from engine.llm import LLM
@@ -41,9 +43,20 @@ def test_pp2_logits_bit_identical_to_tp1_and_tokens_match_transformers(
     prompts = _prompts()
     plain = LLM(str(path), **ENGINE)  # type: ignore[arg-type]
     plain.engine.runner.micro_batches = 2
+    runner = plain.engine.runner
+    split_steps: list[int] = []
+    forward_split = runner._forward_micro_batches
+
+    def counted(*args: Any) -> torch.Tensor:
+        split_steps.append(1)
+        return forward_split(*args)
+
+    runner._forward_micro_batches = counted  # type: ignore[method-assign,assignment]
     rec = LogitRecorder.attach(plain.engine)
     rec.enabled = True
     want = plain.generate(prompts, GREEDY)
+    # the steps of decodes only ran as two micro-batches (the first steps also carry the long prompt's chunks)
+    assert len(split_steps) >= MAX_NEW // 2
     with ParallelLLM(str(path), ParallelConfig(pp=2), **ENGINE) as llm:
         outs = llm.generate(prompts, GREEDY, record_logits=True)
         assert llm.last_logits is not None

@@ -28,7 +28,7 @@ import urllib.parse
 from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -52,6 +52,9 @@ from router.openai_responses import (
     take_prompt_logprobs,
 )
 from router.tool_parsers import PARSERS
+
+if TYPE_CHECKING:
+    from router.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -97,6 +100,7 @@ class Gateway:
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.tracer: RequestTracer | None = None  # set by build_router with --otlp-endpoint (router/tracing.py)
         self.keys = keys or ApiKeys()
         self.admission = Admission(admission or AdmissionConfig(), dispatcher.pool, metrics)
         self._parser = ThreadPoolExecutor(config.parse_threads, thread_name_prefix="tandem-parse")
@@ -256,16 +260,28 @@ class Gateway:
                 t0: float) -> Response:
         """The whole answer of a request whose choices are all done."""
         self.metrics.e2e.observe(time.perf_counter() - t0)
-        self.request_done(req.num_prompt_tokens, choices, t0)
+        self.request_done(req.num_prompt_tokens, choices, t0, plans, request.path)
         headers = {"x-tandem-route": _route_header(plans)} if request.explain else None
         return _json(self._final_body(req, choices), headers=headers)
 
-    def request_done(self, prompt_tokens: int, choices: list[Choice], t0: float) -> None:
-        """Observe a finished request's phases, token counts and finish reasons (router/metric_catalogue.py)."""
+    def request_done(self, prompt_tokens: int, choices: list[Choice], t0: float, plans: list[Plan],
+                     endpoint: str) -> None:
+        """Observe a finished request's phases, token counts and finish reasons (router/metric_catalogue.py), and
+        trace it when tracing is on (router/tracing.py)."""
         firsts = [c.first_at for c in choices if c.first_at]
+        end = time.perf_counter()
+        dispatched = min(c.created_at for c in choices)
         self.metrics.request_done(prompt_tokens, [len(c.token_ids) for c in choices],
-                                  (c.finish_reason for c in choices), t0, min(c.created_at for c in choices),
-                                  min(firsts, default=0.0), time.perf_counter())
+                                  (c.finish_reason for c in choices), t0, dispatched, min(firsts, default=0.0), end)
+        if self.tracer is not None:
+            from router.tracing import Phases
+
+            c = choices[0]
+            self.tracer.record(endpoint, plans[0].mode if plans else "unknown",
+                               Phases(t0, dispatched, c.first_at, c.second_at, end),
+                               {"tandem.prompt_tokens": prompt_tokens, "tandem.sequences": len(choices),
+                                "tandem.generated_tokens": sum(len(ch.token_ids) for ch in choices),
+                                "tandem.attempts": len(plans)})
 
     def admit(self) -> None:
         """Check that a request would be admitted now (no slot is taken: see ``admitted``)."""
@@ -288,8 +304,11 @@ class Gateway:
     def _absorb(self, req: GenerationRequest, c: Choice, chunk: pb.TokenChunk) -> str:
         """Take one chunk into ``c`` (tokens, text, logprobs, finish reason); return its new text."""
         c.cached = max(c.cached, chunk.num_cached_tokens)
-        if not c.first_at and chunk.token_ids:
-            c.first_at = time.perf_counter()
+        if chunk.token_ids:  # phase timestamps (metrics and traces): first token, then decode's first chunk
+            if not c.first_at:
+                c.first_at = time.perf_counter()
+            elif not c.second_at:
+                c.second_at = time.perf_counter()
         take_prompt_logprobs(c, chunk)
         if c.detok.stop:  # token by token: the token that completes a stop string ends the choice
             new = ""
@@ -403,7 +422,7 @@ class Gateway:
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             self.metrics.e2e.observe(time.perf_counter() - t0)
-            self.request_done(req.num_prompt_tokens, choices, t0)
+            self.request_done(req.num_prompt_tokens, choices, t0, plans, request.path)
             return resp
         finally:
             for t in tasks:

@@ -143,7 +143,7 @@ class GatewayServicer(gpb_grpc.GatewayServicer):
             metrics.requests.labels(_PATH, str(e.status)).inc()
             await context.abort(status_for(e.status), e.message)
         metrics.e2e.observe(time.perf_counter() - t0)
-        gw.request_done(len(req.prompt_token_ids), [choice], t0)
+        gw.request_done(len(req.prompt_token_ids), [choice], t0, plans, "/tandem.v1.Gateway/Complete")
         metrics.requests.labels(_PATH, "200").inc()
 
 

@@ -51,6 +51,7 @@ class Choice:
     output: ChatOutput | None = None  # a chat choice with tools or a reasoning parser: its text split up
     created_at: float = field(default_factory=time.perf_counter)  # made once admitted, as it is handed to routing
     first_at: float = 0.0  # when its first generated token arrived (perf_counter; 0 until then)
+    second_at: float = 0.0  # when a later chunk first brought tokens (disaggregated: decode's first chunk)
 
 
 def new_choice(req: GenerationRequest, index: int, tokenizer: Tokenizer) -> Choice:

@@ -122,6 +122,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    "/metrics is on the gateway's port, behind the API keys if any")
     p.add_argument("--vllm-metrics", action="store_true",
                    help="also export vllm:* metric names where vLLM has an equivalent, so vLLM dashboards work")
+    p.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
+                   help="trace every request with OpenTelemetry, exported over OTLP/gRPC to this collector")
     p.add_argument("--header-read-timeout", type=float, default=10.0, metavar="S",
                    help="close a connection whose request head (or next request, when idle) takes longer (<= 60)")
     p.add_argument("--body-read-timeout", type=float, default=30.0, metavar="S", help="408 after this")
@@ -164,7 +166,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         api_keys=tuple(args.api_key), api_key_file=args.api_key_file, http=http_config(args),
                         admission=admission, max_prompt_bytes=args.max_prompt_bytes, metrics_port=args.metrics_port,
                         credentials=from_args(args), tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser, vllm_metrics=args.vllm_metrics)
+                        reasoning_parser=args.reasoning_parser, vllm_metrics=args.vllm_metrics,
+                        otlp_endpoint=args.otlp_endpoint)
 
 
 def stop_on_signals() -> asyncio.Event:
@@ -230,6 +233,8 @@ def child_argv(args: argparse.Namespace, port: int, grpc_port: int | None) -> li
         argv.append("--no-keep-alive")
     if args.vllm_metrics:
         argv.append("--vllm-metrics")
+    if args.otlp_endpoint:
+        argv += ["--otlp-endpoint", args.otlp_endpoint]
     from auth.credentials import from_args, to_flags
 
     return argv + to_flags(from_args(args), args.auth_token_file)

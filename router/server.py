@@ -52,6 +52,7 @@ class RouterConfig:
     tool_call_parser: str = "hermes"  # hermes | llama3_json | mistral (router/tool_parsers.py)
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1 (router/chat_output.py)
     vllm_metrics: bool = False  # also export vllm:* names where vLLM has an equivalent (router/metric_catalogue.py)
+    otlp_endpoint: str | None = None  # host:port of an OTLP/gRPC collector: trace every request (router/tracing.py)
 
     def __post_init__(self) -> None:
         if not self.workers and not self.redis:
@@ -153,4 +154,8 @@ async def build_router(cfg: RouterConfig) -> Router:
                                     metrics_on_main_port=cfg.metrics_port is None,
                                     tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser),
                       tokenizer, dispatcher, metrics, ApiKeys.load(cfg.api_keys, cfg.api_key_file), cfg.admission)
+    if cfg.otlp_endpoint:
+        from router.tracing import RequestTracer, otlp_provider
+
+        gateway.tracer = RequestTracer(otlp_provider(cfg.otlp_endpoint))
     return Router(pool, index, dispatcher, gateway, cfg.http, bus)

@@ -15,6 +15,7 @@ import asyncio
 import base64
 import contextlib
 import copy
+import dataclasses
 import re
 import tempfile
 import threading
@@ -126,6 +127,7 @@ class Cluster:
     k: Any  # kmock.KubernetesEmulator
     control: FakeControl
     url: str
+    secrets: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # name -> the Secret created
 
     def obj(self, plural: str, name: str) -> dict[str, Any] | None:
         for (res, ns, n), o in list(self.k.objects.items()):
@@ -202,12 +204,14 @@ async def running_operator(initial: dict[str, int] | None = None, interval_s: fl
         cert_pem, key_pem, ca_pem = client_tls.read()
         secrets: list[tuple[str, dict[str, bytes]]] = [("tandem-cluster-token", {"token": token.encode()})]
         secrets.append(("tandem-mtls", {"tls.crt": cert_pem, "tls.key": key_pem, "ca.crt": ca_pem}))
+        created = {}
         for name, data in secrets:
             secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
                       "metadata": {"name": name, "namespace": NAMESPACE},
                       "data": {k: base64.b64encode(v).decode() for k, v in data.items()}}
             async with k.post(f"/api/v1/namespaces/{NAMESPACE}/secrets", json=secret) as resp:
                 assert resp.status in (200, 201), await resp.text()
+            created[name] = secret
         cfg = OperatorConfig(control_address=f"127.0.0.1:{port}", kube_url=url,
                              status_interval_s=interval_s, status_initial_delay_s=0.2, retry_delay_s=1.0)
         settings = kopf.OperatorSettings()
@@ -220,7 +224,7 @@ async def running_operator(initial: dict[str, int] | None = None, interval_s: fl
         task = asyncio.create_task(kopf.operator(registry=build_registry(cfg), settings=settings, clusterwide=True,
                                                  standalone=True, stop_flag=stop))
         try:
-            yield Cluster(k, control, url)
+            yield Cluster(k, control, url, created)
             assert not task.done(), f"the operator stopped: {task.exception() if task.done() else ''}"
         finally:
             stop.set()
@@ -330,6 +334,33 @@ def test_scaling_a_tier_calls_set_replicas_clamped_and_is_not_reset_by_reconcile
             await until(lambda: (c.obj("tandemtiers", "llama-prefill") or {}).get("spec", {}).get("replicas") == 3,
                         what="the prefill TandemTier rewritten")
             await until(lambda: ("prefill", 3) in c.control.calls, what="SetReplicas(prefill, 3)")
+    _run(scenario())
+
+
+def test_a_missing_token_secret_is_reported_and_no_call_is_made_until_it_exists() -> None:
+    """Against kmock (no kube-apiserver can run here): without the cluster-token Secret the operator makes no Control
+    call at all (the controller would refuse it), reports Ready=Unknown naming the Secret, and once the Secret is
+    created forwards a tier change through the token-guarded SetReplicas."""
+    async def scenario() -> None:
+        async with running_operator(interval_s=0.5) as c:
+            async with c.k.delete(f"/api/v1/namespaces/{NAMESPACE}/secrets/tandem-cluster-token") as resp:
+                assert resp.status == 200
+            await c.create_td(td_manifest())
+
+            def ready() -> dict[str, Any] | None:
+                st = (c.obj("tandemdeployments", "llama") or {}).get("status") or {}
+                return next((x for x in st.get("conditions") or [] if x["type"] == "Ready"), None)
+            cond = await until(lambda: ready() if (ready() or {}).get("reason") == "ControllerUnreachable" else None,
+                               what="Ready=Unknown for the missing Secret")
+            assert cond["status"] == "Unknown" and f"Secret {NAMESPACE}/tandem-cluster-token does not exist" in cond[
+                "message"]
+            await c.patch(f"{TT_PATH}/llama-decode", {"spec": {"replicas": 2}})
+            await c.ticks(3)
+            assert c.control.calls == [] and c.control.peers == set()
+            async with c.k.post(f"/api/v1/namespaces/{NAMESPACE}/secrets",
+                                json=c.secrets["tandem-cluster-token"]) as resp:
+                assert resp.status in (200, 201)
+            await until(lambda: ("decode", 2) in c.control.calls, what="SetReplicas(decode, 2) once the Secret exists")
     _run(scenario())
 
 

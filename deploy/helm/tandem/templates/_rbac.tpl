@@ -1,8 +1,8 @@
 {{/*
 The rules for what the operator touches in a namespace it watches, and nothing else: its own resources, what it
 reconciles a TandemDeployment into (RayCluster, the router's Deployment and Services, the in-cluster Redis,
-PodDisruptionBudgets, NetworkPolicies, ServiceMonitor), reading a named Secret or ConfigMap (the API-key, mTLS and
-registry Secrets a TandemDeployment names), and Events for a bad spec.
+PodDisruptionBudgets, NetworkPolicies, ServiceMonitor), reading a named Secret or ConfigMap (the cluster-token and mTLS
+Secrets a TandemDeployment names, for its calls to the controller), and Events for a bad spec.
 */}}
 {{- define "tandem.namespacedRules" -}}
 - apiGroups: ["tandem.dev"]

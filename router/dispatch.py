@@ -110,17 +110,6 @@ class DispatchStats:
     migrations: int = 0
 
 
-@dataclass(slots=True)
-class Attempts:
-    """Where a request stands across attempts: tokens generated so far, workers that failed it, the next
-    attempt's number, and (optionally) the plan its next attempt must use, already made."""
-
-    generated: list[int] = field(default_factory=list)
-    exclude: set[str] = field(default_factory=set)
-    attempt: int = 0
-    plan: Plan | None = None
-
-
 class _WorkerFailed(Exception):
     def __init__(self, worker: Worker, step: str, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"{step} on {worker.worker_id or worker.address} failed ({code.name}): {details}")
@@ -217,26 +206,22 @@ class Dispatcher:
 
     async def collect(self, request_id: str, prompt: list[int], params: pb.SamplingParams,
                       sink: Callable[[pb.TokenChunk], bool], plan_out: list[Plan] | None = None,
-                      min_chunk_tokens: int = 0, attempts: Attempts | None = None) -> None:
+                      min_chunk_tokens: int = 0) -> None:
         """``run`` for a caller that answers only at the end: each chunk goes to ``sink`` as it arrives (from the
         session's reader, with no generator step per chunk and none per layer), which returns True once it needs
         no more (a stop string matched: the rest is aborted). Same retries, migration and cancellation as ``run``:
-        ``sink`` sees every token once, in order, across attempts. ``attempts`` continues a request that an
-        earlier attempt (the gateway's express lane) started."""
-        state = attempts if attempts is not None else Attempts()
-        generated, exclude, attempt = state.generated, state.exclude, state.attempt
+        ``sink`` sees every token once, in order, across attempts."""
+        generated: list[int] = []
+        exclude: set[str] = set()
+        attempt = 0
 
         def take(chunk: pb.TokenChunk) -> bool:
             generated.extend(chunk.token_ids)
             return sink(chunk)
 
         while True:
-            if state.plan is not None:  # already made (and recorded) by the caller
-                plan, state.plan = state.plan, None
-                rid, full, cont = self._attempt_args(request_id, attempt, prompt, params, generated)
-            else:
-                plan, rid, full, cont = self._next_attempt(request_id, attempt, prompt, params, generated, exclude,
-                                                           plan_out)
+            plan, rid, full, cont = self._next_attempt(request_id, attempt, prompt, params, generated, exclude,
+                                                       plan_out)
             try:
                 if plan.mode == "colocated":
                     session = plan.decode.session
@@ -280,28 +265,6 @@ class Dispatcher:
                 cont.structured.num_replay_tokens = len(generated)
             return f"{request_id}.{attempt}", prompt + generated, cont
         return f"{request_id}.{attempt}", prompt, params
-
-    def first_plan(self, prompt: list[int], plan_out: list[Plan]) -> Plan:
-        """Attempt 0's plan, for a caller that runs that attempt itself (the express lane); recorded in
-        ``plan_out``. The caller must ``release`` it."""
-        plan = self.plan(prompt, set())
-        plan_out.append(plan)
-        return plan
-
-    def release(self, plan: Plan) -> None:
-        self._release(plan)
-
-    async def recover(self, err: BaseException, plan: Plan, request_id: str, state: Attempts) -> None:
-        """Attempt ``state.attempt`` (run by the caller on ``plan``) failed with ``err``: release its plan, then
-        either raise DispatchError (not retryable, or out of attempts) or back off and advance ``state`` so that
-        ``collect(attempts=state)`` continues the request."""
-        try:
-            if not isinstance(err, _WorkerFailed | SessionError):
-                raise DispatchError(500, f"internal error: {err!r}") from err
-            state.attempt = await self._after_failure(err, plan, request_id, state.attempt, state.exclude,
-                                                      state.generated)
-        finally:
-            self._release(plan)
 
     async def _after_failure(self, err: _WorkerFailed | SessionError, plan: Plan, request_id: str, attempt: int,
                              exclude: set[str], generated: list[int]) -> int:

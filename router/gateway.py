@@ -143,7 +143,7 @@ class Gateway:
             resp: Response | StreamResponse = await route(request)
             return resp
         except APIError as e:
-            return self._error(request, e, known=route is not None)
+            return self._error(e)
 
     def authenticate(self, request: Request) -> None:
         """401 without a valid key (when keys are configured); ``request.explain`` for an admin key only."""
@@ -155,7 +155,7 @@ class Gateway:
                            code="invalid_api_key")
         request.explain = caller.admin and request.headers.get("x-tandem-explain") == "1"
 
-    def _error(self, request: Request, e: APIError, known: bool = True) -> Response:
+    def _error(self, e: APIError) -> Response:
         headers = {"Retry-After": retry_after_header(e.retry_after)} if e.retry_after else None
         if e.status == 401:
             headers = {"WWW-Authenticate": "Bearer"}

@@ -56,7 +56,7 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(slots=True, frozen=True)
 class ShardSpec:
-    """This rank's place in the model's tensor- and expert-parallel layout."""
+    """This rank's place in the model's tensor-, expert- and pipeline-parallel layout."""
 
     tp_rank: int = 0
     tp_size: int = 1

@@ -134,6 +134,7 @@ def test_tandem_scale_a_running_tandem_up_and_replace_a_killed_worker(checkpoint
         down = _tandem(env, "down")
         assert down.returncode == 0, down.stderr
         assert up.wait(60) == 0
+        assert not token_file.exists()  # tandem up takes its token file with it
         deadline = time.monotonic() + 20
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -13,6 +13,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from jinja2 import Template
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
@@ -81,12 +82,18 @@ class Tokenizer:
         env.filters["tojson"] = _tojson  # transformers' (no HTML escaping), which tool-calling templates expect
         return env
 
+    @cached_property
+    def _chat_template(self) -> Template:
+        """The chat template compiled once: Jinja's ``from_string`` parses and compiles the source on every call
+        (tens of milliseconds for a tool-calling template; transformers caches the compiled one the same way)."""
+        assert self.chat_template is not None
+        return self._template_env.from_string(self.chat_template)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template")
-        template = self._template_env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        return self._chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

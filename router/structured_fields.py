@@ -24,6 +24,7 @@ _SO_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "gramma
             "json_object": "json_object"}
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
+_FIELDS = frozenset({"response_format", "structured_outputs", "guided_decoding_backend", *_GUIDED})
 
 
 @lru_cache(maxsize=8)
@@ -33,6 +34,8 @@ def compiler_for(tokenizer: Tokenizer, vocab_size: int) -> GrammarCompiler:
 
 def parse_structured(body: dict[str, Any], tokenizer: Tokenizer, vocab_size: int) -> StructuredOutput | None:
     """The request's constraint (None: unconstrained). Raises APIError(400) naming the field and the problem."""
+    if _FIELDS.isdisjoint(body):  # most requests: none of the fields below, nothing to check
+        return None
     found: list[tuple[str, StructuredOutput]] = []
     rf = body.get("response_format")
     if rf is not None:

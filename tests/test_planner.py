@@ -5,6 +5,7 @@ The planner is a pure function, so each test feeds a sequence of observations an
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -126,6 +127,28 @@ def test_gpu_budget_is_never_exceeded_counting_draining_replicas() -> None:
     p = plan(low, obs)
     assert p.gpus(low, obs) <= 24 and p.desired("prefill") >= 1 and p.desired("decode") >= 1
     assert sum(d.drain for d in p.tiers) == 2
+
+
+def test_a_tier_starved_by_the_budget_takes_gpus_from_a_tier_above_its_predicted_need() -> None:
+    cfg = config(gpu_budget=48)  # 6 replicas in all
+    # Prefill holds 5 but its forecast needs 2; decode holds 1 with 30 prompts queued and its KV full (it asks for 8).
+    obs = Observations(
+        time_s=0, window_s=30, request_rate=20, input_len=LengthStats(1000, 1500), output_len=LengthStats(300, 400),
+        prefix_hit_rate=0.0, ttft=Percentiles(p90=20.0), itl=Percentiles(p90=0.02),
+        tiers=(TierObservation("prefill", 5, queue_depth=0, kv_utilisation=0.6),
+               TierObservation("decode", 1, queue_depth=30, kv_utilisation=0.99)))
+    p = plan(cfg, obs)
+    assert p.desired("decode") == 1 and "budget" in p.decision("decode").reason  # no room yet
+    assert p.desired("prefill") == 2 and p.decision("prefill").drain == 3
+    assert "drain 3 (need 2) for decode" in p.decision("prefill").reason
+    assert p.gpus(cfg, obs) <= 48
+    # Next window the two prefill replicas are draining (still holding GPUs), then gone: decode grows into them.
+    later = replace(obs, time_s=30, tiers=(TierObservation("prefill", 2, draining=3, queue_depth=0, kv_utilisation=0.6),
+                                           TierObservation("decode", 1, queue_depth=30, kv_utilisation=0.99)))
+    assert plan(cfg, later, p.state).desired("decode") == 1
+    gone = replace(obs, time_s=60, tiers=(TierObservation("prefill", 2, queue_depth=0, kv_utilisation=0.6),
+                                          TierObservation("decode", 1, queue_depth=30, kv_utilisation=0.99)))
+    assert plan(cfg, gone, p.state).desired("decode") == 4  # all the budget leaves it
 
 
 def test_min_and_max_per_tier_are_always_respected() -> None:

@@ -13,7 +13,9 @@ Guards, applied per tier after sizing (``sizing.py``), in this order:
 4. **GPU budget** across tiers: ``Σ (desired + draining) · gpus_per_replica <= gpu_budget`` for every scale-up (the
    GPUs a draining replica holds are not free until it is gone, Dynamo #12428). Over budget, scale-ups are trimmed one
    replica at a time from the tier that grows most relative to its size; a scale-up to a tier's minimum is trimmed
-   last and only ever waits for drains, never below the minimums (which the config proves fit).
+   last and only ever waits for drains, never below the minimums (which the config proves fit). A tier starved by the
+   budget takes GPUs from a tier that holds more than its predictive need: that tier drains down to its need (a
+   budget-driven drain, not subject to its own scale-down guards), and the starved tier grows once the GPUs are free.
 
 Each tier's guards read only that tier's replicas: a tier whose replicas are starting (pods pending) neither blocks
 nor delays another tier's scale-down (Dynamo #14251 froze every scale-down while any pod pended).
@@ -87,6 +89,8 @@ class _Work:
     sized: int
     reason: str
     state: TierState
+    need: int | None  # the predictive answer clamped to the bounds (None: capacity unknown or reactive mode)
+    wanted: int  # desired before the budget
 
 
 def plan(cfg: PlannerConfig, obs: Observations, state: PlannerState | None = None) -> Plan:
@@ -138,7 +142,9 @@ def plan(cfg: PlannerConfig, obs: Observations, state: PlannerState | None = Non
                 ts = TierState(now, 0)
         else:
             ts = replace(ts, down_windows=0)
-        work.append(_Work(tier.name, t, tier.gpus_per_replica, tier.min_replicas, desired, sized, reason, ts))
+        need = None if pred is None else min(max(pred.replicas, tier.min_replicas), tier.max_replicas)
+        work.append(_Work(tier.name, t, tier.gpus_per_replica, tier.min_replicas, desired, sized, reason, ts, need,
+                          desired))
     _enforce_budget(cfg, work, state)
     decisions = tuple(TierDecision(w.name, w.obs.current, w.desired, max(w.obs.current - w.desired, 0), w.reason,
                                    w.sized) for w in work)
@@ -165,6 +171,21 @@ def _enforce_budget(cfg: PlannerConfig, work: list[_Work], state: PlannerState) 
         w = max((w for w in work if w.desired > w.min_replicas), key=lambda w: (w.desired * w.gpus, w.name))
         w.desired -= 1
         trimmed.add(w.name)
+    # Rebalance: a tier starved by the budget gets GPUs from a tier (not itself asking for more) holding more than its
+    # predictive need, which drains down to that need (bypassing its own scale-down guards: the signal is the other
+    # tier's shortage). The starved tier grows in a later window, once the drains have given the GPUs back.
+    for w in work:
+        short = (w.wanted - w.desired) * w.gpus
+        for o in work:
+            if short <= 0 or o is w or o.need is None or o.desired != o.obs.current or o.wanted > o.obs.current:
+                continue
+            surplus = o.desired - max(o.need, o.min_replicas)
+            k = min(surplus, -(-short // o.gpus))
+            if k > 0:
+                o.desired -= k
+                short -= k * o.gpus
+                o.reason = f"budget: drain {k} (need {o.need}) for {w.name}; {o.reason}"
+                o.state = TierState(state.tiers.get(o.name, TierState()).last_change_s, 0)
     for w in work:
         if w.name in trimmed:
             w.reason = f"budget: {cfg.gpu_budget} GPUs allow {w.desired}; {w.reason}"

@@ -8,7 +8,7 @@ processes on the machine disturb it far less than wall time), best of ``--repeat
 the router from another checkout (e.g. ``git archive HEAD router engine proto auth | tar -x -C /tmp/old``), so
 two trees can be compared in alternation on the same machine.
 
-    python -m bench.parse_path --model ~/.cache/tandem/tiny-llama [--tree DIR] [--n 20000] [--repeat 5]
+    python -m bench.parse_path --model ~/.cache/tandem/tiny-llama [--tree DIR] [--n 20000] [--repeat 5] [--body NAME]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _cpu_us(fn: Callable[[], object], n: int, repeat: int) -> float:
     return best / n * 1e6
 
 
-def parse_costs(model: str, n: int, repeat: int) -> dict[str, float]:
+def parse_costs(model: str, n: int, repeat: int, bodies: list[str]) -> dict[str, float]:
     from engine.tokenizer import Tokenizer
     from router.gateway import Gateway
 
@@ -55,7 +55,8 @@ def parse_costs(model: str, n: int, repeat: int) -> dict[str, float]:
     gw.config = GatewayConfig("m", 2048, tok.vocab_size)
     gw.tokenizer = tok
     out = {}
-    for name, (chat, body) in BODIES.items():
+    for name in bodies:
+        chat, body = BODIES[name]
         raw = json.dumps(body).encode()
         out[f"parse_{name}_us"] = _cpu_us(functools.partial(gw.parse_body, raw, chat), n, repeat)
     return out
@@ -103,10 +104,11 @@ def main() -> None:
     p.add_argument("--tree", default=None, help="import the router from this directory instead")
     p.add_argument("--n", type=int, default=20000)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--body", action="append", choices=sorted(BODIES), help="time only these bodies (default: all)")
     args = p.parse_args()
     if args.tree:
         sys.path.insert(0, args.tree)
-    out: dict[str, Any] = dict(parse_costs(args.model, args.n, args.repeat))
+    out: dict[str, Any] = dict(parse_costs(args.model, args.n, args.repeat, args.body or list(BODIES)))
     out["asgi_app_us"] = asgi_cost(args.n, args.repeat)
     import router
 

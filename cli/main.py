@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a file of API keys, one per line ('admin:KEY' for an admin key, '#' comments)")
     up.add_argument("--served-model-name", default=None,
                     help="the model's name in the API (default: the Hugging Face id, or the checkpoint dir's name)")
+    up.add_argument("--vllm-metrics", action="store_true", default=None,
+                    help="also export vllm:* metric names where vLLM has an equivalent (vLLM dashboards work)")
+    up.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
+                    help="trace every request with OpenTelemetry, exported over OTLP/gRPC to this collector")
     up.add_argument("--grpc-port", type=int, default=None,
                     help="client gRPC API port (tandem.v1.Gateway; default: the HTTP port + 1; -1: not served)")
     up.add_argument("--redis", default=None, help="redis://... for the worker registry and KV events")
@@ -308,7 +312,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     flags = {"model": args.model, "prefill": args.prefill, "decode": args.decode, "port": args.port,
              "grpc_port": args.grpc_port, "redis": args.redis, "kv_backend": args.kv_backend, "host": args.host,
              "served_model_name": args.served_model_name, "api_key_file": args.api_key_file,
-             "api_keys": tuple(args.api_key) if args.api_key else None}
+             "api_keys": tuple(args.api_key) if args.api_key else None, "vllm_metrics": args.vllm_metrics,
+             "otlp_endpoint": args.otlp_endpoint}
     settings.update({k: v for k, v in flags.items() if v is not None})
     try:
         cfg = UpConfig(**settings)

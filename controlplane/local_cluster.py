@@ -67,6 +67,8 @@ class UpConfig:
     drain_timeout_s: float = 120.0
     api_keys: tuple[str, ...] = ()  # the gateway's API keys, ``KEY`` or ``admin:KEY`` (auth/api_keys.py)
     api_key_file: str | None = None
+    vllm_metrics: bool = False  # also export vllm:* metric names (router/metric_catalogue.py)
+    otlp_endpoint: str | None = None  # trace requests to this OTLP/gRPC collector (router/tracing.py)
 
     def __post_init__(self) -> None:
         from worker.launcher import KV_BACKENDS
@@ -257,7 +259,7 @@ class LocalCluster:
             model=str(self.model), workers=addresses, redis=cfg.redis, min_uncached_tokens=cfg.min_uncached_tokens,
             served_model_name=cfg.served_model_name or _hub_id(cfg.model),
             block_size=_flag_int(cfg.worker_flags, "--block-size", 16), api_keys=cfg.api_keys,
-            api_key_file=cfg.api_key_file))
+            api_key_file=cfg.api_key_file, vllm_metrics=cfg.vllm_metrics, otlp_endpoint=cfg.otlp_endpoint))
         controller.registrar = RouterSync(router.pool)
         router.gateway.metrics.attach_tiers(lambda: {t: (n, sum(r.state == ReplicaState.READY
                                                                 for r in controller.of_tier(t)))

@@ -11,6 +11,10 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Local Ray clusters without token auth, and UCX (NIXL) over loopback: what .ci/run sets, so that the README's
+# plain `python3 -m pytest -q` runs the same way.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -99,3 +99,9 @@ def wait_idle(workers: list[WorkerProcess], timeout_s: float = 30.0) -> list[pb.
         if time.monotonic() > deadline:
             return ls
         time.sleep(0.1)
+
+
+def routed_worker(header: str) -> str:
+    """The decode worker of the first plan in an ``x-tandem-route`` header."""
+    return header.split("w=")[-1].split(";")[0] if "decode[" not in header else \
+        header.split("decode[")[1].split("w=")[1].split(";")[0]

@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from router_thread import RouterThread
+from gateway_harness import RouterThread
 
 from engine.tokenizer import Tokenizer
 from proto.tandem.v1 import worker_pb2 as pb

@@ -26,60 +26,16 @@ from typing import Any, cast
 import grpc
 import httpx
 import pytest
+from gateway_harness import RouterThread, routed_worker
 
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from router.selector import Selector
-from router.server import Router, RouterConfig, build_router
+from router.server import RouterConfig
 from worker.launcher import WorkerProcess, start_worker
 
 pytestmark = pytest.mark.slow
 FLAGS = ["--num-kv-blocks", "512", "--threads", "1"]
-
-
-class RouterThread:
-    def __init__(self, cfg: RouterConfig) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.router: Router | None = None
-        self.port = 0
-        ready = threading.Event()
-        self.error: BaseException | None = None
-
-        async def main() -> None:
-            try:
-                self.router = await build_router(cfg)
-                self.port = await self.router.serve_http("127.0.0.1", 0)
-            except BaseException as e:
-                self.error = e
-            ready.set()
-
-        self.thread = threading.Thread(target=self._run, args=(main,), daemon=True)
-        self.thread.start()
-        ready.wait(120)
-        if self.error is not None:
-            raise self.error
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def _run(self, main: Callable[[], Any]) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(main())
-        self.loop.run_forever()
-
-    def call(self, fn: Callable[[Router], Any]) -> Any:
-        async def run() -> Any:
-            assert self.router is not None
-            return fn(self.router)
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
-
-    def stop(self) -> None:
-        async def down() -> None:
-            assert self.router is not None
-            await self.router.close()
-
-        asyncio.run_coroutine_threadsafe(down(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def complete(url: str, model: str, prompt: list[int], max_tokens: int = 4, **kw: Any) -> tuple[dict[str, Any], str]:
@@ -88,12 +44,6 @@ def complete(url: str, model: str, prompt: list[int], max_tokens: int = 4, **kw:
                    headers={"x-tandem-explain": "1"}, timeout=120)
     assert r.status_code == 200, r.text
     return r.json(), r.headers["x-tandem-route"]
-
-
-def routed_worker(header: str) -> str:
-    """The decode worker of the first plan in an ``x-tandem-route`` header."""
-    return header.split("w=")[-1].split(";")[0] if "decode[" not in header else \
-        header.split("decode[")[1].split("w=")[1].split(";")[0]
 
 
 @pytest.fixture(scope="module")

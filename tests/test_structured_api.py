@@ -21,6 +21,7 @@ import grpc
 import jsonschema
 import openai
 import pytest
+from gateway_harness import RouterThread, routed_worker
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -28,7 +29,6 @@ from engine.structured.spec import StructuredOutput
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from router.server import RouterConfig
-from tests.test_routing import RouterThread, routed_worker
 from worker.launcher import WorkerProcess, start_worker
 
 pytestmark = pytest.mark.slow

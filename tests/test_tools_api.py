@@ -16,10 +16,10 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+from gateway_harness import RouterThread
 
 from engine.tokenizer import Tokenizer
 from router.server import RouterConfig
-from tests.test_routing import RouterThread
 from worker.launcher import WorkerProcess, start_worker
 
 pytestmark = pytest.mark.slow

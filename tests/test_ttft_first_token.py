@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from router_thread import RouterThread
+from gateway_harness import RouterThread
 
 from engine.tokenizer import Tokenizer
 from router.server import RouterConfig

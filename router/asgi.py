@@ -14,8 +14,11 @@ encoding, header and idle timeouts. This module owns what HTTP leaves to the app
   handler's own ``finally`` blocks (the dispatcher's) abort the request on every worker it reached;
 - **disconnects**: for a request that generates and is still running after ``WATCH_AFTER_S``, a watcher task
   reads ``http.disconnect`` and cancels the handler, which aborts the request on the workers;
-- **metrics**: every response, from the handler or refused here, is counted by endpoint and status code (not the
-  414/431 granian sends itself for an oversized head, which never reaches the app: router/metrics.py says why).
+- **the head**: a request target longer than ``max_url_bytes`` gets 414 and a header block larger than
+  ``max_header_bytes`` gets 431, here, so they are counted like every other response. granian's own read buffer is
+  set to ``HEAD_BACKSTOP`` times the header limit: only a head past that is refused by granian itself (hyper), before
+  the app, and that one is not counted (router/metrics.py says why);
+- **metrics**: every response, from the handler or refused here, is counted by endpoint and status code.
 
 Request lifecycle: ASGI call → body read (limits) → ``Request`` → handler (gateway) → ``Response`` sent whole, or a
 ``StreamResponse`` written by the handler (``prepare``, ``write``*, ``write_eof``).
@@ -36,6 +39,10 @@ import orjson
 log = logging.getLogger(__name__)
 
 WATCH_AFTER_S = 0.05
+# granian's HTTP/1 read buffer is this many times ``HTTPConfig.max_header_bytes``: the app's 414/431 (counted) fire
+# first; hyper's check against its growing buffer is approximate (80 kB passed at a 64 kB buffer), so the backstop
+# sits well above the app's limits.
+HEAD_BACKSTOP = 4
 ASGIReceive = Callable[[], Awaitable[dict[str, Any]]]
 ASGISend = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -50,8 +57,8 @@ class HTTPConfig:
     body_read_timeout_s: float = 30.0
     keep_alive: bool = True
     max_body_bytes: int = 16 << 20
-    max_header_bytes: int = 64 << 10  # granian's HTTP/1 read buffer; a head well past it gets 414/431 (hyper's
-    # check is against its buffer as it grows, so a head somewhat larger may still pass: 80 kB did at 64 kB)
+    max_url_bytes: int = 8 << 10  # path + query; longer: 414 (vLLM/uvicorn's h11 default is 64 kB for the head)
+    max_header_bytes: int = 64 << 10  # names + values of every header; larger: 431
     backlog: int = 1024
 
     def __post_init__(self) -> None:
@@ -63,6 +70,8 @@ class HTTPConfig:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.max_header_bytes < 8192:
             raise ValueError(f"max_header_bytes must be >= 8192, got {self.max_header_bytes}")
+        if not 256 <= self.max_url_bytes <= self.max_header_bytes:
+            raise ValueError(f"max_url_bytes must be in [256, max_header_bytes], got {self.max_url_bytes}")
         if self.backlog < 128:
             raise ValueError(f"backlog must be >= 128, got {self.backlog}")
 
@@ -207,6 +216,7 @@ class ASGIApp:
         path: str = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
+            self._check_head(scope)
             body = await self._read_body(headers, receive)
         except _Refused as e:
             await self._send_whole(send, path, Response(error_body(e.status, e.message), status=e.status,
@@ -272,6 +282,15 @@ class ASGIApp:
                     "headers": _headers(resp.headers, resp.content_type)})
         await send({"type": "http.response.body", "body": resp.body})
         self.count(path, resp.status)
+
+    def _check_head(self, scope: dict[str, Any]) -> None:
+        cfg = self.config
+        target = len(scope.get("raw_path") or scope["path"].encode()) + len(scope.get("query_string", b""))
+        if target > cfg.max_url_bytes:
+            raise _Refused(414, f"request target longer than {cfg.max_url_bytes} bytes")
+        size = sum(len(k) + len(v) for k, v in scope["headers"])
+        if size > cfg.max_header_bytes:
+            raise _Refused(431, f"request headers larger than {cfg.max_header_bytes} bytes")
 
     async def _read_body(self, headers: dict[str, str], receive: ASGIReceive) -> bytes:
         limit = self.config.max_body_bytes

@@ -31,7 +31,7 @@ from granian.constants import HTTPModes, Interfaces, Loops
 from granian.http import HTTP1Settings
 from granian.server.embed import Server as EmbeddedServer
 
-from router.asgi import ASGIApp, HTTPConfig
+from router.asgi import HEAD_BACKSTOP, ASGIApp, HTTPConfig
 
 
 def free_port(host: str) -> int:
@@ -46,7 +46,8 @@ def granian_options(config: HTTPConfig) -> dict[str, Any]:
     """The granian settings of an ``HTTPConfig`` (embedded and multi-process servers alike)."""
     return {"http": HTTPModes.http1, "websockets": False, "backlog": config.backlog, "log_enabled": False,
             "http1_settings": HTTP1Settings(header_read_timeout=max(1, round(config.header_read_timeout_s * 1000)),
-                                            keep_alive=config.keep_alive, max_buffer_size=config.max_header_bytes)}
+                                            keep_alive=config.keep_alive,
+                                            max_buffer_size=config.max_header_bytes * HEAD_BACKSTOP)}
 
 
 class HTTPServer:

@@ -13,14 +13,14 @@ families only when scraped. prometheus_client's own ``Counter.inc`` takes a lock
 Everything here is touched from the router's event loop only (the scrape handler runs on it too).
 
 ``tandem_requests_total`` counts every response the gateway's ASGI app sends (router/asgi.py), by endpoint and
-status: 4xx and 5xx, and the 408, 413 and 499 of the HTTP edge, included. Not counted, because they cannot be: the
-414 and 431 that granian's HTTP parser (hyper) sends itself for a request head larger than its read buffer
-(``HTTPConfig.max_header_bytes``) before closing the connection. The app is never called for such a request (no
-ASGI scope exists; the path to count it under is inside the refused head). granian (2.8) offers no hook for it: it
-drops hyper's connection error without logging it (nothing at log level debug either), and its own Prometheus
-exporter (``--metrics``, which its embedded server, the one ``tandem up`` runs, refuses) counts such a connection
-in ``granian_connections_handled`` only, not in ``granian_connections_err`` nor ``granian_requests_handled``, so
-even there it cannot be told from a connection that sent nothing.
+status: 4xx and 5xx, and the 408, 413, 414, 431 and 499 of the HTTP edge, included (router/asgi.py enforces the
+request-target and header limits itself, so that those refusals are counted). Not counted, because they cannot be:
+the 414 and 431 that granian's HTTP parser (hyper) sends itself for a head past its read buffer, a backstop
+``HEAD_BACKSTOP`` times the app's header limit, before closing the connection. The app is never called for such a
+request (no ASGI scope exists; the path to count it under is inside the refused head). granian (2.8) offers no hook
+for it: it drops hyper's connection error without logging it, and its own Prometheus exporter (``--metrics``, which
+its embedded server, the one ``tandem up`` runs, refuses) counts such a connection in ``granian_connections_handled``
+only, so even there it cannot be told from a connection that sent nothing.
 """
 
 from __future__ import annotations

@@ -218,18 +218,28 @@ def test_a_stream_is_written_chunked_and_a_disconnect_cancels_its_handler(srv: S
 
 def test_http_config_refuses_values_the_server_cannot_take() -> None:
     for bad in ({"header_read_timeout_s": 0.0}, {"header_read_timeout_s": 61.0}, {"body_read_timeout_s": 0},
-                {"max_body_bytes": 0}, {"max_header_bytes": 100}, {"backlog": 1}):
+                {"max_body_bytes": 0}, {"max_header_bytes": 100}, {"backlog": 1}, {"max_url_bytes": 100},
+                {"max_url_bytes": 100_000}):
         with pytest.raises(ValueError):
             HTTPConfig(**bad)  # type: ignore[arg-type]
 
 
-def test_a_head_larger_than_the_read_buffer_gets_414_or_431(srv: Server) -> None:
-    """granian (hyper) answers these itself, before the app: a long request line (414), a long header (431)."""
+def test_a_long_target_or_large_headers_get_414_or_431_and_are_counted(srv: Server) -> None:
+    """The app enforces the request-target and header limits itself (counted like every response); granian (hyper)
+    refuses only a head past its backstop buffer, before the app: still 431, uncounted."""
     s = srv.connect()
-    s.sendall(b"GET /" + b"a" * 80_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    s.sendall(b"GET /echo?" + b"a" * 10_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
     out, _ = read_until_closed(s)
     assert out.startswith(b"HTTP/1.1 414"), out[:80]
+    assert b"request target longer than 8192 bytes" in out
     s = srv.connect()
-    s.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 300_000 + b"\r\n\r\n")
+    s.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 70_000 + b"\r\n\r\n")
     out, _ = read_until_closed(s)
     assert out.startswith(b"HTTP/1.1 431"), out[:80]
+    assert b"request headers larger than 65536 bytes" in out
+    assert srv.app.counts.get(("/echo", 414)) == 1 and srv.app.counts.get(("/echo", 431)) == 1
+    s = srv.connect()
+    s.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 600_000 + b"\r\n\r\n")
+    out, _ = read_until_closed(s)
+    assert out.startswith(b"HTTP/1.1 431"), out[:80]
+    assert srv.app.counts.get(("/echo", 431)) == 1  # granian's own refusal never reached the app

@@ -10,7 +10,6 @@ resyncs the worker from its ``Snapshot``), so a prefix first sent during the out
 
 from __future__ import annotations
 
-import asyncio
 import random
 import re
 import shutil
@@ -20,13 +19,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import redis
+from gateway_harness import RouterThread
 
-from router.server import Router, RouterConfig, build_router
+from router.server import RouterConfig
 from worker.launcher import WorkerProcess, start_worker
 
 pytestmark = pytest.mark.slow
@@ -67,35 +66,6 @@ class RedisServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-
-
-class RouterThread:
-    """A real router (build_router) serving HTTP from its own event loop thread."""
-
-    def __init__(self, cfg: RouterConfig) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.router: Router | None = None
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-        async def up() -> int:
-            self.router = await build_router(cfg)
-            return await self.router.serve_http("127.0.0.1", 0)
-
-        self.url = f"http://127.0.0.1:{asyncio.run_coroutine_threadsafe(up(), self.loop).result(120)}"
-
-    def call(self, fn: Callable[[Router], Any]) -> Any:
-        async def run() -> Any:
-            assert self.router is not None
-            return fn(self.router)
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
-
-    def stop(self) -> None:
-        if self.router is not None:
-            asyncio.run_coroutine_threadsafe(self.router.close(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture

@@ -9,12 +9,10 @@ admin RPC that lacks the cluster token.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import random
 import socket
 import ssl
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from gateway_harness import RouterThread
 
 from auth.credentials import Credentials, to_flags
 from auth.dev_certs import DevCA
@@ -31,7 +30,7 @@ from auth.tls import TLSFiles, client_context, grpc_channel_credentials
 from proto.framing import frame
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
-from router.server import Router, RouterConfig, build_router
+from router.server import RouterConfig
 from worker.launcher import WorkerProcess, start_worker
 
 pytestmark = pytest.mark.slow
@@ -58,35 +57,6 @@ def workers(pki: dict[str, TLSFiles], checkpoint: Callable[[str], Path]) -> Iter
     finally:
         for w in started.values():
             w.stop()
-
-
-class RouterThread:
-    """A real router (build_router) serving HTTP from its own event loop thread."""
-
-    def __init__(self, cfg: RouterConfig) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.router: Router | None = None
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-        async def up() -> int:
-            self.router = await build_router(cfg)
-            return await self.router.serve_http("127.0.0.1", 0)
-
-        self.url = f"http://127.0.0.1:{asyncio.run_coroutine_threadsafe(up(), self.loop).result(120)}"
-
-    def call(self, fn: Callable[[Router], Any]) -> Any:
-        async def run() -> Any:
-            assert self.router is not None
-            return fn(self.router)
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
-
-    def stop(self) -> None:
-        if self.router is not None:
-            asyncio.run_coroutine_threadsafe(self.router.close(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def test_router_and_workers_over_mtls_serve_token_exact(workers: dict[str, WorkerProcess], pki: dict[str, TLSFiles],

@@ -16,8 +16,10 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import grpc
+if TYPE_CHECKING:  # grpc is imported where it is used: every CLI parser reads this module's flags
+    import grpc
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,11 +69,15 @@ def server_hostname(tls: TLSFiles, host: str) -> str:
 
 
 def grpc_server_credentials(tls: TLSFiles) -> grpc.ServerCredentials:
+    import grpc
+
     cert, key, ca = tls.read()
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
 
 
 def grpc_channel_credentials(tls: TLSFiles) -> grpc.ChannelCredentials:
+    import grpc
+
     cert, key, ca = tls.read()
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 

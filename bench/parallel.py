@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.throughput import make_prompts
-from engine.model_config import ModelConfig
-from engine.parallel.config import ParallelConfig
-from engine.parallel.llm import ParallelLLM
-from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine (torch) is imported by the run, not by the `tandem` parser that adds these flags
+    from engine.parallel.llm import ParallelLLM
+    from engine.sampling_params import SamplingParams
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -50,6 +50,11 @@ def _timed(llm: ParallelLLM, prompts: list[list[int]], params: SamplingParams) -
 
 
 def run_one(model: str, tp: int, args: argparse.Namespace) -> dict[str, Any]:
+    from engine.model_config import ModelConfig
+    from engine.parallel.config import ParallelConfig
+    from engine.parallel.llm import ParallelLLM
+    from engine.sampling_params import SamplingParams
+
     cfg = ModelConfig.from_dir(model)
     prompts = make_prompts(args.num_prompts, args.input_len, cfg.vocab_size)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)

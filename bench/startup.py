@@ -184,7 +184,12 @@ def run_tandem_once(model: Path, timeout_s: float = 180.0, repo: Path = REPO) ->
         run: dict[str, Any] = {}
         try:
             run.update(_wait_answers(server, port, model.name, timeout_s))
-            url = next((t for t, line in server.lines if "serving OpenAI API at" in line), None)
+            url = None  # the line is printed before the gateway answers, but read here by a thread: wait for it
+            wait_until = time.monotonic() + 10.0
+            while url is None and time.monotonic() < wait_until:
+                url = next((t for t, line in list(server.lines) if "serving OpenAI API at" in line), None)
+                if url is None:
+                    time.sleep(0.05)
             run["url_line_s"] = None if url is None else round(url, 3)
             with contextlib.suppress(FileNotFoundError, ValueError):
                 state = json.loads((Path(home) / "up.json").read_text())

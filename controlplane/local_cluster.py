@@ -265,7 +265,6 @@ class LocalCluster:
                                                                 for r in controller.of_tier(t)))
                                                      for t, n in controller.desired.items()})
         await controller.register_ready()  # any replaced while the router started
-        await router.serve_http(cfg.host, cfg.port)
         grpc_port = cfg.port + 1 if cfg.grpc_port is None else cfg.grpc_port
         if grpc_port >= 0:
             from router.grpc_gateway import start_grpc_gateway
@@ -286,6 +285,11 @@ class LocalCluster:
             self.state_file.parent.mkdir(parents=True, exist_ok=True)
             write_token_file(token_file_for(self.state_file), controller.credentials.token)
         self.write_state()
+        # The HTTP gateway opens last (the gRPC and Control ports are up by then), and the URL line follows at once,
+        # so that it precedes the first answer anyone can get from it.
+        await router.serve_http(cfg.host, cfg.port)
+        _say(f"workers healthy; serving OpenAI API at http://{cfg.host}:{cfg.port}/v1 (Ctrl-C or `tandem down` to "
+             f"stop; `tandem scale TIER N` to scale)")
 
     def write_state(self) -> None:
         if self.state_file is None or self.controller is None:
@@ -320,8 +324,6 @@ async def _serve(cfg: UpConfig, model: Path, kv_backend: str) -> int:
             return 130
         stopped.cancel()
         starting.result()
-        _say(f"workers healthy; serving OpenAI API at http://{cfg.host}:{cfg.port}/v1 (Ctrl-C or `tandem down` to "
-             f"stop; `tandem scale TIER N` to scale)")
         await stop.wait()
     finally:
         await cluster.close()

@@ -4,13 +4,14 @@ that picks the few-row fp32 GEMM (engine/models/layers.py ``linear``)."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.cpu_runtime import cpu_vendor
-from engine.kv_cache import allocate_kv_cache
 from engine.models import layers
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -30,14 +31,22 @@ def _huge_kib_at(address: int) -> int:
 
 
 def test_kv_cache_is_zeroed_and_on_huge_pages() -> None:
+    """In a fresh interpreter, as a worker allocates its cache at start: in this long-lived test process, memory that
+    earlier tests freed (and the allocator kept) may be reused already faulted in small pages."""
     if not THP.exists() or "[never]" in THP.read_text():
         pytest.skip("transparent huge pages are off on this host")
-    caches = allocate_kv_cache(2, 512, 16, 4, 64, torch.float32)  # 8 MiB per tensor
-    for k, v in caches:
-        assert k.shape == v.shape == (512, 16, 4, 64)
-        assert not k.any() and not v.any()
-    k = caches[0][0]
-    huge = _huge_kib_at(k.data_ptr() + k.numel() * k.element_size() // 2)
+    code = (
+        "import torch, tests.test_cpu_runtime as t\n"
+        "from engine.kv_cache import allocate_kv_cache\n"
+        "caches = allocate_kv_cache(2, 512, 16, 4, 64, torch.float32)  # 8 MiB per tensor\n"
+        "for k, v in caches:\n"
+        "    assert k.shape == v.shape == (512, 16, 4, 64)\n"
+        "    assert not k.any() and not v.any()\n"
+        "k = caches[0][0]\n"
+        "print(t._huge_kib_at(k.data_ptr() + k.numel() * k.element_size() // 2))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    huge = int(out.stdout.strip().splitlines()[-1])
     assert huge >= 2048, f"no huge page under the KV cache (AnonHugePages {huge} kB)"
 
 

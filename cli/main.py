@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_init_tiny(args: argparse.Namespace) -> int:
-    from engine.tiny_model import write_tiny_checkpoint
+    from tinymodel.checkpoint import write_tiny_checkpoint
 
     path = write_tiny_checkpoint(args.out_dir, arch=args.arch, size=args.size, seed=args.seed)
     print(path)

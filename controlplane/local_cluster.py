@@ -125,7 +125,7 @@ def ensure_model(model: str | None) -> Path:
     """:func:`resolve_model`, generating the built-in tiny model on first use (the only step here needing torch)."""
     path = resolve_model(model)
     if not (path / "config.json").is_file():
-        from engine.tiny_model import write_tiny_checkpoint
+        from tinymodel.checkpoint import write_tiny_checkpoint
 
         _say(f"generating the built-in tiny model in {path}")
         write_tiny_checkpoint(path)

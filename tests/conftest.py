@@ -24,7 +24,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``checkpoint(arch)`` → path of the tiny checkpoint for ``arch``, generated on first use."""
-    from engine.tiny_model import write_tiny_checkpoint
+    from tinymodel.checkpoint import write_tiny_checkpoint
 
     cache: dict[str, Path] = {}
 

@@ -18,7 +18,7 @@ import torch
 from engine.llm import LLM
 from engine.models import layers
 from engine.sampling_params import SamplingParams
-from engine.tiny_model import write_tiny_checkpoint
+from tinymodel.checkpoint import write_tiny_checkpoint
 
 MAX_NEW = 10
 

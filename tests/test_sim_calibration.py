@@ -28,9 +28,9 @@ import httpx
 import pytest
 
 from engine.model_config import ModelConfig
-from engine.tiny_model import write_tiny_checkpoint
 from sim.calibration import Ceilings, measure_ceilings, predict
 from sim.trace import TraceRequest
+from tinymodel.checkpoint import write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 

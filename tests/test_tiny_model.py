@@ -1,4 +1,4 @@
-"""Tests for :mod:`engine.tiny_model`: the built-in random-weight checkpoints load and behave in ``transformers``."""
+"""Tests for :mod:`tinymodel.checkpoint`: the built-in random-weight checkpoints load and behave in ``transformers``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.tiny_model import (
+from tinymodel.checkpoint import (
     SUPPORTED_TINY_ARCHS,
     TinyModelConfig,
     build_tokenizer,
@@ -329,7 +329,7 @@ def test_checkpoints_are_byte_identical_across_processes_and_thread_counts(
     script = textwrap.dedent(
         """
         import hashlib, json, pathlib, sys
-        from engine.tiny_model import SUPPORTED_TINY_ARCHS, write_tiny_checkpoint
+        from tinymodel.checkpoint import SUPPORTED_TINY_ARCHS, write_tiny_checkpoint
         root = pathlib.Path(sys.argv[1])
         out = {}
         for arch in SUPPORTED_TINY_ARCHS:

@@ -1,7 +1,7 @@
 """Built-in, deterministically generated training text for the tiny tokenizer.
 
 Nothing can be downloaded in the environments Tandem runs its tests in, so the byte-level BPE tokenizer of the
-built-in tiny checkpoints (see :mod:`engine.tiny_model`) is trained on text generated here.
+built-in tiny checkpoints (see :mod:`tinymodel.checkpoint`) is trained on text generated here.
 
 Design choices:
 

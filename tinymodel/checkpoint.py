@@ -34,7 +34,7 @@ Design choices:
   token's own embedding, which is also its ``lm_head`` row, does not dominate the next-token logits.
 * **Tokenizer.** A byte-level BPE (``tokenizers`` ``ByteLevel`` pre-tokenizer and decoder, ``add_prefix_space``
   off, all 256 byte symbols in the initial alphabet so any UTF-8 text round-trips) is trained on the built-in
-  corpus of :mod:`engine.tiny_corpus`. The trainer is deterministic here (checked across processes and thread
+  corpus of :mod:`tinymodel.corpus`. The trainer is deterministic here (checked across processes and thread
   counts by the tests). The tokenizer depends only on the size (2048 tokens for ``tiny``, 8192 for ``small``), not on
   the architecture or seed. The four special tokens sit at the end of the vocabulary like Llama 3's:
   ``<|begin_of_text|>`` (bos, prepended by a ``TemplateProcessing`` post-processor), ``<|end_of_text|>`` (eos and
@@ -56,7 +56,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from engine.tiny_corpus import corpus_lines
+from tinymodel.corpus import corpus_lines
 
 __all__ = [
     "BOS_TOKEN",

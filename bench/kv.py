@@ -1,6 +1,6 @@
 """``tandem bench kv``: KV transfer bandwidth, compute/transfer overlap, and decode ITL under incoming transfers.
 
-1. **Bandwidth** (:func:`kvtransfer.bench.run_kv_bench`): each backend between two processes for 1, 8 and 64 MiB
+1. **Bandwidth** (:func:`bench.kv_bandwidth.run_kv_bench`): each backend between two processes for 1, 8 and 64 MiB
    requests, beside a raw NIXL transfer of the same bytes, a raw socket and an in-process memcpy.
 2. **Overlap**: a real decode worker process and a real prefill worker (gRPC server included) on the given model,
    in a fresh process per backend (spawned, as a worker is: the bandwidth phase's agents, threads and process
@@ -269,7 +269,7 @@ def measure_itl(model: str, backend: str, load_prompt_len: int, streams: int = 4
 
 
 def run_kv(args: argparse.Namespace) -> dict[str, Any]:
-    from kvtransfer.bench import run_kv_bench
+    from bench.kv_bandwidth import run_kv_bench
 
     backends = tuple(args.backends.split(","))
     report: dict[str, Any] = {"bandwidth": run_kv_bench(tuple(int(s) for s in args.sizes.split(",")), backends,
@@ -288,7 +288,7 @@ def run_kv(args: argparse.Namespace) -> dict[str, Any]:
 def format_kv_report(report: dict[str, Any]) -> str:
     """:func:`run_kv`'s report as text (``tandem bench kv`` without ``--json``): the bandwidth table and ratios,
     then one line per backend for overlap and for decode ITL, each next to the issue's goal."""
-    from kvtransfer.bench import MIB, format_kv_bench
+    from bench.kv_bandwidth import MIB, format_kv_bench
 
     lines = ["bandwidth, GB/s (goal: each backend >= 0.90 of raw NIXL; tcp of a raw socket)",
              format_kv_bench(report["bandwidth"])]

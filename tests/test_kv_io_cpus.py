@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.kv_peer import digest, make_caches
 from kvtransfer import KVLayout, TransferConfig, TransferState, get_backend
-from kvtransfer.harness import digest, make_caches
 from kvtransfer.io_cpus import check_cpus, io_affinity, parse_cpu_list, start_io_thread
 
 HAS_NIXL = importlib.util.find_spec("nixl") is not None

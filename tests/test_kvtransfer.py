@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from bench.kv_peer import Peer, digest, make_caches
 from kvtransfer import (
     CompatibilityError,
     DestinationInfo,
@@ -33,7 +34,6 @@ from kvtransfer import (
 )
 from kvtransfer.book import TransferBook
 from kvtransfer.fake import FakeBehaviour, FakeReceiver, FakeSender
-from kvtransfer.harness import Peer, digest, make_caches
 from kvtransfer.layout import paired_runs
 from kvtransfer.sockio import IOV_CHUNK, send_vectored
 from kvtransfer.tp_mapping import HeadSlice, merge_heads, slice_heads, tp_head_map
@@ -590,7 +590,7 @@ def test_send_vectored_to_a_peer_that_never_reads_ends_at_the_deadline() -> None
 def test_kv_bench_baselines_move_the_bytes_between_processes() -> None:
     """The raw baselines of ``tandem bench kv`` (a socket and a gloo pair, each a real second process) move the
     request's bytes and report a positive bandwidth; the gloo sink checks it got the bytes that were sent."""
-    from kvtransfer.bench import bench_raw_gloo, bench_raw_socket
+    from bench.kv_bandwidth import bench_raw_gloo, bench_raw_socket
 
     for bench in (bench_raw_gloo, bench_raw_socket):
         gbps = bench(1 << 20, 2)
@@ -600,7 +600,7 @@ def test_kv_bench_baselines_move_the_bytes_between_processes() -> None:
 def test_kv_bench_takes_more_samples_of_small_requests() -> None:
     """A millisecond request's median is at the mercy of one late wake-up on 2 cores, so every side of the bench
     times at least 64 MiB per size: 64 requests of 1 MiB, 8 of 8 MiB, ``--repeats`` of 64 MiB."""
-    from kvtransfer.bench import repeats_for
+    from bench.kv_bandwidth import repeats_for
 
     assert [repeats_for(s, 5) for s in (1, 8, 64, 256)] == [64, 8, 5, 5]
     assert repeats_for(1, 100) == 100

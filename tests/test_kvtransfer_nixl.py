@@ -17,8 +17,8 @@ import torch
 
 pytest.importorskip("nixl")
 
+from bench.kv_peer import digest, make_caches
 from kvtransfer import DestinationInfo, KVLayout, TransferState
-from kvtransfer.harness import digest, make_caches
 from kvtransfer.nixl_backend import NixlReceiver, NixlSender, piece_offsets
 from kvtransfer.plan import plan_leg
 

@@ -16,9 +16,9 @@ import pytest
 
 from auth.dev_certs import DevCA
 from auth.tls import TLSFiles, client_context, server_context
+from bench.kv_peer import digest, make_caches
 from kvtransfer.base import TransferState
 from kvtransfer.config import TransferConfig
-from kvtransfer.harness import digest, make_caches
 from kvtransfer.layout import KVLayout
 from kvtransfer.tcp import TcpReceiver, TcpSender
 

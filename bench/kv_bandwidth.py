@@ -12,15 +12,13 @@ Baselines, same bytes:
   UCX transports the nixl backend uses (``TransferConfig.ucx_tls``; by default UCX's choice, shared memory
   between processes on one host); when the config names transports, ``raw_nixl_ucx_default`` is the same on
   UCX's default, for reference. These agents have NIXL's default progress thread, which spins on a core with no
-  pause; on 2 vCPUs that makes the baseline bimodal (2026-12-04, 1 MiB, five runs of 32: 0.92, 0.92, 6.8, 8.4,
-  9.6 GB/s, as the spinning threads get a core or not). ``raw_nixl_no_progress_thread`` is the same transfer by
-  agents without it (1.6-1.8 GB/s in five runs), for reference: the nixl backend's agents keep a progress thread
-  that pauses ``nixl_progress_delay_us`` between passes, because a spinning one would take a core from decode;
-  ``raw_nixl_acked`` is timed as the backends are, to the receiver's acknowledgement: agents without progress
-  threads, the target polling its notifications without pause and answering each WRITE's with a one-byte
-  notification that the initiator polls for (with NIXL's spinning progress threads as well, four threads spin on
-  these 2 vCPUs and a 1 MiB request took ~15 ms). A backend cannot poll that way: a Python thread that never
-  blocks holds the GIL against the engine's forward pass;
+  pause, so on a host with few cores the baseline is bimodal (the spinning threads get a core or not; figures in
+  docs/benchmarks.md §2). ``raw_nixl_no_progress_thread`` is the same transfer by agents without it, for
+  reference: the nixl backend's agents keep a progress thread that pauses ``nixl_progress_delay_us`` between
+  passes, because a spinning one would take a core from decode. ``raw_nixl_acked`` is timed as the backends are,
+  to the receiver's acknowledgement: agents without progress threads, the target polling its notifications without
+  pause and answering each WRITE's with a one-byte notification that the initiator polls for. A backend cannot
+  poll that way: a Python thread that never blocks holds the GIL against the engine's forward pass;
 - ``raw_socket``: one TCP ``sendall`` / ``recv_into`` over loopback plus a one-byte ack;
 - ``raw_gloo``: one contiguous gloo ``send`` / ``recv`` plus a one-byte ack, on a 2-rank group made as the torch
   backend makes its groups (the transport that backend is built on, on CPU);
@@ -46,8 +44,8 @@ from typing import Any
 
 import torch
 
+from bench.kv_peer import Peer
 from kvtransfer.config import TransferConfig
-from kvtransfer.harness import Peer
 from kvtransfer.layout import KVLayout
 
 _CTX = mp.get_context("spawn")
@@ -66,8 +64,8 @@ def _ids(n: int, run: int, offset: int = 0) -> list[int]:
 
 def repeats_for(size_mib: int, repeats: int) -> int:
     """Timed requests at ``size_mib``: at least ``repeats``, and at least 64 MiB moved in all. A small request
-    takes a millisecond or two here, where one wake-up delayed by another process on these 2 cores costs as much:
-    five samples gave medians that moved 3x between runs, so small sizes get more (same count for every side)."""
+    takes a millisecond or two, about what one wake-up delayed by another process costs, so small sizes get more
+    samples (the same count for every side) to keep their medians steady."""
     return max(repeats, 64 // max(size_mib, 1))
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.tandem.v1 import worker_pb2 as proto_dot_tandem_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/tandem/v1/gateway.proto\x12\ttandem.v1\x1a\x1cproto/tandem/v1/worker.proto\"\x1b\n\x0cPromptTokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd8\x04\n\x0f\x43ompleteRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.tandem.v1.PromptTokensH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\r\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x17\n\nmin_tokens\x18\x10 \x01(\rH\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\x0b\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x0b\n\t_logprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa7\x01\n\rCompleteChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\"\x0f\n\rModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"6\n\x0eModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo2\x8c\x01\n\x07Gateway\x12\x42\n\x08\x43omplete\x12\x1a.tandem.v1.CompleteRequest\x1a\x18.tandem.v1.CompleteChunk0\x01\x12=\n\x06Models\x12\x18.tandem.v1.ModelsRequest\x1a\x19.tandem.v1.ModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/tandem/v1/gateway.proto\x12\ttandem.v1\x1a\x1cproto/tandem/v1/worker.proto\"\x1b\n\x0cPromptTokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x8a\x05\n\x0f\x43ompleteRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.tandem.v1.PromptTokensH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\r\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x17\n\nmin_tokens\x18\x10 \x01(\rH\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\x0b\x88\x01\x01\x12\x30\n\nstructured\x18\x12 \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputsB\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x0b\n\t_logprobs\"\xaa\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12,\n\x0bjson_schema\x18\x02 \x01(\x0b\x32\x15.tandem.v1.JsonSchemaH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\",\n\nJsonSchema\x12\x0e\n\x06schema\x18\x01 \x01(\t\x12\x0e\n\x06strict\x18\x02 \x01(\x08\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"|\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\tB\n\n\x08_content\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\xf6\x05\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\r\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x17\n\nmin_tokens\x18\x10 \x01(\rH\t\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x11 \x01(\rH\n\x88\x01\x01\x12\x30\n\nstructured\x18\x12 \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x12\x1e\n\x05tools\x18\x13 \x03(\x0b\x32\x0f.tandem.v1.Tool\x12*\n\x0btool_choice\x18\x14 \x01(\x0b\x32\x15.tandem.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x15 \x01(\x08H\x0b\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobsB\x16\n\x14_parallel_tool_calls\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xef\x01\n\tChatChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x19\n\x11reasoning_content\x18\x03 \x01(\t\x12,\n\ntool_calls\x18\x04 \x03(\x0b\x32\x18.tandem.v1.ToolCallDelta\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.tandem.v1.Usage\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa7\x01\n\rCompleteChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\"\x0f\n\rModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"6\n\x0eModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo2\xc4\x01\n\x07Gateway\x12\x42\n\x08\x43omplete\x12\x1a.tandem.v1.CompleteRequest\x1a\x18.tandem.v1.CompleteChunk0\x01\x12\x36\n\x04\x43hat\x12\x16.tandem.v1.ChatRequest\x1a\x14.tandem.v1.ChatChunk0\x01\x12=\n\x06Models\x12\x18.tandem.v1.ModelsRequest\x1a\x19.tandem.v1.ModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROMPTTOKENS']._serialized_start=74
   _globals['_PROMPTTOKENS']._serialized_end=101
   _globals['_COMPLETEREQUEST']._serialized_start=104
-  _globals['_COMPLETEREQUEST']._serialized_end=704
-  _globals['_USAGE']._serialized_start=706
-  _globals['_USAGE']._serialized_end=786
-  _globals['_COMPLETECHUNK']._serialized_start=789
-  _globals['_COMPLETECHUNK']._serialized_end=956
-  _globals['_MODELSREQUEST']._serialized_start=958
-  _globals['_MODELSREQUEST']._serialized_end=973
-  _globals['_MODELINFO']._serialized_start=975
-  _globals['_MODELINFO']._serialized_end=1021
-  _globals['_MODELSRESPONSE']._serialized_start=1023
-  _globals['_MODELSRESPONSE']._serialized_end=1077
-  _globals['_GATEWAY']._serialized_start=1080
-  _globals['_GATEWAY']._serialized_end=1220
+  _globals['_COMPLETEREQUEST']._serialized_end=754
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=757
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=927
+  _globals['_JSONSCHEMA']._serialized_start=929
+  _globals['_JSONSCHEMA']._serialized_end=973
+  _globals['_CHOICES']._serialized_start=975
+  _globals['_CHOICES']._serialized_end=1001
+  _globals['_TOOLCALL']._serialized_start=1003
+  _globals['_TOOLCALL']._serialized_end=1058
+  _globals['_CHATMESSAGE']._serialized_start=1060
+  _globals['_CHATMESSAGE']._serialized_end=1184
+  _globals['_TOOL']._serialized_start=1186
+  _globals['_TOOL']._serialized_end=1247
+  _globals['_TOOLCHOICE']._serialized_start=1249
+  _globals['_TOOLCHOICE']._serialized_end=1307
+  _globals['_CHATREQUEST']._serialized_start=1310
+  _globals['_CHATREQUEST']._serialized_end=2068
+  _globals['_TOOLCALLDELTA']._serialized_start=2070
+  _globals['_TOOLCALLDELTA']._serialized_end=2145
+  _globals['_CHATCHUNK']._serialized_start=2148
+  _globals['_CHATCHUNK']._serialized_end=2387
+  _globals['_USAGE']._serialized_start=2389
+  _globals['_USAGE']._serialized_end=2469
+  _globals['_COMPLETECHUNK']._serialized_start=2472
+  _globals['_COMPLETECHUNK']._serialized_end=2639
+  _globals['_MODELSREQUEST']._serialized_start=2641
+  _globals['_MODELSREQUEST']._serialized_end=2656
+  _globals['_MODELINFO']._serialized_start=2658
+  _globals['_MODELINFO']._serialized_end=2704
+  _globals['_MODELSRESPONSE']._serialized_start=2706
+  _globals['_MODELSRESPONSE']._serialized_end=2760
+  _globals['_GATEWAY']._serialized_start=2763
+  _globals['_GATEWAY']._serialized_end=2959
 # @@protoc_insertion_point(module_scope)

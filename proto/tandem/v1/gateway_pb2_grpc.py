@@ -39,6 +39,11 @@ class GatewayStub:
                 request_serializer=proto_dot_tandem_dot_v1_dot_gateway__pb2.CompleteRequest.SerializeToString,
                 response_deserializer=proto_dot_tandem_dot_v1_dot_gateway__pb2.CompleteChunk.FromString,
                 _registered_method=True)
+        self.Chat = channel.unary_stream(
+                '/tandem.v1.Gateway/Chat',
+                request_serializer=proto_dot_tandem_dot_v1_dot_gateway__pb2.ChatRequest.SerializeToString,
+                response_deserializer=proto_dot_tandem_dot_v1_dot_gateway__pb2.ChatChunk.FromString,
+                _registered_method=True)
         self.Models = channel.unary_unary(
                 '/tandem.v1.Gateway/Models',
                 request_serializer=proto_dot_tandem_dot_v1_dot_gateway__pb2.ModelsRequest.SerializeToString,
@@ -50,6 +55,12 @@ class GatewayServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Complete(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Chat(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -68,6 +79,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.Complete,
                     request_deserializer=proto_dot_tandem_dot_v1_dot_gateway__pb2.CompleteRequest.FromString,
                     response_serializer=proto_dot_tandem_dot_v1_dot_gateway__pb2.CompleteChunk.SerializeToString,
+            ),
+            'Chat': grpc.unary_stream_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=proto_dot_tandem_dot_v1_dot_gateway__pb2.ChatRequest.FromString,
+                    response_serializer=proto_dot_tandem_dot_v1_dot_gateway__pb2.ChatChunk.SerializeToString,
             ),
             'Models': grpc.unary_unary_rpc_method_handler(
                     servicer.Models,
@@ -102,6 +118,33 @@ class Gateway:
             '/tandem.v1.Gateway/Complete',
             proto_dot_tandem_dot_v1_dot_gateway__pb2.CompleteRequest.SerializeToString,
             proto_dot_tandem_dot_v1_dot_gateway__pb2.CompleteChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Gateway/Chat',
+            proto_dot_tandem_dot_v1_dot_gateway__pb2.ChatRequest.SerializeToString,
+            proto_dot_tandem_dot_v1_dot_gateway__pb2.ChatChunk.FromString,
             options,
             channel_credentials,
             insecure,

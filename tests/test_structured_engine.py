@@ -201,8 +201,15 @@ def test_bad_specs_are_refused_naming_the_problem(llm: LLM, spec: StructuredOutp
         llm.engine.add_request(PROMPT, SamplingParams(structured=spec))
 
 
-def test_after_reasoning_leaves_the_think_block_free_and_constrains_what_follows(llm: LLM) -> None:
-    spec = StructuredOutput("regex", "[0-9]{3}", after_reasoning=True)
+@pytest.mark.parametrize("spec", [StructuredOutput("regex", "[0-9]{3}", after_reasoning=True),
+                                  StructuredOutput("choice", '["123", "456"]', after_reasoning=True),
+                                  StructuredOutput("grammar", 'root ::= [0-9] [0-9] [0-9]', after_reasoning=True),
+                                  StructuredOutput("grammar", 'start: /[0-9]{3}/', after_reasoning=True)],
+                         ids=["regex", "choice", "gbnf", "lark"])
+def test_after_reasoning_leaves_the_think_block_free_and_constrains_what_follows(llm: LLM,
+                                                                                 spec: StructuredOutput) -> None:
+    """Every kind, whether llguidance hands its grammar back as JSON (regex, JSON schema) or as Lark text (choice,
+    grammar), continues after a free think block."""
     for text, ok in (("<think>anything, even {json or 12a</think>123", True), ("123", True),
                      ("<think>x</think>12a", False), ("abc", False)):
         m = llm.engine.grammars.matcher(spec)

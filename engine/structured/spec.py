@@ -59,7 +59,8 @@ class StructuredOutput:
         grammar = self._grammar()
         if not self.after_reasoning:
             return grammar
-        inner = json.loads(grammar)["grammars"]
+        # regex and JSON kinds come as llguidance's JSON grammar; choice and grammar as Lark text
+        inner = json.loads(grammar)["grammars"] if grammar.lstrip().startswith("{") else [{"lark_grammar": grammar}]
         inner[0]["name"] = "answer"
         return json.dumps({"grammars": [{"lark_grammar": _REASONING_LARK}, *inner]})
 

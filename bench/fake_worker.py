@@ -8,7 +8,7 @@ finishing with ``length``. Nothing is computed, cached or checked, so whatever t
 ``Generate`` on this process is the router's.
 
 ``Session`` answers the same way, every request of a message in one reply, on the gRPC call and on a plain-TCP
-session port (length-prefixed frames, ``proto/framing.py``; named in ``Health`` as a real worker names its own,
+session port (length-prefixed frames, ``wire/framing.py``; named in ``Health`` as a real worker names its own,
 unless ``--no-tcp-session``). What the router's pool needs is
 answered too: ``Health`` (SERVING, role ``both``), ``Load`` (all zeros), ``Snapshot`` (an empty cache at sequence
 0) and ``KVEvents`` (a stream that stays open and sends nothing). ``Abort`` finds nothing; ``Drain`` marks the
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from proto.framing import FrameBuffer, FrameError, frame, tune_session_socket
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from router.serve import stop_on_signals
+from wire.framing import FrameBuffer, FrameError, frame, tune_session_socket
 
 _UNAVAILABLE: int = grpc.StatusCode.UNAVAILABLE.value[0]
 
@@ -138,7 +138,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
 
 
 class _TcpSession(asyncio.Protocol):
-    """The fake's side of the plain-TCP Session transport (proto/framing.py), as a worker's SessionListener."""
+    """The fake's side of the plain-TCP Session transport (wire/framing.py), as a worker's SessionListener."""
 
     def __init__(self, service: FakeWorker) -> None:
         self.service = service

@@ -1,5 +1,5 @@
-"""Whether a worker is registered in the Redis registry: the lease its worker writes (worker/redis_bus.py,
-``tandem:<model>:worker:<id>`` holding its address), signed with the cluster token (auth/signing.py). A replica
+"""Whether a worker is registered in the Redis registry: the lease its worker writes (worker/redis_bus.py, under
+the key wire/redis_keys.py defines, holding its address), signed with the cluster token (auth/signing.py). A replica
 of a controller given a Redis URL is READY only once routers, which discover workers there and ignore entries
 whose signature does not check, can see it."""
 
@@ -12,11 +12,12 @@ import time
 import redis.asyncio as aioredis
 
 from auth.signing import BadSignature, verify
+from wire.redis_keys import worker_pattern
 
 
 async def registered(client: aioredis.Redis, address: str, token: str | None) -> bool:
     """A lease for ``address`` is there (with a good signature when there is a ``token``)."""
-    async for key in client.scan_iter(match="tandem:*:worker:*", count=500):
+    async for key in client.scan_iter(match=worker_pattern(), count=500):
         raw = await client.get(key)
         if not raw:
             continue

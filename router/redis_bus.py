@@ -27,18 +27,9 @@ import redis.asyncio as aioredis
 from auth.signing import BadSignature, verify
 from auth.tls import TLSFiles, redis_tls_kwargs
 from router.pool import WorkerPool
+from wire.redis_keys import KVEventEntry, kv_stream_key, worker_pattern
 
 log = logging.getLogger(__name__)
-
-
-def _prefix(model_key: str) -> str:
-    return f"tandem:{model_key}"
-
-
-def _unpack(data: bytes) -> list[int]:
-    import struct
-
-    return list(struct.unpack(f"<{len(data) // 8}Q", data))
 
 
 class EventSink(Protocol):
@@ -58,7 +49,7 @@ class RedisBus:
                                               **redis_tls_kwargs(url, tls))  # type: ignore[arg-type]
         self.token = token if token is not None else pool.credentials.token
         self.refused: dict[bytes | str, str] = {}  # entries ignored (raw value -> why), each logged once
-        self.prefix = _prefix(model_key)
+        self.model_key = model_key
         self.index = index
         self.pool = pool
         self.resync = resync
@@ -81,7 +72,7 @@ class RedisBus:
     async def ads(self) -> dict[str, dict[str, object]]:
         """The signed worker entries, by address."""
         out: dict[str, dict[str, object]] = {}
-        async for key in self.client.scan_iter(match=f"{self.prefix}:worker:*", count=500):
+        async for key in self.client.scan_iter(match=worker_pattern(self.model_key), count=500):
             raw = await self.client.get(key)
             if raw:
                 ad = self._verified(key, raw)
@@ -127,7 +118,7 @@ class RedisBus:
                 log.warning("redis discovery: %s", e)
 
     async def _follow(self) -> None:
-        stream = f"{self.prefix}:kv"
+        stream = kv_stream_key(self.model_key)
         while True:
             try:
                 resp = await self.client.xread({stream: self.stream_id}, count=1000, block=500)
@@ -143,8 +134,8 @@ class RedisBus:
                     await self._apply(fields)
 
     async def _apply(self, fields: dict[bytes, bytes]) -> None:
-        worker = fields[b"w"].decode()
-        seq = int(fields[b"s"])
+        entry = KVEventEntry.from_fields(fields)
+        worker, seq = entry.worker_id, entry.seq
         last = self.last_seq.get(worker)
         if last is not None and seq <= last:
             return  # already covered (e.g. by a snapshot)
@@ -154,7 +145,7 @@ class RedisBus:
                 self.last_seq[worker] = last
                 if seq <= last:
                     return
-        if not self.index.apply(worker, seq, _unpack(fields[b"h"]), fields[b"k"]):
+        if not self.index.apply(worker, seq, entry.hashes, entry.kinds):
             if self.resync is not None:
                 snap = await self.resync(worker)
                 if snap is not None:

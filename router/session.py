@@ -24,7 +24,7 @@ session's own stream is never paused: one slow reader does not hold back the oth
 
 Two transports carry the same messages. The gRPC ``Session`` call is always there; when a worker's health answer
 names a ``session_port``, new streams open a plain TCP connection to it instead, with length-prefixed frames
-(``proto/framing.py``): one ``write`` and one ``data_received`` per message, where a grpc.aio round trip costs the
+(``wire/framing.py``): one ``write`` and one ``data_received`` per message, where a grpc.aio round trip costs the
 router ~210 µs of CPU whatever the batch. A lost connection breaks the session exactly as a broken call does; a
 port that cannot be reached sends the session (and what was written to it) back to gRPC for a while. With TLS
 (``tls``: the pool's client context, auth/tls.py) the TCP connection is mutual TLS, as the gRPC channel is.
@@ -44,8 +44,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from proto.framing import FrameBuffer, FrameError, frame, tune_session_socket
 from proto.tandem.v1 import worker_pb2 as pb
+from wire.framing import FrameBuffer, FrameError, frame, tune_session_socket
 
 log = logging.getLogger(__name__)
 
@@ -417,7 +417,7 @@ UNREACHABLE_RETRY_S = 60.0  # how long a session stays on gRPC after its worker'
 
 
 class _TcpStream(asyncio.Protocol):
-    """One Session stream on the worker's plain-TCP transport (proto/framing.py), standing where a grpc.aio call
+    """One Session stream on the worker's plain-TCP transport (wire/framing.py), standing where a grpc.aio call
     would: ``write`` (never blocks: buffered until connected, and the session stops flushing while the transport
     is paused), ``cancel``; replies go to ``WorkerSession._deliver`` as their frames complete. A port that cannot be
     reached sends the session back to gRPC (``WorkerSession._unreachable``); a lost connection or a bad frame

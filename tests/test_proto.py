@@ -28,11 +28,11 @@ def test_generated_modules_import_package_relative() -> None:
 
 
 def test_frames_survive_any_split_and_an_oversized_length_is_refused() -> None:
-    """proto/framing.py, the plain-TCP Session transport's wire format: frames come out whole however the bytes
+    """wire/framing.py, the plain-TCP Session transport's wire format: frames come out whole however the bytes
     are cut on the way, and a length over MAX_FRAME is a protocol error before any of its body arrives."""
     import random
 
-    from proto.framing import MAX_FRAME, FrameBuffer, FrameError, frame
+    from wire.framing import MAX_FRAME, FrameBuffer, FrameError, frame
 
     payloads = [b"", b"x", bytes(range(256)) * 40, b"tail"]
     wire = b"".join(frame(p) for p in payloads)

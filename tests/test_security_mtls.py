@@ -27,10 +27,10 @@ from auth.dev_certs import DevCA
 from auth.grpc_client import attach
 from auth.grpc_client import channel as tls_channel
 from auth.tls import TLSFiles, client_context, grpc_channel_credentials
-from proto.framing import frame
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from router.server import RouterConfig
+from wire.framing import frame
 from worker.launcher import WorkerProcess, start_worker
 
 pytestmark = pytest.mark.slow

@@ -24,10 +24,10 @@ from typing import Any
 import grpc
 import pytest
 
-from proto.framing import KEEPALIVE_IDLE_S, MAX_FRAME, USER_TIMEOUT_S, frame, read_frames
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from router.session import SessionError, WorkerSession
+from wire.framing import KEEPALIVE_IDLE_S, MAX_FRAME, USER_TIMEOUT_S, frame, read_frames
 from worker.launcher import WorkerProcess, start_worker
 
 FLAGS = ["--num-kv-blocks", "128", "--threads", "1"]

@@ -20,7 +20,6 @@ import contextlib
 import json
 import logging
 import queue
-import struct
 import threading
 from dataclasses import dataclass
 
@@ -29,21 +28,10 @@ import redis
 from auth.signing import sign
 from auth.tls import TLSFiles, redis_tls_kwargs
 from engine.block_pool import KVEventBatch
+from wire.redis_keys import kv_event_fields, kv_stream_key, worker_key
 
 log = logging.getLogger(__name__)
 STREAM_MAXLEN = 1_000_000
-
-
-def key_prefix(model_key: str) -> str:
-    return f"tandem:{model_key}"
-
-
-def pack_hashes(hashes: tuple[int, ...] | list[int]) -> bytes:
-    return struct.pack(f"<{len(hashes)}Q", *hashes)
-
-
-def unpack_hashes(data: bytes) -> list[int]:
-    return list(struct.unpack(f"<{len(data) // 8}Q", data))
 
 
 @dataclass(slots=True)
@@ -73,7 +61,7 @@ class RedisPublisher:
         self.client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0,
                                            **redis_tls_kwargs(url, tls))  # type: ignore[arg-type]
         self.token = token
-        self.prefix = key_prefix(model_key)
+        self.model_key = model_key
         self.ad = ad
         self.lease_s = lease_s
         self._q: queue.SimpleQueue[KVEventBatch | None] = queue.SimpleQueue()
@@ -82,7 +70,7 @@ class RedisPublisher:
 
     @property
     def lease_key(self) -> str:
-        return f"{self.prefix}:worker:{self.ad.worker_id}"
+        return worker_key(self.model_key, self.ad.worker_id)
 
     def start(self) -> None:
         self._heartbeat()  # registered before the worker says READY
@@ -117,8 +105,8 @@ class RedisPublisher:
                 batch = self._q.get(timeout=interval)
                 pipe = self.client.pipeline(transaction=False)
                 while batch is not None:
-                    pipe.xadd(f"{self.prefix}:kv", {"w": self.ad.worker_id, "s": batch.seq,
-                                                    "h": pack_hashes(batch.hashes), "k": batch.kinds},
+                    pipe.xadd(kv_stream_key(self.model_key),
+                              kv_event_fields(self.ad.worker_id, batch.seq, batch.hashes, batch.kinds),  # type: ignore[arg-type]
                               maxlen=STREAM_MAXLEN, approximate=True)
                     try:
                         batch = self._q.get_nowait()

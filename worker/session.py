@@ -13,7 +13,7 @@ with). When the stream ends (the router closed it, went away, or the connection 
 session that is still running is aborted on the engine, so its blocks are freed: nothing outlives its session.
 
 The stream is the gRPC ``Session`` call, or a connection to :class:`SessionListener`'s plain TCP port (the same
-messages as length-prefixed frames, ``proto/framing.py``, without gRPC's per-message cost); the session is the
+messages as length-prefixed frames, ``wire/framing.py``, without gRPC's per-message cost); the session is the
 same either way, and a connection that closes or breaks ends it like a broken call.
 """
 
@@ -37,8 +37,8 @@ from auth.tls_socket import DuplexTLS
 from engine.engine_loop import END
 from engine.llm_engine import LLMEngine, RequestOutput
 from kvtransfer.sockio import close_socket
-from proto.framing import FrameBuffer, FrameError, frame, read_frames, tune_session_socket
 from proto.tandem.v1 import worker_pb2 as pb
+from wire.framing import FrameBuffer, FrameError, frame, read_frames, tune_session_socket
 from worker.convert import chunk_from_outputs, params_from_proto
 
 if TYPE_CHECKING:
@@ -326,7 +326,7 @@ def _code(code: grpc.StatusCode) -> int:
 
 
 class SessionListener:
-    """The plain-TCP ``Session`` transport (proto/framing.py): the same ``WorkerSession`` as the gRPC handler,
+    """The plain-TCP ``Session`` transport (wire/framing.py): the same ``WorkerSession`` as the gRPC handler,
     without gRPC's per-message cost (~200 µs of CPU per message on the router's side alone in grpc.aio).
 
     One thread accepts; each connection gets a reader thread (frames → ``WorkerSession.read``) and a writer thread

@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from router.api_error import APIError
 from router.metrics import RouterMetrics
-from router.openai_protocol import APIError
 from router.pool import WorkerPool
 
 

@@ -36,12 +36,13 @@ from auth.api_keys import ApiKeys
 from engine.tokenizer import Tokenizer
 from proto.tandem.v1 import worker_pb2 as pb
 from router.admission import Admission, AdmissionConfig, retry_after_header
+from router.api_error import APIError
 from router.asgi import Request, Response, StreamResponse
 from router.chat_output import REASONING_PARSERS
 from router.dispatch import Dispatcher, DispatchError, Plan
 from router.metrics import RouterMetrics
 from router.openai_endpoints import UtilityEndpoints
-from router.openai_protocol import APIError, GenerationRequest, parse_request, usage
+from router.openai_protocol import GenerationRequest, parse_request, usage
 from router.openai_responses import (
     Choice,
     chat_deltas,

@@ -35,9 +35,10 @@ import grpc
 from engine.detokenizer import IncrementalDetokenizer
 from proto.tandem.v1 import gateway_pb2 as gpb
 from proto.tandem.v1 import gateway_pb2_grpc as gpb_grpc
+from router.api_error import APIError
 from router.dispatch import Plan
 from router.gateway import Choice, Gateway
-from router.openai_protocol import APIError, GenerationRequest
+from router.openai_protocol import GenerationRequest
 from router.openai_responses import chat_deltas, new_choice
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,8 @@ from typing import Any
 import orjson
 
 from engine.tokenizer import Tokenizer
-from router.openai_protocol import APIError, chat_token_ids
+from router.api_error import APIError
+from router.openai_protocol import chat_token_ids
 
 INLINE_BYTES = 4096  # bodies up to this are tokenised on the loop (tens of µs)
 

@@ -25,6 +25,9 @@ from typing import Any
 
 from engine.tokenizer import Tokenizer
 from proto.tandem.v1 import worker_pb2 as pb
+from router.api_error import APIError
+from router.structured_fields import parse_structured, parse_structured_spec
+from router.tool_choice import parse_tools
 
 MAX_N = 16
 MAX_STOP = 8
@@ -56,21 +59,6 @@ UNSUPPORTED: dict[str, Any] = {
     "continue_final_message": _not(False), "add_generation_prompt": _not(True), "mm_processor_kwargs": _not(),
     "cache_salt": _not(), "logits_processors": _not([]), "vllm_xargs": _not({}), "kv_transfer_params": _not(),
 }
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, err_type: str | None = None,
-                 code: str | None = None, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.err_type = err_type or ("invalid_request_error" if status < 500 else "server_error")
-        self.code = code
-        self.retry_after = retry_after
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
 
 
 @dataclass(slots=True)
@@ -149,21 +137,6 @@ def _stops(body: dict[str, Any]) -> list[str]:
     return stop
 
 
-_LATE: tuple[Any, Any, Any] | None = None  # parse_structured, parse_structured_spec, parse_tools (see below)
-
-
-def _late_parsers() -> tuple[Any, Any, Any]:
-    """The structured-output and tool parsers, imported on the first request rather than by every request's
-    ``import`` statement (~2 µs): their modules import ``APIError`` from here, so this module cannot import them
-    at its top."""
-    global _LATE
-    from router.structured_fields import parse_structured, parse_structured_spec
-    from router.tool_choice import parse_tools
-
-    _LATE = (parse_structured, parse_structured_spec, parse_tools)
-    return _LATE
-
-
 def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str, max_model_len: int,
                   vocab_size: int, tool_parser: str = "hermes",
                   reasoning_parser: str | None = None) -> GenerationRequest:
@@ -176,7 +149,6 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{served_model}'", "model",
                        code="model_not_found")
     _refuse_unsupported(body, chat)
-    parse_structured, parse_structured_spec, parse_tools = _LATE or _late_parsers()
     tools = parse_tools(body, chat)
     prompts = [chat_token_ids(body, tokenizer, tools=list(tools.tools) if tools else None)] if chat else \
         _prompts(body, tokenizer, vocab_size)

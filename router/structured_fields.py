@@ -18,7 +18,7 @@ from typing import Any
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.spec import StructuredOutput
 from engine.tokenizer import Tokenizer
-from router.openai_protocol import APIError
+from router.api_error import APIError
 
 _SO_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
             "json_object": "json_object"}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.structured.spec import StructuredOutput
-from router.openai_protocol import APIError
+from router.api_error import APIError
 
 MAX_TOOLS = 128
 

@@ -9,8 +9,8 @@ import pytest
 
 from proto.tandem.v1 import worker_pb2 as pb
 from router.admission import Admission, AdmissionConfig, retry_after_header
+from router.api_error import APIError
 from router.metrics import RouterMetrics
-from router.openai_protocol import APIError
 from router.pool import Worker, WorkerPool
 
 

@@ -11,8 +11,8 @@ import orjson
 import pytest
 
 from engine.tokenizer import Tokenizer
+from router.api_error import APIError
 from router.openai_endpoints import UtilityEndpoints
-from router.openai_protocol import APIError
 
 
 @pytest.fixture(scope="module")

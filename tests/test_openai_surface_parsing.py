@@ -12,7 +12,8 @@ import pytest
 
 from engine.tokenizer import Tokenizer
 from proto.tandem.v1 import worker_pb2 as pb
-from router.openai_protocol import UNSUPPORTED, APIError, GenerationRequest, parse_request
+from router.api_error import APIError
+from router.openai_protocol import UNSUPPORTED, GenerationRequest, parse_request
 from router.openai_responses import (
     Choice,
     best_indexes,

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from router.api_error import APIError
 from router.chat_output import ChatOutput
-from router.openai_protocol import APIError
 from router.tool_choice import ToolRequest, parse_tools
 from router.tool_parsers import ParsedCall, tool_parser
 

@@ -246,7 +246,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(report) if args.json else format_throughput_report(report))
         return 0
     if args.bench_command == "router":
-        from router.bench import run_router_bench
+        from bench.router import run_router_bench
 
         report = run_router_bench(workers=tuple(int(w) for w in args.workers.split(",")),
                                   cached_blocks=args.cached_blocks, seconds=args.seconds)

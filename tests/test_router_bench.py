@@ -1,9 +1,9 @@
-"""``tandem bench router`` (router/bench.py) end to end on a small index: every phase runs, within its bounds, and
+"""``tandem bench router`` (bench/router.py) end to end on a small index: every phase runs, within its bounds, and
 reports figures that are consistent with the index it built."""
 
 from __future__ import annotations
 
-from router.bench import run_router_bench
+from bench.router import run_router_bench
 
 
 def test_router_bench_reports_every_phase_on_a_small_full_index() -> None:

@@ -16,7 +16,7 @@ Workload, per worker count::
     churn   ``churn_events`` more stored blocks into the full index, so eviction runs; RSS must stay flat
             (compare ``before_churn`` with ``after_churn``; ``after_fill`` excludes the benchmark's own request lists).
 
-Every loop is bounded by a count and by ``seconds``. Run: ``python -m router.bench [--workers 8,64] [--seconds 1]``.
+Every loop is bounded by a count and by ``seconds``. Run: ``python -m bench.router [--workers 8,64] [--seconds 1]``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """One worker replica as a Ray actor.
 
-Each replica gets its own placement group with one bundle per rank (today one rank per replica, so one bundle);
-the actor is scheduled into its first bundle and runs the ``tandem worker`` process. The actor does not restart
-the worker, and Ray does not restart the actor (``max_restarts=0``): a replica whose worker or actor died is
-replaced by the controller (controlplane/controller.py) with a new placement group, so that what Status reports
-is always the process that serves.
+Each replica gets its own placement group with one bundle per rank of its tier (``ControllerConfig.bundles``), so
+that Ray reserves every rank's resources before the replica starts; the actor is scheduled into its first bundle
+and runs the replica's one ``tandem worker`` process. The actor does not restart the worker, and Ray does not
+restart the actor (``max_restarts=0``): a replica whose worker or actor died is replaced by the controller
+(controlplane/controller.py) with a new placement group, so that what Status reports is always the process that
+serves.
 """
 
 from __future__ import annotations

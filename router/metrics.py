@@ -8,8 +8,9 @@ its ``vllm:*`` name with a ``model_name`` label, so that dashboards built for vL
 
 The router's own counters and histograms are updated on every request, so they are plain numbers owned by the
 event loop (an increment is an attribute add, an observation a ``bisect`` and two adds) and become Prometheus
-families only when scraped. prometheus_client's own ``Counter.inc`` takes a lock and validates per call, and its
-``Histogram.observe`` walks the buckets in Python: ~7 such calls per request were ~10% of the router's CPU.
+families only when scraped. prometheus_client's own ``Counter.inc`` takes a lock and validates per call, its
+``Histogram.observe`` walks the buckets in Python, and every request makes several such calls (docs/benchmarks.md
+section 5, change 6).
 Everything here is touched from the router's event loop only (the scrape handler runs on it too).
 
 ``tandem_requests_total`` counts every response the gateway's ASGI app sends (router/asgi.py), by endpoint and

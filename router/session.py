@@ -1,7 +1,8 @@
 """The router's end of a worker's ``Session`` stream: colocated requests multiplexed over one stream.
 
-A ``Generate`` call per request costs ~200 µs of CPU on each side in Python gRPC (call setup, its completion
-queue, a thread hop on the worker); on a session a request is an entry in the next batched message, a few µs.
+A ``Generate`` call per request costs CPU on each side for every request in Python gRPC (call setup, its
+completion queue, a thread hop on the worker); on a session a request is an entry in the next batched message
+(the A/B is change 1 of docs/benchmarks.md section 5).
 
 Queues (all on the router's event loop)::
 
@@ -25,9 +26,10 @@ session's own stream is never paused: one slow reader does not hold back the oth
 Two transports carry the same messages. The gRPC ``Session`` call is always there; when a worker's health answer
 names a ``session_port``, new streams open a plain TCP connection to it instead, with length-prefixed frames
 (``wire/framing.py``): one ``write`` and one ``data_received`` per message, where a grpc.aio round trip costs the
-router ~210 µs of CPU whatever the batch. A lost connection breaks the session exactly as a broken call does; a
-port that cannot be reached sends the session (and what was written to it) back to gRPC for a while. With TLS
-(``tls``: the pool's client context, auth/tls.py) the TCP connection is mutual TLS, as the gRPC channel is.
+router the same CPU whatever the batch (docs/benchmarks.md section 5, change 8). A lost connection breaks the
+session exactly as a broken call does; a port that cannot be reached sends the session (and what was written to
+it) back to gRPC for a while. With TLS (``tls``: the pool's client context, auth/tls.py) the TCP connection is
+mutual TLS, as the gRPC channel is.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ class WorkerSession:
         self.opened = 0  # streams opened so far (a broken one is replaced on the next request)
         self.last_received = 0.0  # monotonic time of the worker's last reply: it is alive (router/pool.py)
         # The worker's plain-TCP Session transport (host, port), once its health answer names one: new streams
-        # use it instead of the gRPC Session (same messages, without grpc.aio's ~200 µs of CPU per message).
+        # use it instead of the gRPC Session (same messages, without grpc.aio's CPU per message).
         self.tcp: tuple[str, int] | None = None
         self.unreachable: tuple[str, int] | None = None  # the last TCP port that could not be reached
         self._unreachable_until = 0.0

@@ -50,7 +50,7 @@ _HEADER_KEYS = ("w", "ov", "un", "p", "d", "q", "t")
 @functools.cache
 def _kernel() -> Any:
     """``router/cost_kernel.c`` built for this interpreter, or None: then the numpy path below runs."""
-    from engine.kernels import load_python_extension
+    from native.extension import load_python_extension
 
     return load_python_extension("router._cost_kernel", Path(__file__).with_name("cost_kernel.c"),
                                  ("-ffp-contract=off",))

@@ -88,7 +88,7 @@ class IndexSnapshot:
 @functools.cache
 def _native() -> ModuleType | None:
     """``router/prefix_map.c`` built for this interpreter, or None (no compiler or headers): the Python path."""
-    from engine.kernels import load_python_extension
+    from native.extension import load_python_extension
 
     return load_python_extension("router._prefix_map", Path(__file__).with_name("prefix_map.c"))
 

@@ -21,6 +21,8 @@ import pytest
 
 import engine.block_hash as bh
 import engine.kernels as kernels
+import native.build as native_build
+import native.extension as native_extension
 from engine.block_hash import ROOT_HASH, hash_blocks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +55,7 @@ def _reset_native() -> None:
     bh._native_module.cache_clear()
     kernels.block_hasher.cache_clear()
     kernels._loaded.pop("block_hash", None)
-    kernels._modules.pop("engine._block_hash", None)
+    native_extension._modules.pop("engine._block_hash", None)
 
 
 @pytest.fixture
@@ -65,7 +67,7 @@ def fresh_native() -> Iterator[None]:
 
 
 def native_available() -> bool:
-    return kernels.enabled() and kernels._compiler() is not None
+    return native_build.enabled() and native_build.compiler() is not None
 
 
 def test_native_kernel_is_used_where_kernels_are_enabled() -> None:
@@ -192,7 +194,7 @@ def test_disabled_native_kernels_fall_back_to_hashlib(fresh_native: None, monkey
 
 def test_a_failing_compiler_falls_back_to_hashlib(fresh_native: None, monkeypatch: pytest.MonkeyPatch,
                                                   tmp_path: Path) -> None:
-    if not kernels.enabled():
+    if not native_build.enabled():
         pytest.skip("TANDEM_NATIVE_KERNELS=0")
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))

@@ -25,11 +25,12 @@ import torch
 import engine.model_runner as model_runner
 import engine.models.layers as layers
 from engine.attention import build_metadata, paged_attention, write_kv
-from engine.kernels import enabled, layer_ops, paged_attention_kernel
+from engine.kernels import layer_ops, paged_attention_kernel
 from engine.llm import LLM
 from engine.model_config import RopeConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from native.build import enabled
 
 CPU = torch.device("cpu")
 

@@ -273,9 +273,9 @@ def test_selector_vector_path_books_like_the_row_path(monkeypatch: pytest.Monkey
 
 def test_native_cost_kernel_is_built_where_native_code_is() -> None:
     """Where a compiler and Python's headers exist (here and in CI) the selector's array path is the C kernel."""
-    from engine.kernels import _compiler, enabled
+    from native.build import compiler, enabled
     from router.cost import _kernel
 
-    if not enabled() or _compiler() is None:
+    if not enabled() or compiler() is None:
         pytest.skip("native code disabled or no compiler")
     assert _kernel() is not None

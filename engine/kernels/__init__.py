@@ -1,9 +1,10 @@
 """Native CPU kernels, compiled on first use with the host's C compiler and loaded with ctypes.
 
 Why C and ctypes rather than a torch C++ extension: the kernel needs no torch headers (it takes raw pointers and
-shapes), so it compiles in about a second instead of a minute, with nothing to install at build time. It is built
-for this CPU (``-march=native``) into a per-user cache keyed by the source, the compiler, the flags and the CPU's
-feature flags, and written atomically so that worker processes starting together cannot load half a file.
+shapes), so it compiles in about a second instead of a minute, with nothing to install at build time. The build
+itself is :mod:`native`'s: for this CPU (``-march=native``), into a per-user cache keyed by the source, the compiler,
+the flags and the CPU's feature flags, written atomically so that worker processes starting together cannot load
+half a file.
 
 Three sources: ``paged_attention.c`` (attention over the paged KV cache, fp32 and bf16), ``layer_ops.c`` (fused
 fp32 RMSNorm, SiLU-and-multiply and rotary embedding) and ``block_hash.c`` (the block-hash chain of
@@ -11,9 +12,9 @@ fp32 RMSNorm, SiLU-and-multiply and rotary embedding) and ``block_hash.c`` (the 
 built without ``-fopenmp`` and loaded without importing torch, because the router, which never imports torch,
 calls it for every request.
 
-:func:`compile_shared` and :func:`load_python_extension` build CPython extension modules the same way, keyed also
-by the interpreter's ABI: ``block_hash.c`` again as ``engine._block_hash`` (token lists read in place), and the
-router's ``router/prefix_map.c`` and ``router/cost_kernel.c``. Each has a Python path that computes the same thing.
+``block_hash.c`` is also built as the CPython extension ``engine._block_hash`` (token lists read in place) by
+:func:`native.extension.load_python_extension`, as the router's own extensions are; it has a Python path that
+computes the same thing.
 
 Everything here is optional. When there is no compiler, the build fails, ``TANDEM_NATIVE_KERNELS=0`` is set, or
 the platform is not Linux, :func:`paged_attention_kernel` and :func:`layer_ops` return ``None`` and the engine uses
@@ -25,127 +26,40 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import importlib.util
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import sys
-import sysconfig
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from native.build import BASE_FLAGS, compile_shared, compiler, enabled
+from native.extension import load_python_extension
+
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")  # BASE_FLAGS with OpenMP
 _EXTRA_FLAGS = {"layer_ops": ("-ffp-contract=off",)}  # round like torch's separate ops (see layer_ops.c)
 _STANDALONE = frozenset({"block_hash"})  # no OpenMP: built without -fopenmp, loaded without importing torch
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
-_modules: dict[str, ModuleType | None] = {}
-
-
-def enabled() -> bool:
-    return os.environ.get("TANDEM_NATIVE_KERNELS", "1") not in ("0", "false", "no") and platform.system() == "Linux"
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("TANDEM_KERNEL_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem" / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _build(cc: str, name: str) -> Path:
-    base = tuple(f for f in _FLAGS if f != "-fopenmp") if name in _STANDALONE else _FLAGS
+    base = BASE_FLAGS if name in _STANDALONE else _FLAGS
     return compile_shared(cc, _HERE / f"{name}.c", (*base, *_EXTRA_FLAGS.get(name, ())))
 
 
-def compile_shared(cc: str, source: Path, flags: tuple[str, ...], key_extra: str = "") -> Path:
-    """Compile ``source`` (with the ``*.h`` beside it) into the per-user cache and return the ``.so``'s path; a
-    cached build is reused when the source, the headers, the compiler, the flags, the CPU and ``key_extra`` match."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    headers = "".join(h.read_text() for h in sorted(source.parent.glob("*.h")))
-    key = hashlib.sha256(b"\0".join(s.encode() for s in (
-        source.read_text(), headers, cc, version, " ".join(flags), _cpu_flags(), platform.machine(), key_extra)
-    )).hexdigest()[:20]
-    out = _cache_dir() / f"{source.stem}-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *flags, "-o", tmp, str(source)], capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
-def load_python_extension(module_name: str, source: Path, extra_flags: tuple[str, ...] = ()) -> ModuleType | None:
-    """Build ``source``, a CPython extension module, for this interpreter and import it as ``module_name`` (its
-    ``PyInit_`` symbol is named after the last dotted part); None, logged, when native code is disabled, there is no
-    compiler, the interpreter's headers are missing or the build fails: the caller then uses its Python path."""
-    with _lock:
-        if module_name in _modules:
-            return _modules[module_name]
-        module = None
-        cc = _compiler()
-        include = sysconfig.get_paths().get("include", "")
-        if not enabled() or cc is None:
-            log.info("native code disabled or no C compiler; %s uses its Python path", module_name)
-        elif not include or not os.path.exists(os.path.join(include, "Python.h")):
-            log.info("no Python.h for this interpreter; %s uses its Python path", module_name)
-        else:
-            flags = (*(f for f in _FLAGS if f != "-fopenmp"), f"-I{include}", *extra_flags)
-            try:
-                path = compile_shared(cc, source, flags, sysconfig.get_config_var("EXT_SUFFIX") or sys.version)
-                spec = importlib.util.spec_from_file_location(module_name, path)
-                if spec is None or spec.loader is None:
-                    raise ImportError(f"cannot load {path}")
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-            except (OSError, ImportError, RuntimeError, subprocess.SubprocessError) as e:
-                log.warning("could not build %s (%s); using its Python path", module_name, e)
-                module = None
-        _modules[module_name] = module
-        return module
-
-
 _SOURCES = ("paged_attention", "layer_ops", "block_hash")
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
 def build_all() -> None:
     """Compile every kernel into the cache without loading it (no torch import): ``tandem up`` runs this while
     Ray starts, so that its workers, starting side by side, find the kernels built instead of each compiling them
     (~2 s of gcc per process on a cold cache)."""
-    cc = _compiler()
+    cc = compiler()
     if not enabled() or cc is None:
         return
     for name in _SOURCES:
@@ -160,7 +74,7 @@ def _load(name: str) -> ctypes.CDLL | None:
         if name in _loaded:
             return _loaded[name]
         lib = None
-        cc = _compiler()
+        cc = compiler()
         fallback = "the Python path" if name in _STANDALONE else "the torch path"
         if not enabled():
             log.info("native kernels disabled; using %s", fallback)

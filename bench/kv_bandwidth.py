@@ -139,7 +139,7 @@ def bench_raw_socket(nbytes: int, repeats: int) -> float:
 
 
 def _gloo_sink(conn: Any, port: int, nbytes: int, repeats: int) -> None:
-    from kvtransfer.torch_group import make_group, store_client
+    from kvtransfer.torch_dist import make_group, store_client
 
     group = make_group(store_client(f"127.0.0.1:{port}", 30.0), 1, False, 30.0)
     buf = torch.empty(nbytes, dtype=torch.uint8)
@@ -157,7 +157,7 @@ def bench_raw_gloo(nbytes: int, repeats: int) -> float:
     """A plain gloo pair in two processes (the torch backend's transport): one contiguous ``send`` and an ack."""
     from torch.distributed import TCPStore
 
-    from kvtransfer.torch_group import make_group, timedelta_s
+    from kvtransfer.torch_dist import make_group, timedelta_s
 
     store = TCPStore("127.0.0.1", 0, None, True, timedelta_s(30.0), wait_for_workers=False)
     parent, child = _CTX.Pipe()

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from kvtransfer.base import DestinationInfo
 from kvtransfer.config import TransferConfig
-from kvtransfer.destination import DestinationInfo
 from kvtransfer.layout import KVLayout
 
 _CTX = mp.get_context("spawn")
@@ -60,7 +60,7 @@ def digest(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: Se
 
 def _serve(conn: Any, backend: str, role: str, layout: dict[str, Any], num_blocks: int, seed: int | None,
            config: dict[str, Any]) -> None:
-    from kvtransfer.registry import get_backend
+    from kvtransfer import get_backend
 
     lay = KVLayout.from_dict(layout)
     caches = make_caches(lay, num_blocks, seed)

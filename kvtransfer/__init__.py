@@ -1,15 +1,17 @@
 """kvtransfer: move KV cache blocks from a prefill engine into blocks a decode engine reserved, layer by layer.
 
 Public surface: :class:`KVLayout`, :class:`DestinationInfo`, :class:`KVSender` / :class:`KVReceiver`,
-:class:`TransferState` / :class:`TransferStatus`, :class:`TransferConfig` and :func:`get_backend`. The package
-knows nothing about models or routing and does not import ``engine``.
+:class:`TransferState` / :class:`TransferStatus`, :class:`TransferConfig` and :func:`get_backend`, which looks a
+backend up by name. Backend modules are imported on first use, so a missing optional dependency (NIXL) only fails
+the backend that needs it, with an error that says what to install. The package knows nothing about models or
+routing and does not import ``engine``.
 """
 
-from kvtransfer.base import KVReceiver, KVSender, TransferState, TransferStatus
+import importlib
+
+from kvtransfer.base import DestinationInfo, KVReceiver, KVSender, TransferState, TransferStatus
 from kvtransfer.config import TransferConfig
-from kvtransfer.destination import DestinationInfo
 from kvtransfer.layout import CompatibilityError, KVLayout, block_runs
-from kvtransfer.registry import backend_names, get_backend
 
 __all__ = [
     "CompatibilityError",
@@ -24,3 +26,24 @@ __all__ = [
     "block_runs",
     "get_backend",
 ]
+
+_BACKENDS: dict[str, tuple[str, str, str]] = {
+    "nixl": ("kvtransfer.nixl_backend", "NixlSender", "NixlReceiver"),
+    "torch": ("kvtransfer.torch_dist", "TorchSender", "TorchReceiver"),
+    "tcp": ("kvtransfer.tcp", "TcpSender", "TcpReceiver"),
+    "fake": ("kvtransfer.fake", "FakeSender", "FakeReceiver"),
+}
+
+
+def backend_names() -> tuple[str, ...]:
+    return tuple(_BACKENDS)
+
+
+def get_backend(name: str) -> tuple[type[KVSender], type[KVReceiver]]:
+    """``(sender_cls, receiver_cls)`` for ``name`` (one of :func:`backend_names`)."""
+    try:
+        module_name, sender, receiver = _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown KV transfer backend {name!r}; known: {', '.join(_BACKENDS)}") from None
+    module = importlib.import_module(module_name)
+    return getattr(module, sender), getattr(module, receiver)

@@ -1,4 +1,4 @@
-"""The two interfaces every transport implements, and the status they report.
+"""The two interfaces every transport implements, and the typed hand-off from decode to prefill.
 
 Lifecycle of one request (queues as states; ``TransferState`` is ordered so "finished" is ``state >= DONE``)::
 
@@ -12,61 +12,156 @@ DONE and then calls ``release``.
 
 Deadlines (``deadline_s``) are absolute wall-clock times. A lease that has not reached DONE by its deadline turns
 FAILED on that side ("lease expired") and, best effort, the peer is told so it fails too instead of waiting.
+
+:class:`DestinationInfo` is where the reserved blocks are and how to reach them. It travels through the router,
+i.e. through processes that are not the receiver, so it is encoded as JSON (bytes base64) and decoded with strict
+type checks; pickle is never used for anything that crosses a process boundary (unpickling peer bytes runs
+arbitrary code). ``compat_hash`` is recomputed from the embedded layout on decode, so a corrupted or hand-edited
+blob is refused at the handshake rather than discovered as garbage KV.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from enum import IntEnum
-from typing import TYPE_CHECKING, ClassVar
+import base64
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
+from kvtransfer.book import Entry, OnDone, OnFailed, TransferBook, TransferState, TransferStatus
 from kvtransfer.config import TransferConfig
-from kvtransfer.destination import DestinationInfo
 from kvtransfer.layout import KVLayout
 
-if TYPE_CHECKING:
-    from kvtransfer.book import TransferBook
-
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
-OnFailed = Callable[[str, str], None]
-OnDone = Callable[[str], None]
+DESTINATION_VERSION = 1
 
 __all__ = ["DestinationInfo", "KVCaches", "KVReceiver", "KVSender", "OnDone", "OnFailed", "TransferState",
            "TransferStatus"]
 
 
-class TransferState(IntEnum):
-    PENDING = 0
-    IN_FLIGHT = 1
-    DONE = 2
-    FAILED = 3
-
-
 @dataclass(slots=True, frozen=True)
-class TransferStatus:
-    state: TransferState
-    error: str | None = None
-    bytes_sent: int = 0  # sender: bytes handed to the transport; receiver: bytes landed in reserved blocks
-    layers_done: int = 0  # sender: layers fully sent; receiver: layers fully landed
+class DestinationInfo:
+    """Everything a sender needs to push one request's KV into one decode rank's reserved blocks.
 
-    @property
-    def finished(self) -> bool:
-        return self.state >= TransferState.DONE
+    ``deadline_s`` is an absolute wall-clock time (``time.time()``); each side converts it to its own monotonic
+    clock on arrival. ``regions`` are per-layer ``(k_addr, v_addr)`` base addresses (one-sided backends only) and
+    ``agent_metadata`` is the backend's opaque peer blob (NIXL agent metadata), both empty where unused.
+    """
+
+    backend: str
+    request_id: str
+    transfer_id: int
+    endpoint: str
+    layout: KVLayout
+    dst_block_ids: tuple[int, ...]
+    num_tokens: int
+    deadline_s: float
+    compat_hash: str
+    agent_name: str = ""
+    agent_metadata: bytes = b""
+    regions: tuple[tuple[int, int], ...] = ()
+    mem_type: str = "DRAM"
+    device_id: int = 0
+    version: int = field(default=DESTINATION_VERSION)
+
+    def __post_init__(self) -> None:
+        if self.version != DESTINATION_VERSION:
+            raise ValueError(f"DestinationInfo version {self.version} is not {DESTINATION_VERSION}")
+        if not self.backend or not self.request_id:
+            raise ValueError("DestinationInfo needs a backend and a request_id")
+        if not 0 <= self.transfer_id < 2**63:
+            raise ValueError(f"transfer_id {self.transfer_id} out of range")
+        if self.num_tokens < 1 or not self.dst_block_ids:
+            raise ValueError("DestinationInfo needs at least one token and one block")
+        need = -(-self.num_tokens // self.layout.block_size)
+        if need != len(self.dst_block_ids):
+            raise ValueError(f"{self.num_tokens} tokens need {need} blocks, got {len(self.dst_block_ids)}")
+        if self.compat_hash != self.layout.compat_hash():
+            raise ValueError("DestinationInfo compat_hash does not match its layout (corrupted or tampered)")
+        if self.regions and len(self.regions) != self.layout.num_layers:
+            raise ValueError(f"{len(self.regions)} regions for {self.layout.num_layers} layers")
+        if self.mem_type not in ("DRAM", "VRAM"):
+            raise ValueError(f"mem_type {self.mem_type!r} is not DRAM or VRAM")
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "version": self.version,
+            "backend": self.backend,
+            "request_id": self.request_id,
+            "transfer_id": self.transfer_id,
+            "endpoint": self.endpoint,
+            "layout": self.layout.to_dict(),
+            "dst_block_ids": list(self.dst_block_ids),
+            "num_tokens": self.num_tokens,
+            "deadline_s": self.deadline_s,
+            "compat_hash": self.compat_hash,
+            "agent_name": self.agent_name,
+            "agent_metadata": base64.b64encode(self.agent_metadata).decode(),
+            "regions": [list(r) for r in self.regions],
+            "mem_type": self.mem_type,
+            "device_id": self.device_id,
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> DestinationInfo:
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"DestinationInfo is not valid JSON: {e}") from None
+        if not isinstance(doc, dict):
+            raise ValueError("DestinationInfo must be a JSON object")
+        if doc.get("version") != DESTINATION_VERSION:
+            raise ValueError(f"DestinationInfo version {doc.get('version')!r} is not {DESTINATION_VERSION}")
+        expect: dict[str, type | tuple[type, ...]] = {
+            "backend": str, "request_id": str, "transfer_id": int, "endpoint": str, "layout": dict,
+            "dst_block_ids": list, "num_tokens": int, "deadline_s": (int, float), "compat_hash": str,
+            "agent_name": str, "agent_metadata": str, "regions": list, "mem_type": str, "device_id": int,
+        }
+        for key, typ in expect.items():
+            if not isinstance(doc.get(key), typ) or isinstance(doc.get(key), bool):
+                raise ValueError(f"DestinationInfo field {key!r} missing or not {typ}")
+        if not all(isinstance(b, int) and b >= 0 for b in doc["dst_block_ids"]):
+            raise ValueError("DestinationInfo dst_block_ids must be non-negative ints")
+        regions = doc["regions"]
+        if not all(isinstance(r, list) and len(r) == 2 and all(isinstance(a, int) for a in r) for r in regions):
+            raise ValueError("DestinationInfo regions must be [k_addr, v_addr] int pairs")
+        return cls(
+            backend=doc["backend"],
+            request_id=doc["request_id"],
+            transfer_id=doc["transfer_id"],
+            endpoint=doc["endpoint"],
+            layout=KVLayout.from_dict(doc["layout"]),
+            dst_block_ids=tuple(doc["dst_block_ids"]),
+            num_tokens=doc["num_tokens"],
+            deadline_s=float(doc["deadline_s"]),
+            compat_hash=doc["compat_hash"],
+            agent_name=doc["agent_name"],
+            agent_metadata=base64.b64decode(doc["agent_metadata"], validate=True),
+            regions=tuple((int(k), int(v)) for k, v in regions),
+            mem_type=doc["mem_type"],
+            device_id=doc["device_id"],
+        )
 
 
-class KVSender(abc.ABC):
-    """Prefill side: pushes a request's layers into a decode rank's reserved blocks."""
+class _Side(abc.ABC):
+    """What both ends share: the config, the request ledger (created here, started by the backend once its threads
+    run) and the two calls that only read it."""
 
     backend_name: ClassVar[str]
-    book: TransferBook  # every implementation keeps its requests in one
+    side: ClassVar[str]
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
         self.config = config or TransferConfig()
         self.on_failed = on_failed
+        self.book = TransferBook(self.side, on_failed, self._notify_peer)
+
+    @abc.abstractmethod
+    def _notify_peer(self, entry: Entry, message: str) -> None:
+        """Tell the other end that ``entry`` failed here (best effort; its own lease is the backstop)."""
 
     def set_on_done(self, on_done: OnDone | None) -> None:
         """Call ``on_done(request_id)`` the moment a transfer turns DONE, so its owner need not wait for a poll tick.
@@ -77,9 +172,22 @@ class KVSender(abc.ABC):
         """
         self.book.on_done = on_done
 
+    def poll(self, request_id: str) -> TransferStatus:
+        return self.book.status(request_id)
+
     @abc.abstractmethod
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         """Hand over this rank's per-layer (K, V) tensors once, at start-up."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop background threads (joined within ``config.close_timeout_s``) and drop connections."""
+
+
+class KVSender(_Side):
+    """Prefill side: pushes a request's layers into a decode rank's reserved blocks."""
+
+    side: ClassVar[str] = "sender"
 
     @abc.abstractmethod
     def start(
@@ -104,38 +212,14 @@ class KVSender(abc.ABC):
         """All layers were given to ``send_layer``; the request completes once the receiver confirms."""
 
     @abc.abstractmethod
-    def poll(self, request_id: str) -> TransferStatus: ...
-
-    @abc.abstractmethod
     def release(self, request_id: str) -> None:
         """Forget the request (cancelling it, and telling the peer, if it is still in flight)."""
 
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Stop background threads (joined within ``config.close_timeout_s``) and drop connections."""
 
-
-class KVReceiver(abc.ABC):
+class KVReceiver(_Side):
     """Decode side: reserves destinations and reports when every layer has landed."""
 
-    backend_name: ClassVar[str]
-    book: TransferBook  # every implementation keeps its requests in one
-
-    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
-        self.config = config or TransferConfig()
-        self.on_failed = on_failed
-
-    def set_on_done(self, on_done: OnDone | None) -> None:
-        """Call ``on_done(request_id)`` the moment a transfer turns DONE, so its owner need not wait for a poll tick.
-
-        It runs on whichever thread saw the transfer finish, possibly under the request ledger's lock: it must only
-        signal (set an event, queue a call on the engine loop), never block or call back into this object. ``poll``
-        stays the source of truth.
-        """
-        self.book.on_done = on_done
-
-    @abc.abstractmethod
-    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None: ...
+    side: ClassVar[str] = "receiver"
 
     @abc.abstractmethod
     def reserve(
@@ -144,11 +228,5 @@ class KVReceiver(abc.ABC):
         """Open a lease on already-allocated blocks and describe them for the sender."""
 
     @abc.abstractmethod
-    def poll(self, request_id: str) -> TransferStatus: ...
-
-    @abc.abstractmethod
     def release(self, request_id: str) -> None:
         """Forget the request; bytes that still arrive for it are discarded, never written."""
-
-    @abc.abstractmethod
-    def close(self) -> None: ...

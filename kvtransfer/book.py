@@ -1,11 +1,12 @@
-"""Per-side request ledger with leases: state, counters, deadline and failure fan-out for every transfer.
+"""Per-side request ledger with leases: the transfer states, and state, counters, deadline and failure fan-out for
+every transfer.
 
 Every backend keeps its requests in one :class:`TransferBook`. The book owns the only lease logic in the package:
 
 - a deadline is given as wall-clock ``time.time()`` and converted once to this process's monotonic clock;
 - a small reaper thread turns every unfinished entry past its deadline into FAILED ("lease expired ..."). It
   sleeps until the earliest deadline, woken early by a failure to deliver or by a new entry due before it would
-  wake anyway, so an idle or steady book costs no periodic wake-ups (on a decode worker those ticks came out of
+  wake anyway, so an idle or steady book costs no periodic wake-ups (on a decode worker those would come out of
   the decode loop's CPU), and a request with a normal lease (seconds) wakes nothing when it starts;
 - every transition to FAILED is queued, and the reaper delivers it outside the lock: first to the backend's
   ``notify_peer`` hook (when the failure was decided locally, so the peer fails fast instead of waiting out its own
@@ -27,14 +28,37 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any
 
-from kvtransfer.base import OnFailed, TransferState, TransferStatus
 from kvtransfer.config import TransferConfig
 from kvtransfer.io_cpus import start_io_thread
 
 log = logging.getLogger(__name__)
 REAPER_IDLE_S = 0.5  # the reaper's longest sleep: a backstop, deadlines and failures wake it themselves
+OnFailed = Callable[[str, str], None]
+OnDone = Callable[[str], None]
+
+
+class TransferState(IntEnum):
+    """Ordered, so that "finished" is ``state >= DONE``."""
+
+    PENDING = 0
+    IN_FLIGHT = 1
+    DONE = 2
+    FAILED = 3
+
+
+@dataclass(slots=True, frozen=True)
+class TransferStatus:
+    state: TransferState
+    error: str | None = None
+    bytes_sent: int = 0  # sender: bytes handed to the transport; receiver: bytes landed in reserved blocks
+    layers_done: int = 0  # sender: layers fully sent; receiver: layers fully landed
+
+    @property
+    def finished(self) -> bool:
+        return self.state >= TransferState.DONE
 
 
 def mono_deadline(deadline_s: float) -> float:
@@ -59,7 +83,6 @@ class Entry:
 
 
 NotifyPeer = Callable[[Entry, str], None]
-OnDone = Callable[[str], None]
 
 
 class TransferBook:

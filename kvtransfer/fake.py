@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvtransfer.base import DestinationInfo, KVCaches, KVReceiver, KVSender, OnFailed, TransferStatus
-from kvtransfer.book import Entry, TransferBook
+from kvtransfer.base import DestinationInfo, KVCaches, KVSender, OnFailed
+from kvtransfer.book import Entry
 from kvtransfer.config import TransferConfig
-from kvtransfer.landing import Landing
+from kvtransfer.landing import LandingReceiver
 from kvtransfer.layout import KVLayout
 from kvtransfer.outgoing import Leg, Outbound, Outgoing
 from kvtransfer.wire import Frame, Kind
@@ -41,34 +41,15 @@ class FakeBehaviour:
                 raise ValueError(f"FakeBehaviour.{name} must be >= 0")
 
 
-class FakeReceiver(KVReceiver):
+class FakeReceiver(LandingReceiver):
     backend_name: ClassVar[str] = "fake"
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
         super().__init__(config, on_failed)
-        self.book = TransferBook("receiver", on_failed, self._notify_peer)
-        self.landing = Landing(self.book, self.backend_name)
         with _TABLE_LOCK:
             self.endpoint = f"fake://{next(_NEXT)}"
             _RECEIVERS[self.endpoint] = self
         self.book.start(self.config)
-
-    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
-        self.landing.register(kv_caches, layout)
-
-    def reserve(
-        self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int, deadline_s: float
-    ) -> DestinationInfo:
-        return self.landing.reserve(request_id, dst_block_ids, num_tokens, deadline_s, endpoint=self.endpoint)
-
-    def poll(self, request_id: str) -> TransferStatus:
-        return self.book.status(request_id)
-
-    def release(self, request_id: str) -> None:
-        entry = self.book.find(request_id)
-        if entry is not None:
-            self.book.fail(entry, "receiver: released before completion", notify_peer=True, tell_owner=False)
-        self.landing.forget(request_id)
 
     def close(self) -> None:
         self.book.stop(self.config.close_timeout_s)
@@ -84,8 +65,7 @@ class FakeReceiver(KVReceiver):
             try:
                 self.landing.on_hello(entry, src, sender)  # type: ignore[arg-type]
             except ValueError as e:
-                entry.ctx.peers.append(sender)
-                self.book.fail(entry, f"receiver: {e}", notify_peer=True)
+                self._refuse_hello(entry, sender, e)
         elif frame.kind == Kind.DATA:
             try:
                 view = self.landing.target(entry, frame)
@@ -115,7 +95,6 @@ class FakeSender(KVSender):
     ) -> None:
         super().__init__(config, on_failed)
         self.behaviour = behaviour or FakeBehaviour()
-        self.book = TransferBook("sender", on_failed, self._notify_peer)
         self.out = Outbound(self.book, self.backend_name)
         self.book.start(self.config)
 
@@ -170,9 +149,6 @@ class FakeSender(KVSender):
             return
         for leg in out.legs:
             leg.peer.deliver(leg.dest.transfer_id, Frame(Kind.FINISH, leg.dest.transfer_id), None, (self, entry, leg))
-
-    def poll(self, request_id: str) -> TransferStatus:
-        return self.book.status(request_id)
 
     def release(self, request_id: str) -> None:
         entry = self.book.find(request_id)

@@ -1,13 +1,18 @@
 """Receiver-side bookkeeping shared by every backend: reservations, validation of incoming pieces, completion.
 
-A backend receiver composes one :class:`Landing`. Incoming DATA is checked against the reservation *before* a
-single byte is written: the layer, K/V selector, head slice and every block id must lie inside what was reserved,
-and the length must match. Bytes for an unknown, released, failed or expired request are discarded, never written,
-because by then the engine may have handed those blocks to someone else.
+Every backend receiver is a :class:`LandingReceiver`, which composes one :class:`Landing`. Incoming DATA is
+checked against the reservation *before* a single byte is written: the layer, K/V selector, head slice and every
+block id must lie inside what was reserved, and the length must match. Bytes for an unknown, released, failed or
+expired request are discarded, never written, because by then the engine may have handed those blocks to someone
+else.
 
 A layer counts as landed when its K and V bytes for every reserved block (all local heads) have arrived, possibly
 from several source ranks when prefill TP > decode TP. The request is DONE when every layer has landed. A FINISH
 from every expected source rank with bytes still missing is a failure, not a wait.
+
+``release`` fails the lease and then waits for any write in progress on the receiver's own threads (tcp, torch)
+to end before forgetting the request: nothing is written into blocks after release. (NIXL writes one-sidedly and
+the fake copies synchronously, so for them there is no such write to wait for.)
 """
 
 from __future__ import annotations
@@ -21,12 +26,12 @@ from typing import Any
 
 import torch
 
-from kvtransfer.base import DestinationInfo, KVCaches, TransferState
-from kvtransfer.book import Entry, TransferBook
+from kvtransfer.base import DestinationInfo, KVCaches, KVReceiver, TransferState
+from kvtransfer.book import Entry, OnFailed, TransferBook
+from kvtransfer.config import TransferConfig
 from kvtransfer.layout import KVLayout, flat_bytes, validate_caches
-from kvtransfer.plan import blocks_for_tokens, expected_layer_bytes
-from kvtransfer.tp_mapping import tp_head_map
-from kvtransfer.wire import Frame
+from kvtransfer.plan import blocks_for_tokens, expected_layer_bytes, tp_head_map
+from kvtransfer.wire import Frame, Kind, parse_hello
 
 
 @dataclass(slots=True)
@@ -113,10 +118,6 @@ class Landing:
         with self.book.lock:
             return [e for e in self._by_tid.values() if e.state < TransferState.DONE]
 
-    def by_tid(self, tid: int) -> Entry | None:
-        with self.book.lock:
-            return self._by_tid.get(tid)
-
     def on_hello(self, entry: Entry, sender: KVLayout, peer: Any) -> None:
         """Check a sender's layout; raises ``CompatibilityError``/``ValueError`` (caller fails the entry)."""
         layout = self.require_layout()
@@ -194,3 +195,47 @@ class Landing:
                     f"({entry.layers_done}/{len(res.layer_bytes)} layers)",
                     notify_peer=True,
                 )
+
+
+class LandingReceiver(KVReceiver):
+    """A receiver over one :class:`Landing`; ``endpoint`` is where its senders reach it."""
+
+    endpoint: str
+
+    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
+        super().__init__(config, on_failed)
+        self.landing = Landing(self.book, self.backend_name)
+
+    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
+        self.landing.register(kv_caches, layout)
+
+    def reserve(
+        self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int, deadline_s: float
+    ) -> DestinationInfo:
+        return self.landing.reserve(request_id, dst_block_ids, num_tokens, deadline_s, endpoint=self.endpoint)
+
+    def release(self, request_id: str) -> None:
+        entry = self.book.find(request_id)
+        if entry is not None:
+            self.book.fail(entry, "receiver: released before completion", notify_peer=True, tell_owner=False)
+            self.book.wait_idle(entry, self.config.close_timeout_s)
+        self.landing.forget(request_id)
+
+    def _refuse_hello(self, entry: Entry, peer: Any, error: ValueError) -> None:
+        """A HELLO that does not fit the reservation: fail it, and tell ``peer`` (which sent it) why."""
+        with self.book.lock:
+            if peer is not None and peer not in entry.ctx.peers:
+                entry.ctx.peers.append(peer)
+        self.book.fail(entry, f"receiver: {error}", notify_peer=True)
+
+    def _control(self, entry: Entry, frame: Frame, payload: bytes, peer: Any) -> None:
+        """A HELLO, FINISH or FAIL frame from ``peer`` for the live reservation ``entry``."""
+        if frame.kind == Kind.HELLO:
+            try:
+                self.landing.on_hello(entry, parse_hello(payload)[0], peer)
+            except ValueError as e:
+                self._refuse_hello(entry, peer, e)
+        elif frame.kind == Kind.FINISH:
+            self.landing.on_finish(entry)
+        elif frame.kind == Kind.FAIL:
+            self.book.fail(entry, f"receiver: sender reported: {payload.decode(errors='replace')}")

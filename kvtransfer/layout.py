@@ -7,7 +7,7 @@ run of consecutive block ids, which is what lets a layer be described and sent a
 :class:`KVLayout` is what the two ends compare at the handshake. Everything that changes the meaning of a byte
 (model, dtype, block size, head geometry, layer count, layout tag) must match, and :meth:`KVLayout.compat_hash`
 covers exactly those fields. Tensor parallelism is deliberately *not* in the hash: a prefill replica with TP=2 may
-feed a decode replica with TP=4, and :mod:`kvtransfer.tp_mapping` maps heads rank to rank.
+feed a decode replica with TP=4, and :mod:`kvtransfer.plan` maps heads rank to rank.
 """
 
 from __future__ import annotations

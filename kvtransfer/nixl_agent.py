@@ -1,12 +1,27 @@
-"""NIXL helpers shared by both ends: agent creation (UCX pinned to loopback), the HELLO payload, and the
-descriptor offsets of a plan. Design: :mod:`kvtransfer.nixl_backend`."""
+"""NIXL plumbing shared by both ends: agent creation (UCX pinned to the configured devices), the DATA notification's
+timing stamp, the descriptor offsets of a plan, the UDP doorbell and the adaptive poll pace. Design:
+:mod:`kvtransfer.nixl_backend`.
+
+The doorbell lets a sender wake the receiver's notification watcher instead of waiting out its sleep: NIXL has no
+blocking wait for notifications, so the receiver polls ``get_new_notifs`` on a schedule that keeps decode's CPU
+free, and a short transfer can land entirely inside one of those sleeps. When the sender has seen its last layer's
+WRITE complete, it rings; the watcher sleeps in ``select`` on the bell, so it wakes at once and polls. The bell is
+only a hint: a datagram carries no data and is never trusted (anyone who can reach the port can at most cause an
+early poll, and the watcher drains a bounded number per wake). A lost or late datagram costs nothing but the
+latency it would have saved; correctness stays with the NIXL notifications and the leases.
+
+Pollers that must poll (NIXL notifications and transfer states) pace themselves with :class:`Backoff`: right after
+activity a short sleep so per-layer latency stays low, doubling on each idle tick up to ``poll_interval_s`` so
+idle threads cost next to nothing.
+"""
 
 from __future__ import annotations
 
-import base64
-import json
+import contextlib
 import logging
 import os
+import select
+import socket
 import struct
 import sys
 import threading
@@ -23,16 +38,17 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.plan import Piece
 from kvtransfer.wire import HEADER_SIZE
 
+_MAX_DRAIN = 64  # doorbell datagrams read per wake: a flood cannot hold the watcher
+
 
 def ucx_environment(config: TransferConfig) -> dict[str, str]:
     """The UCX variables an agent of ``config`` is created under (UCX reads only its environment).
 
     ``UCX_TLS`` is set only when the config names transports. By default UCX chooses: between two processes on one
     host that is shared memory (cma/posix), where the *initiator* performs a WRITE's copy, so a decode worker
-    that receives KV spends no CPU on the bytes at all, as with RDMA across hosts (measured on 2 vCPUs, alternating:
-    decode ITL while 32 MiB transfers kept landing was 4% lower to equal against the same run with prefill
-    computing and nothing landing, and 16-28% higher over ``tcp,self``, whose receive path runs on decode's CPU).
-    With CUDA, UCX's choice (cuda_ipc, RDMA) is the fast path anyway.
+    that receives KV spends no CPU on the bytes at all, as with RDMA across hosts; over ``tcp,self`` the receive
+    path would run on decode's CPU (docs/benchmarks.md §2 has the measured ITL cost). With CUDA, UCX's choice
+    (cuda_ipc, RDMA) is the fast path anyway.
     """
     env = {}
     if config.ucx_net_devices:
@@ -106,19 +122,6 @@ def mem_of(t: torch.Tensor) -> tuple[str, int]:
     return ("VRAM", t.device.index or 0) if t.is_cuda else ("DRAM", 0)
 
 
-def hello_payload(layout: KVLayout, agent_name: str, metadata: bytes) -> bytes:
-    return json.dumps({"layout": layout.to_dict(), "agent": agent_name,
-                       "metadata": base64.b64encode(metadata).decode()}).encode()
-
-
-def parse_hello(payload: bytes) -> tuple[KVLayout, str, bytes]:
-    try:
-        doc = json.loads(payload)
-        return KVLayout.from_dict(doc["layout"]), str(doc["agent"]), base64.b64decode(doc["metadata"], validate=True)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"malformed NIXL HELLO: {e}") from None
-
-
 _HANDED = struct.Struct("!Q")
 
 
@@ -160,3 +163,101 @@ def piece_offsets(pieces: Sequence[Piece], src: KVLayout, dst: KVLayout) -> tupl
         dst_off.append((p.dst_start * dst.block_size + rows) * dst.token_bytes + p.dst_heads[0] * head_bytes)
         lens.append(np.full(rows.shape, heads * head_bytes, dtype=np.uint64))
     return np.concatenate(src_off), np.concatenate(dst_off), np.concatenate(lens)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int] | None:
+    """``"host:port"`` (IPv6 as ``"[::1]:port"``) → (host, port); None when ``endpoint`` is no such address."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return (host, int(port)) if 0 < int(port) < 65536 else None
+
+
+class Doorbell:
+    """The receiving end: a non-blocking UDP socket bound to ``host`` on an ephemeral port."""
+
+    def __init__(self, host: str) -> None:
+        self._sock = socket.socket(_family(host), socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+        self._sock.bind((host, 0))
+        port = self._sock.getsockname()[1]
+        self.rings = 0  # wakes caused by the bell (for tests and debugging)
+        self.endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep up to ``timeout_s``; True (and the bell drained) when it rang."""
+        try:
+            ready, _, _ = select.select([self._sock], [], [], max(timeout_s, 0.0))
+        except (OSError, ValueError):  # closed under us: behave as a plain sleep's end
+            return False
+        if not ready:
+            return False
+        self.rings += 1
+        for _ in range(_MAX_DRAIN):
+            try:
+                self._sock.recv(16)
+            except OSError:  # BlockingIOError: drained
+                break
+        return True
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+class Ringer:
+    """The sending end: one unbound UDP socket per address family, shared by every destination."""
+
+    def __init__(self) -> None:
+        self._socks: dict[socket.AddressFamily, socket.socket] = {}
+        self._lock = threading.Lock()  # rung from the progress thread and from the forward thread
+
+    def ring(self, address: tuple[str, int] | None) -> None:
+        """Send one datagram to ``address`` (None: the receiver has no bell); never raises, never blocks."""
+        if address is None:
+            return
+        fam = _family(address[0])
+        try:
+            with self._lock:
+                sock = self._socks.get(fam)
+                if sock is None:
+                    sock = self._socks[fam] = socket.socket(fam, socket.SOCK_DGRAM)
+                    sock.setblocking(False)
+            sock.sendto(b"\x01", address)
+        except OSError:  # unreachable, buffer full, closed: the receiver's polling still finds the layer
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            socks, self._socks = list(self._socks.values()), {}
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+class Backoff:
+    __slots__ = ("_cur", "max_s", "min_s")
+
+    def __init__(self, max_s: float, min_s: float = 5e-5) -> None:
+        if not 0 < min_s <= max_s:
+            raise ValueError(f"Backoff needs 0 < min_s <= max_s, got {min_s}, {max_s}")
+        self.min_s, self.max_s = min_s, max_s
+        self._cur = min_s
+
+    def reset(self) -> None:
+        self._cur = self.min_s
+
+    def next_timeout(self, cap_s: float | None = None) -> float:
+        """This tick's sleep (at most ``cap_s`` when given); the next one is twice as long (capped)."""
+        cur = self._cur if cap_s is None else min(self._cur, cap_s)
+        self._cur = min(cur * 2, self.max_s)
+        return cur
+
+    def wait(self, event: threading.Event, cap_s: float | None = None) -> bool:
+        """Sleep one tick, ended early when ``event`` is set; returns whether it was set."""
+        return event.wait(self.next_timeout(cap_s))

@@ -13,7 +13,8 @@ HELLO notification carrying the sender's own metadata, so that the receiver can 
 Per layer the sender posts one WRITE over that layer's block-run descriptors (one per contiguous run for K and for
 V; per token row when TP differs and only a head slice moves), with a DATA notification that NIXL delivers only
 after the layer's bytes are in place. Every layer's WRITE is prepared (``prep_xfer_dlist`` once per leg,
-``make_prepped_xfer`` per layer) when the first layer is posted, so a later layer costs one ``transfer`` call.
+``make_prepped_xfer`` per layer) when the first layer is posted, so a later layer costs one ``transfer`` call
+(``transfer`` releases the GIL and has to win it back from the forward pass, so the fewer calls the better).
 ``send_layer`` only queues the layer and wakes the progress thread, which posts it at once; the last layer of a
 DRAM transfer is posted by the caller itself (it is on the critical path, and nothing computes after it). Between
 layers, with nothing in flight, that thread backs off instead of polling (and taking the GIL) every few tens of
@@ -24,7 +25,7 @@ sends ACK, which makes the sender DONE.
 Waking the receiver: NIXL has no blocking wait for notifications, so the receiver's watcher polls on a schedule
 that spares decode's CPU (sleeps of up to 20 ms). The receiver's endpoint is a UDP doorbell (``host:port``); the
 sender rings it once a leg's last WRITE is complete (and after a FAIL), so the watcher wakes from its sleep at
-once (:mod:`kvtransfer.doorbell`). The ring is a hint only: a lost datagram costs latency, never correctness.
+once (:mod:`kvtransfer.nixl_agent`). The ring is a hint only: a lost datagram costs latency, never correctness.
 
 Leases: both ends expire unfinished transfers and notify each other. A one-sided WRITE cannot be stopped by the
 target, so on expiry the sender stops posting and the receiver reports FAILED; the sender's deadline is the earlier
@@ -41,8 +42,619 @@ from its progress thread, so the forward pass never blocks.
 
 from __future__ import annotations
 
-from kvtransfer.nixl_agent import make_agent, piece_offsets
-from kvtransfer.nixl_receiver import NixlReceiver
-from kvtransfer.nixl_sender import NixlSender
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-__all__ = ["NixlReceiver", "NixlSender", "make_agent", "piece_offsets"]
+import numpy as np
+import torch
+
+from kvtransfer.base import DestinationInfo, KVCaches, KVSender, TransferState
+from kvtransfer.book import Entry, OnFailed
+from kvtransfer.config import TransferConfig
+from kvtransfer.io_cpus import start_io_thread
+from kvtransfer.landing import LandingReceiver
+from kvtransfer.layout import KVLayout
+from kvtransfer.nixl_agent import (
+    Backoff,
+    Doorbell,
+    Ringer,
+    data_notif,
+    handed_after,
+    make_agent,
+    mem_of,
+    piece_offsets,
+    split_endpoint,
+)
+from kvtransfer.outgoing import Leg, Outbound
+from kvtransfer.wire import HEADER_SIZE, Frame, Kind, control, hello_payload, parse_hello, unpack
+
+__all__ = ["NixlReceiver", "NixlSender", "piece_offsets"]
+log = logging.getLogger(__name__)
+ACTIVE_POLL_S = 2.5e-4
+IDLE_POLL_S = 0.5
+HELLO_WINDOW_S = 0.002
+MAX_SLEEP_S = 0.02  # the longest sleep while some reservation has layers due
+# Where the last layer may land, around its predicted time, in layer times: polled every ACTIVE_POLL_S. One
+# prefill's layer times spread around their mean (other processes, memory bandwidth), hence the margins.
+DUE_EARLY, DUE_LATE = 0.3, 0.6
+
+
+@dataclass(slots=True)
+class _LegPlan:
+    remote: str
+    src_off: np.ndarray
+    dst_off: np.ndarray
+    lens: np.ndarray
+    nbytes: int  # per layer, K and V
+    dlists: tuple[Any, Any] | None = None  # prepared (local, remote) descriptor lists covering every layer
+    handles: list[Any] = field(default_factory=list)  # per layer: its prepared WRITE, None once taken to post
+    pending: list[tuple[int, Any]] = field(default_factory=list)  # (layer, xfer handle)
+    waiting: list[tuple[int, Any, float]] = field(default_factory=list)  # (layer, CUDA event, handed at) to post
+    hello_at: float = 0.0  # monotonic, when this leg's HELLO went out
+    finish_sent: bool = False
+    bell: tuple[str, int] | None = None  # the receiver's doorbell (its endpoint), rung when the last layer is written
+
+
+def _data_header(leg: Leg, layer: int) -> bytes:
+    """The frame header of ``layer``'s DATA notification on ``leg`` (its K and V bytes, all runs)."""
+    return Frame(Kind.DATA, leg.dest.transfer_id, layer=layer, payload_len=leg.peer.nbytes).pack()
+
+
+class NixlSender(KVSender):
+    """Adds the decode agent, posts one WRITE per layer from its progress thread, completes on ACK."""
+
+    backend_name: ClassVar[str] = "nixl"
+
+    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
+        super().__init__(config, on_failed)
+        self.out = Outbound(self.book, self.backend_name)
+        self._agent = make_agent(self.config, "prefill")
+        self._agent_lock = threading.Lock()
+        self._reg: Any = None
+        self._metadata = b""
+        self._hello = b""
+        self._known: set[str] = set()
+        self._ringer = Ringer()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = start_io_thread(self.config.io_cpus, self._progress, "kv-nixl-progress")
+        self.book.start(self.config)
+
+    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
+        self.out.register(kv_caches, layout)
+        tensors = [t for pair in kv_caches for t in pair]
+        with self._agent_lock:
+            self._reg = self._agent.register_memory(tensors)
+            self._metadata = self._agent.get_agent_metadata()
+        self._hello = hello_payload(layout, self._agent.name, self._metadata)  # the same for every request
+        self._bases = [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches]
+        self._mem = mem_of(tensors[0])
+
+    def start(
+        self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_block_ids: Sequence[int],
+        deadline_s: float,
+    ) -> None:
+        entry = self.out.open(request_id, dest, src_block_ids, deadline_s)
+        for leg in entry.ctx.legs:
+            d = leg.dest
+            try:
+                if d.agent_name not in self._known:
+                    with self._agent_lock:
+                        name = self._agent.add_remote_agent(d.agent_metadata)
+                    name = name.decode() if isinstance(name, bytes) else str(name)
+                    if name != d.agent_name:
+                        raise ValueError(f"agent metadata names {name!r}, destination says {d.agent_name!r}")
+                    self._known.add(name)
+            except Exception as e:
+                self.book.fail(entry, f"sender: cannot add NIXL agent {d.agent_name}: {e}")
+                return
+            leg.peer = _LegPlan(d.agent_name, np.empty(0, np.uint64), np.empty(0, np.uint64), np.empty(0, np.uint64), 0,
+                                bell=split_endpoint(d.endpoint))
+        self.out.plan(entry)  # raises CompatibilityError after notifying the receiver(s)
+        hello, layout = self._hello, self.out.layout
+        assert layout is not None  # plan() refuses an unregistered sender
+        for leg in entry.ctx.legs:
+            lp: _LegPlan = leg.peer
+            lp.src_off, lp.dst_off, lp.lens = piece_offsets(leg.pieces, layout, leg.dest.layout)
+            lp.nbytes = 2 * int(lp.lens.sum())
+            try:
+                lp.hello_at = time.monotonic()
+                with self._agent_lock:
+                    self._agent.send_notif(lp.remote, control(Kind.HELLO, leg.dest.transfer_id, hello))
+            except Exception as e:
+                self.book.fail(entry, f"sender: HELLO to {lp.remote} failed: {e}")
+                return
+
+    def send_layer(self, request_id: str, layer: int) -> None:
+        entry = self.book.get(request_id)
+        if entry.state >= TransferState.DONE:
+            return
+        handed = time.monotonic()  # this layer's compute is done: the pace the receiver predicts from
+        ready = None
+        if self._mem[0] == "VRAM":  # pragma: no cover - needs a GPU
+            ready = torch.cuda.Event()
+            ready.record()
+        elif layer == len(self._bases) - 1 and self._post_last_now(entry, layer, handed):
+            return
+        with self.book.lock:
+            for leg in entry.ctx.legs:
+                leg.peer.waiting.append((layer, ready, handed))
+        self._wake.set()  # the progress thread posts it now (UCX may copy DRAM inside the post call)
+
+    def _post_last_now(self, entry: Entry, layer: int, handed: float) -> bool:
+        """Post the last layer of a DRAM transfer on the calling (forward) thread; False to leave it to the progress
+        thread (a leg not prepared yet, e.g. a one-layer model, whose preparation that thread owns).
+
+        Nothing computes after the last layer except the logits, and over shared memory UCX copies inside the
+        post anyway, so posting here takes the progress thread's wake-up off the request's critical path. The
+        WRITE's completion is checked here as well, because NIXL sends the layer's DATA notification only when a
+        state check finds it complete.
+        """
+        with self.book.lock:
+            if any(leg.peer is None or leg.peer.dlists is None for leg in entry.ctx.legs):
+                return False
+        for leg in entry.ctx.legs:
+            self._post(entry, leg, layer, handed)
+            if entry.state >= TransferState.DONE:
+                return True
+            self._check_pending(entry, leg, only_layer=layer)
+        self._wake.set()  # FINISH, and any WRITE still in flight, are the progress thread's
+        return True
+
+    def finish(self, request_id: str) -> None:
+        entry = self.book.get(request_id)
+        with self.book.lock:
+            entry.ctx.finish_requested = True
+        self._wake.set()  # FINISH goes out, and the ACK is polled for, from now on without backing off
+
+    def release(self, request_id: str) -> None:
+        entry = self.book.find(request_id)
+        if entry is None:
+            return
+        self.book.fail(entry, "sender: released before completion", notify_peer=True, tell_owner=False)
+        self._drain(entry)
+        self.book.pop(request_id)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(self.config.close_timeout_s * 0.6)
+        self.book.stop(self.config.close_timeout_s * 0.2)
+        for entry in self.book.entries():
+            self._drain(entry)
+        self._ringer.close()
+        with self._agent_lock:
+            if self._reg is not None:
+                try:
+                    self._agent.deregister_memory(self._reg)
+                except Exception as e:
+                    log.debug("nixl sender: deregister failed: %s", e)
+                self._reg = None
+
+    # ---- posting and progress
+    def _prepare(self, leg: Leg) -> None:
+        """Prepare every layer's WRITE of ``leg``: layer ``i`` is rows ``[i * 2n, (i + 1) * 2n)`` (K runs, V runs)."""
+        lp: _LegPlan = leg.peer
+        n, layers = len(lp.lens), len(self._bases)
+        local = np.empty((layers * 2 * n, 3), dtype=np.uint64)
+        remote = np.empty_like(local)
+        for layer, (src_bases, dst_bases) in enumerate(zip(self._bases, leg.dest.regions, strict=True)):
+            for kv in (0, 1):
+                at = (2 * layer + kv) * n
+                local[at : at + n, 0] = lp.src_off + np.uint64(src_bases[kv])
+                remote[at : at + n, 0] = lp.dst_off + np.uint64(dst_bases[kv])
+        local[:, 1] = remote[:, 1] = np.tile(lp.lens, 2 * layers)
+        local[:, 2], remote[:, 2] = self._mem[1], leg.dest.device_id
+        with self._agent_lock:
+            src = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, self._mem[0])
+            dst = self._agent.prep_xfer_dlist(lp.remote, remote, leg.dest.mem_type)
+        with self.book.lock:
+            lp.dlists = (src, dst)
+        handles = [self._make_write(leg, layer) for layer in range(layers)]
+        with self.book.lock:
+            lp.handles = handles
+
+    def _make_write(self, leg: Leg, layer: int) -> Any:
+        lp: _LegPlan = leg.peer
+        if lp.dlists is None:
+            raise RuntimeError("the leg was released")
+        n = 2 * len(lp.lens)
+        rows = np.arange(layer * n, (layer + 1) * n, dtype=np.int32)
+        notif = _data_header(leg, layer)
+        with self._agent_lock:
+            return self._agent.make_prepped_xfer("WRITE", lp.dlists[0], rows, lp.dlists[1], rows, notif)
+
+    def _take_write(self, leg: Leg, layer: int) -> Any:
+        lp: _LegPlan = leg.peer
+        if lp.dlists is None:
+            self._prepare(leg)
+        with self.book.lock:
+            handle = lp.handles[layer] if layer < len(lp.handles) else None
+            if handle is not None:
+                lp.handles[layer] = None
+        return handle if handle is not None else self._make_write(leg, layer)  # a layer sent twice: a fresh one
+
+    def _post(self, entry: Entry, leg: Leg, layer: int, handed: float) -> None:
+        """Post ``layer``'s WRITE; its DATA notification carries when the layer was handed over (see
+        :func:`kvtransfer.nixl_agent.data_notif`), so the receiver can predict the last layer from the compute's
+        pace rather than from notifications that this thread may have posted late."""
+        lp: _LegPlan = leg.peer
+        if entry.state >= TransferState.DONE:
+            return
+        try:
+            handle = self._take_write(leg, layer)
+            notif = data_notif(_data_header(leg, layer), handed - lp.hello_at)
+            with self._agent_lock:
+                state = self._agent.transfer(handle, notif)
+        except Exception as e:
+            self.book.fail(entry, f"sender: posting layer {layer} to {lp.remote} failed: {e}", notify_peer=True)
+            return
+        if state == "ERR":
+            self.book.fail(entry, f"sender: NIXL refused layer {layer} to {lp.remote}", notify_peer=True)
+            with self._agent_lock:
+                handle.release()
+            return
+        with self.book.lock:
+            lp.pending.append((layer, handle))
+
+    def _drain(self, entry: Entry) -> None:
+        for leg in entry.ctx.legs:
+            lp: _LegPlan | None = leg.peer
+            if lp is None:
+                continue
+            with self.book.lock:
+                pending, lp.pending, lp.waiting = lp.pending, [], []
+                unposted, lp.handles = [h for h in lp.handles if h is not None], []
+                dlists, lp.dlists = lp.dlists, None
+            for handle in [h for _, h in pending] + unposted:
+                try:
+                    with self._agent_lock:
+                        handle.release()
+                except Exception as e:  # an in-flight handle may refuse; NIXL frees it with the agent
+                    log.debug("nixl sender: release of in-flight handle failed: %s", e)
+            for dlist in dlists or ():
+                try:
+                    with self._agent_lock:
+                        dlist.release()
+                except Exception as e:
+                    log.debug("nixl sender: release of a prepared descriptor list failed: %s", e)
+
+    def _progress(self) -> None:
+        pace = Backoff(self.config.poll_interval_s)
+        while not self._stop.is_set():
+            if self._wake.wait(pace.next_timeout()):
+                self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                if self._tick():
+                    pace.reset()
+            except Exception:
+                log.exception("nixl sender: progress tick failed")
+
+    def _tick(self) -> bool:
+        """One progress pass; True while polling must stay fast (see :meth:`_urgent`)."""
+        busy = False
+        for entry in self.book.entries():
+            if entry.state >= TransferState.DONE:
+                if entry.state == TransferState.FAILED:
+                    self._drain(entry)
+                continue
+            for leg in entry.ctx.legs:
+                self._advance(entry, leg)
+                busy = busy or self._urgent(entry, leg)
+        with self._agent_lock:
+            notifs = self._agent.get_new_notifs()
+        for remote, msgs in notifs.items():
+            for msg in msgs:
+                self._on_notif(remote, bytes(msg))
+        return busy or bool(notifs)
+
+    @staticmethod
+    def _urgent(entry: Entry, leg: Leg) -> bool:
+        """Whether ``leg`` waits on something this thread must notice at once: a layer not yet posted, a WRITE in
+        flight (NIXL sends its DATA notification only once a state check finds it complete) or, once every layer
+        was given, the ACK.
+
+        Between two layers of a long prefill a leg has nothing in flight; the thread then backs off to
+        ``poll_interval_s`` (``send_layer`` still wakes it at once) instead of taking the GIL from the forward pass
+        every few tens of microseconds.
+        """
+        lp: _LegPlan | None = leg.peer
+        return lp is not None and bool(lp.pending or lp.waiting or (entry.ctx.finish_requested and not leg.acked))
+
+    def _advance(self, entry: Entry, leg: Leg) -> None:
+        lp: _LegPlan | None = leg.peer
+        if lp is None:
+            return
+        for layer, ev, handed in list(lp.waiting):
+            if ev is None or ev.query():
+                with self.book.lock:
+                    lp.waiting.remove((layer, ev, handed))
+                self._post(entry, leg, layer, handed)
+                if entry.state >= TransferState.DONE:
+                    return
+        if not self._check_pending(entry, leg):
+            return
+        num_layers = len(self._bases)
+        if entry.ctx.finish_requested and not lp.finish_sent and leg.layers_sent >= num_layers:
+            lp.finish_sent = True
+            try:
+                with self._agent_lock:
+                    self._agent.send_notif(lp.remote, control(Kind.FINISH, leg.dest.transfer_id))
+            except Exception as e:
+                self.book.fail(entry, f"sender: FINISH to {lp.remote} failed: {e}")
+
+    def _check_pending(self, entry: Entry, leg: Leg, only_layer: int | None = None) -> bool:
+        """Collect ``leg``'s completed WRITEs (only ``only_layer``'s when given); False if one failed.
+
+        Called from the progress thread and, for the last layer, from the posting thread: a handle is taken off
+        ``pending`` under the book's lock before it is released, so each is released exactly once.
+        """
+        lp: _LegPlan = leg.peer
+        with self.book.lock:
+            candidates = [p for p in lp.pending if only_layer is None or p[0] == only_layer]
+        for layer, handle in candidates:
+            with self._agent_lock:  # held from the membership check to the release: no other thread can free it
+                with self.book.lock:
+                    if (layer, handle) not in lp.pending:
+                        continue  # collected by the other thread, or taken by _drain, which releases it
+                state = self._agent.check_xfer_state(handle)
+                if state == "PROC":
+                    continue
+                with self.book.lock:
+                    if (layer, handle) not in lp.pending:
+                        continue
+                    lp.pending.remove((layer, handle))
+                handle.release()
+            if state == "ERR":
+                self.book.fail(entry, f"sender: NIXL WRITE of layer {layer} to {lp.remote} failed "
+                               "(receiver unreachable or gone)", notify_peer=True)
+                return False
+            self.out.leg_sent_layer(entry, leg, lp.nbytes)
+            if leg.layers_sent == len(self._bases):  # its DATA notification went out with this state check
+                self._ringer.ring(lp.bell)
+        return True
+
+    def _on_notif(self, remote: str, msg: bytes) -> None:
+        frame = unpack(msg)
+        for entry in self.book.entries():
+            for leg in entry.ctx.legs:
+                if leg.dest.transfer_id != frame.transfer_id or leg.dest.agent_name != remote:
+                    continue
+                if frame.kind == Kind.ACK:
+                    self.out.leg_acked(entry, leg)
+                elif frame.kind == Kind.FAIL:
+                    text = msg[HEADER_SIZE : HEADER_SIZE + frame.payload_len].decode(errors="replace")
+                    self.book.fail(entry, f"sender: receiver reported: {text}")
+                return
+
+    def _notify_peer(self, entry: Entry, message: str) -> None:
+        for leg in entry.ctx.legs:
+            if leg.peer is not None:
+                with self._agent_lock:
+                    self._agent.send_notif(leg.peer.remote, control(Kind.FAIL, leg.dest.transfer_id, message.encode()))
+                self._ringer.ring(leg.peer.bell)  # the receiver frees its blocks now, not at its next tick
+
+
+@dataclass(slots=True)
+class _Pace:
+    """What the watcher knows of one transfer's timing, for predicting when its last layer lands.
+
+    Each DATA notification says when the sender was handed that layer, i.e. when its compute ended, as an offset
+    from the leg's HELLO on the sender's clock (:func:`kvtransfer.nixl_agent.data_notif`). Two of them give the
+    prefill's layer time, so the last layer is due ``offset(last) = offset(j) + (last - j) * layer_time`` after
+    the HELLO. The HELLO arrived after the poll before the one that saw it (and after the reservation was made):
+    ``hello_lo``, so ``hello_lo + offset(last)`` is an early estimate of the last layer's arrival, which also
+    carries its copy and notification. Offsets, not arrival times: the progress thread that posts the earlier
+    layers may post them late (it waits for the forward pass to release the GIL), while the last layer is posted
+    by the forward thread itself, so arrival times would predict the end too late.
+    """
+
+    hello_lo: float
+    hello_seen: float
+    first: tuple[int, float] | None = None  # (layer, offset) of the lowest layer reported
+    last: tuple[int, float] | None = None  # (layer, offset) of the highest
+    landed_at: float = 0.0  # the watcher's poll time when a layer of this transfer last landed
+
+    def note(self, layer: int, offset: float, now: float) -> None:
+        self.landed_at = now
+        if self.first is None or layer < self.first[0]:
+            self.first = (layer, offset)
+        if self.last is None or layer > self.last[0]:
+            self.last = (layer, offset)
+
+    def due(self, layers: int) -> tuple[float, float] | None:
+        """(when the last layer is due, monotonic; the mean layer time), once two layers were reported."""
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return None
+        lt = max(self.last[1] - self.first[1], 0.0) / (self.last[0] - self.first[0])
+        return self.hello_lo + self.last[1] + (layers - 1 - self.last[0]) * lt, lt
+
+
+class NixlReceiver(LandingReceiver):
+    """Registers the KV tensors, publishes them in the hand-off, and counts landed layers from the senders'
+    notifications."""
+
+    backend_name: ClassVar[str] = "nixl"
+
+    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
+        super().__init__(config, on_failed)
+        self._agent = make_agent(self.config, "decode")
+        self._agent_lock = threading.Lock()
+        self._bell = Doorbell(self.config.host)  # the senders ring it when a transfer's last layer is written
+        self._metadata = b""
+        self._regions: tuple[tuple[int, int], ...] = ()
+        self._reg: Any = None
+        self._known: set[str] = set()
+        self._stop = threading.Event()
+        self._reserved = threading.Event()  # set by reserve: the watcher starts polling
+        self._pace: dict[int, _Pace] = {}  # transfer id -> timing, from its HELLO on (watcher thread only)
+        self._poll_prev = self._poll_now = 0.0  # the watcher's previous and current poll times
+        self._thread = start_io_thread(self.config.io_cpus, self._watch, "kv-nixl-notifs")
+        self.book.start(self.config)
+
+    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
+        self.landing.register(kv_caches, layout)
+        tensors = [t for pair in kv_caches for t in pair]
+        with self._agent_lock:
+            self._reg = self._agent.register_memory(tensors)
+            self._metadata = self._agent.get_agent_metadata()
+        self._regions = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
+        self._mem = mem_of(tensors[0])
+
+    def reserve(
+        self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int, deadline_s: float
+    ) -> DestinationInfo:
+        dest = self.landing.reserve(
+            request_id, dst_block_ids, num_tokens, deadline_s, endpoint=self._bell.endpoint,
+            agent_name=self._agent.name, agent_metadata=self._metadata, regions=self._regions,
+            mem_type=self._mem[0], device_id=self._mem[1],
+        )
+        self._reserved.set()
+        return dest
+
+    def close(self) -> None:
+        self._stop.set()
+        self._reserved.set()
+        self._thread.join(self.config.close_timeout_s * 0.6)
+        self.book.stop(self.config.close_timeout_s * 0.2)
+        self._bell.close()
+        with self._agent_lock:
+            if self._reg is not None:
+                try:
+                    self._agent.deregister_memory(self._reg)
+                except Exception as e:
+                    log.debug("nixl receiver: deregister failed: %s", e)
+                self._reg = None
+
+    def _send(self, agent_name: str, msg: bytes) -> None:
+        with self._agent_lock:
+            self._agent.send_notif(agent_name, msg)
+
+    def _notify_peer(self, entry: Entry, message: str) -> None:
+        for peer in list(entry.ctx.peers):
+            self._send(peer, control(Kind.FAIL, entry.ctx.transfer_id, message.encode()))
+
+    def _watch(self) -> None:
+        """Poll the agent's notifications, as rarely as the critical path allows: every wake-up is taken from the
+        decode loop's CPU and GIL (this thread was the receiver's largest cost per transfer, from waking every
+        50 us - 2 ms whether or not anything was due). Only a transfer's *last* DATA notification is on the
+        critical path (it lets decode start); earlier layers land while prefill computes later ones.
+
+        - No reservation: no polling; ``reserve`` wakes the thread (``IDLE_POLL_S`` as a backstop, which also
+          drains stray notifications of finished transfers).
+        - A reservation without its HELLO: every ``poll_interval_s``.
+        - For ``HELLO_WINDOW_S`` after a HELLO (until two layers have landed) the tick starts at 50 us and doubles
+          up to ``ACTIVE_POLL_S``: a short prompt's layers all land within about a millisecond of its HELLO.
+        - Then, per transfer (the nearest wins): half the time left until its predicted last layer (see
+          :class:`_Pace`) less ``DUE_EARLY`` layer times, between ``ACTIVE_POLL_S`` and ``MAX_SLEEP_S``; from
+          there to ``DUE_LATE`` layer times past the prediction, ``ACTIVE_POLL_S``. So a long prefill is polled
+          every tick only around its last layer, not for its whole length, and that layer is still seen within
+          ``ACTIVE_POLL_S``. Before two layers are reported, the sleep doubles from ``poll_interval_s``
+          (``ACTIVE_POLL_S`` if only the last is missing). Past the window: ``ACTIVE_POLL_S`` while layers keep
+          landing (the compute is done and the copies trail it, as when a short prompt's layers all come at
+          once), else ``poll_interval_s`` (a stalled sender; its lease bounds the wait).
+
+        Every sleep is a ``select`` on the doorbell, which a sender rings when a leg's last layer is written: the
+        schedule above bounds how late a transfer is seen when no ring arrives.
+        """
+        pace = Backoff(self.config.poll_interval_s)
+        while not self._stop.is_set():
+            if not self.landing.has_reservations():  # a reserve racing this check sets _reserved: no lost wake-up
+                self._reserved.wait(IDLE_POLL_S)
+                self._reserved.clear()
+            # Not an Event wait: a timed Event.wait costs about twice the CPU of a plain sleep or a select. Only a
+            # sender's doorbell (its last layer is written) or close() (bounded by MAX_SLEEP_S) cuts the sleep short.
+            self._bell.wait(self._next_sleep(time.monotonic(), pace))
+            if self._stop.is_set():
+                return
+            self._poll_prev, self._poll_now = self._poll_now, time.monotonic()
+            try:
+                with self._agent_lock:
+                    notifs = self._agent.get_new_notifs()
+            except Exception:
+                log.exception("nixl receiver: get_new_notifs failed")
+                continue
+            for remote, msgs in notifs.items():
+                for msg in msgs:
+                    try:
+                        if self._handle(remote, bytes(msg)) == Kind.HELLO:
+                            pace.reset()
+                    except Exception:
+                        log.exception("nixl receiver: bad notification from %s", remote)
+            if self._pace:
+                self._forget_finished()
+
+    def _forget_finished(self) -> None:
+        for tid in [tid for tid in self._pace if self.landing.live(tid) is None]:
+            del self._pace[tid]
+
+    def _next_sleep(self, now: float, pace: Backoff) -> float:
+        """This tick's sleep, by the rules of :meth:`_watch`."""
+        tick = self.config.poll_interval_s
+        best = MAX_SLEEP_S
+        window = False
+        layout = self.landing.layout
+        layers = layout.num_layers if layout is not None else 1
+        for entry in self.landing.in_flight():  # a snapshot, taken under the book's lock
+            p = self._pace.get(entry.ctx.transfer_id)
+            if p is None:  # no HELLO yet
+                best = min(best, tick)
+                continue
+            timing = p.due(layers)
+            if timing is None and now < p.hello_seen + HELLO_WINDOW_S:
+                window = True
+                continue
+            if timing is None:
+                missing = layers - entry.layers_done
+                cand = ACTIVE_POLL_S if missing <= 1 else max((now - p.hello_lo) / 2, tick)
+            else:
+                due, lt = timing
+                opens = due - DUE_EARLY * lt
+                if now < opens:
+                    cand = max((opens - now) / 2, ACTIVE_POLL_S)
+                elif now <= due + DUE_LATE * lt or now - p.landed_at < max(lt, HELLO_WINDOW_S):
+                    cand = ACTIVE_POLL_S  # the last layer's window, or the copies still land (compute done)
+                else:
+                    cand = tick  # later than any prediction and nothing landing: a stalled or slow sender
+            best = min(best, cand)
+        if window:
+            return min(pace.next_timeout(ACTIVE_POLL_S), best)
+        return best
+
+    def _handle(self, remote: str, msg: bytes) -> Kind | None:
+        """Act on one notification; returns its kind, or None when it was for no live reservation."""
+        frame = unpack(msg)
+        payload = msg[HEADER_SIZE : HEADER_SIZE + frame.payload_len] if frame.kind != Kind.DATA else b""
+        entry = self.landing.live(frame.transfer_id)
+        if entry is None:
+            return None
+        if frame.kind == Kind.HELLO:
+            try:
+                layout, name, metadata = parse_hello(payload)
+                if name not in self._known:
+                    with self._agent_lock:
+                        self._agent.add_remote_agent(metadata)
+                    self._known.add(name)
+                self.landing.on_hello(entry, layout, name)
+                if frame.transfer_id not in self._pace:  # the first sender's HELLO starts the clock
+                    self._pace[frame.transfer_id] = _Pace(max(self._poll_prev, entry.started), self._poll_now)
+            except ValueError as e:
+                self._refuse_hello(entry, remote if remote in self._known else None, e)
+        elif frame.kind == Kind.DATA:  # NIXL delivers this after the layer's WRITE completed
+            pace, offset = self._pace.get(frame.transfer_id), handed_after(msg)
+            if pace is not None and offset is not None:
+                pace.note(frame.layer, offset, self._poll_now)
+            if self.landing.landed(entry, frame.layer, frame.payload_len):
+                for peer in list(entry.ctx.peers):
+                    self._send(peer, control(Kind.ACK, frame.transfer_id))
+        elif frame.kind == Kind.FINISH:
+            self.landing.on_finish(entry)
+        elif frame.kind == Kind.FAIL:
+            self.book.fail(entry, f"receiver: sender reported: {payload.decode(errors='replace')}")
+        return frame.kind

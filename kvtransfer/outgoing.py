@@ -1,20 +1,42 @@
-"""Sender-side bookkeeping shared by every backend: legs, plans and per-layer progress.
+"""The sender-side halves every backend shares: legs, plans and per-layer progress (:class:`Outbound`), and the
+request side of the senders that hand layers to one background worker thread (:class:`QueuedSender`: tcp, torch).
 
 One request may have several legs when the source rank's heads are spread over several destination ranks. Each leg
 is planned once at ``start`` (compatibility is checked there, before any byte moves). ``layers_done`` counts the
 layers every leg has handed to its transport; the request is DONE only when every leg's receiver acknowledged.
+
+A queued sender puts ``("control", peer, frame_bytes)``, ``("layer", (request_id, layer), ready_event)`` and
+``("finish", request_id, None)`` items on a queue for its worker thread, which takes everything already queued in
+one batch and gathers it per peer (:class:`PeerWrites`), so a layer of many pieces, or a short request's HELLO,
+layers and FINISH, go out in a few writes; how the bytes then travel is the subclass's business. A peer is the
+subclass's connection to one receiver: what it reads back goes through :meth:`QueuedSender._on_reply`, and a peer
+that breaks fails every request it carried (:meth:`QueuedSender._drop`). ``send_layer`` records a CUDA event when
+the KV lives on a GPU, so the worker thread waits for that layer's kernels, not for the whole stream.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from kvtransfer.base import DestinationInfo, KVCaches, TransferState
-from kvtransfer.book import Entry, TransferBook
+import torch
+
+from kvtransfer.base import DestinationInfo, KVCaches, KVSender, TransferState
+from kvtransfer.book import Entry, OnFailed, TransferBook
+from kvtransfer.config import TransferConfig
+from kvtransfer.io_cpus import start_io_thread
 from kvtransfer.layout import KVLayout, flat_bytes, validate_caches
 from kvtransfer.plan import Piece, plan_leg
+from kvtransfer.sockio import join_all
+from kvtransfer.wire import Frame, Kind, control, hello_payload
+
+log = logging.getLogger(__name__)
+MAX_BATCH = 64  # queued items a worker thread takes into one round of writes
 
 
 @dataclass(slots=True)
@@ -114,3 +136,206 @@ class Outbound:
             leg.acked = True
             if all(lg.acked for lg in entry.ctx.legs):
                 self.book.done(entry)
+
+
+
+@dataclass(eq=False)
+class PeerWrites:
+    """What one round of a worker sends one peer, in queue order, bounded by the earliest of its requests'
+    deadlines: wire frames (for tcp with their payloads between them), payloads sent apart (torch), and the layers
+    whose progress counts once they went out."""
+
+    deadline: float
+    frames: list[bytes | memoryview] = field(default_factory=list)
+    payloads: list[torch.Tensor] = field(default_factory=list)
+    layers: list[tuple[Entry, Leg, int]] = field(default_factory=list)  # (entry, leg, bytes) per layer gathered
+
+
+def writes_for(writes: dict[Any, PeerWrites], peer: Any, deadline: float) -> PeerWrites:
+    w = writes.get(peer)
+    if w is None:
+        w = writes[peer] = PeerWrites(deadline)
+    w.deadline = min(w.deadline, deadline)
+    return w
+
+
+class QueuedSender(KVSender):
+    """A subclass supplies ``_peer`` (connect), ``_gather_layer`` and ``_flush``; its peers have ``endpoint``,
+    ``alive``, ``legs`` (transfer id -> the entry and leg it carries) and ``close()``."""
+
+    cannot_reach: ClassVar[str] = "cannot reach receiver"  # how a failed ``_peer`` is reported, per transport
+
+    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
+        """The shared state; a subclass then sets up its transport and calls :meth:`_start_worker`."""
+        super().__init__(config, on_failed)
+        self.out = Outbound(self.book, self.backend_name)
+        self._stop = threading.Event()
+        self._lock = threading.RLock()  # guards _peers; a subclass may hold it while it connects
+        self._queue: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
+        self._peers: dict[str, Any] = {}
+        self._threads: list[threading.Thread] = []
+
+    def _start_worker(self) -> None:
+        self._worker = start_io_thread(self.config.io_cpus, self._work, f"kv-{self.backend_name}-send")
+        self.book.start(self.config)
+
+    def _peer(self, endpoint: str) -> Any:
+        """The live connection to the receiver at ``endpoint``, made if needed; raises if it cannot be made."""
+        raise NotImplementedError
+
+    def _gather_layer(self, writes: dict[Any, PeerWrites], request_id: str, layer: int) -> None:
+        raise NotImplementedError
+
+    def _flush(self, writes: dict[Any, PeerWrites]) -> None:
+        raise NotImplementedError
+
+    def _idle(self) -> None:
+        """Called by the worker before it waits for more items, when none is queued."""
+
+    def close(self) -> None:
+        self._stop.set()
+        self._queue.put(("stop", None, None))
+        with self._lock:
+            peers = list(self._peers.values())
+        for peer in peers:
+            peer.close()  # ends the readers' blocking reads
+        join_all([self._worker, *self._threads], self.config.close_timeout_s)
+        self.book.stop(self.config.close_timeout_s / 4)
+
+    def start(
+        self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_block_ids: Sequence[int],
+        deadline_s: float,
+    ) -> None:
+        entry = self.out.open(request_id, dest, src_block_ids, deadline_s)
+        for leg in entry.ctx.legs:
+            try:
+                peer = self._peer(leg.dest.endpoint)
+            except Exception as e:
+                self.book.fail(entry, f"sender: {self.cannot_reach} {leg.dest.endpoint}: {e}".splitlines()[0])
+                return
+            with self.book.lock:
+                peer.legs[leg.dest.transfer_id] = (entry, leg)
+                leg.peer = peer
+        self.out.plan(entry)  # raises CompatibilityError; the peer is told through _notify_peer
+        assert self.out.layout is not None
+        hello = hello_payload(self.out.layout)
+        for leg in entry.ctx.legs:
+            self._queue.put(("control", leg.peer, control(Kind.HELLO, leg.dest.transfer_id, hello)))
+
+    def _notify_peer(self, entry: Entry, message: str) -> None:
+        for leg in entry.ctx.legs:
+            if leg.peer is not None:
+                self._queue.put(("control", leg.peer, control(Kind.FAIL, leg.dest.transfer_id, message.encode())))
+
+    def _on_reply(self, peer: Any, frame: Frame, payload: bytes | bytearray) -> None:
+        """A frame the receiver sent back on ``peer``: ACK completes that leg, FAIL fails its request."""
+        with self.book.lock:
+            found = peer.legs.get(frame.transfer_id)
+        if found is None:
+            return
+        entry, leg = found
+        if frame.kind == Kind.ACK:
+            self.out.leg_acked(entry, leg)
+            with self.book.lock:
+                peer.legs.pop(frame.transfer_id, None)
+        elif frame.kind == Kind.FAIL:
+            self.book.fail(entry, f"sender: receiver reported: {payload.decode(errors='replace')}")
+
+    def _keep(self, peer: Any, reader: Any) -> Any:
+        """Record a new ``peer`` and start its reader thread; returns it."""
+        with self._lock:
+            self._peers[peer.endpoint] = peer
+        t = start_io_thread(self.config.io_cpus, reader, f"kv-{self.backend_name}-ack-{peer.endpoint}", peer)
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        return peer
+
+    def _drop(self, peer: Any, reason: str) -> None:
+        """``peer`` is gone: close it (the receiver sees EOF and fails its side at once) and fail every request it
+        carried."""
+        endpoint = peer.endpoint
+        with self._lock:
+            peer.alive = False
+            if self._peers.get(endpoint) is peer:
+                del self._peers[endpoint]
+        peer.close()
+        with self.book.lock:
+            legs = list(peer.legs.values())
+            peer.legs.clear()
+        for entry, _ in legs:
+            self.book.fail(entry, f"sender: {reason} ({peer.endpoint})".splitlines()[0])
+
+    def _next_batch(self) -> list[tuple[str, Any, Any]] | None:
+        """The worker thread's next items: one waited for (up to ``io_timeout_s``; None if none came), then
+        whatever else is already queued, up to ``MAX_BATCH``, so they go out in the same writes."""
+        try:
+            batch = [self._queue.get(timeout=self.config.io_timeout_s)]
+        except queue.Empty:
+            return None
+        while len(batch) < MAX_BATCH:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _work(self) -> None:
+        """The worker: the only thread that writes to this sender's peers."""
+        while not self._stop.is_set():
+            if self._queue.empty():
+                self._idle()
+            batch = self._next_batch()
+            if batch is None:
+                continue
+            writes: dict[Any, PeerWrites] = {}
+            try:
+                for op, arg, extra in batch:
+                    if op == "stop":
+                        return
+                    if op == "control":
+                        writes_for(writes, arg, time.monotonic() + self.config.connect_timeout_s).frames.append(extra)
+                    elif op == "layer":
+                        if extra is not None:  # pragma: no cover - needs a GPU
+                            extra.synchronize()
+                        self._gather_layer(writes, *arg)
+                    elif op == "finish":
+                        self._gather_finish(writes, arg)
+            except InterruptedError:
+                return
+            except Exception:  # never let one request kill the worker
+                log.exception("kv %s sender: building writes failed", self.backend_name)
+            finally:
+                self._flush(writes)
+
+    def _gather_finish(self, writes: dict[Any, PeerWrites], request_id: str) -> None:
+        entry = self.out.live(request_id)
+        if entry is None:
+            return
+        entry.ctx.finish_requested = True
+        for leg in entry.ctx.legs:
+            writes_for(writes, leg.peer, entry.deadline).frames.append(control(Kind.FINISH, leg.dest.transfer_id))
+
+    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
+        self.out.register(kv_caches, layout)
+
+    def send_layer(self, request_id: str, layer: int) -> None:
+        self.book.get(request_id)  # KeyError for a request that was never started
+        ready = None
+        if self.out.kv_caches and self.out.kv_caches[layer][0].is_cuda:  # pragma: no cover - needs a GPU
+            ready = torch.cuda.Event()
+            ready.record()
+        self._queue.put(("layer", (request_id, layer), ready))
+
+    def finish(self, request_id: str) -> None:
+        self.book.get(request_id)
+        self._queue.put(("finish", request_id, None))
+
+    def release(self, request_id: str) -> None:
+        entry = self.book.find(request_id)
+        if entry is None:
+            return
+        self.book.fail(entry, "sender: released before completion", notify_peer=True, tell_owner=False)
+        with self.book.lock:
+            for leg in entry.ctx.legs:
+                if leg.peer is not None:
+                    leg.peer.legs.pop(leg.dest.transfer_id, None)
+            self.book.pop(request_id)

@@ -13,8 +13,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-import torch
-
 
 class PeerClosed(ConnectionError):
     """The peer closed the connection (cleanly at a frame boundary when ``clean`` is True)."""
@@ -22,13 +20,6 @@ class PeerClosed(ConnectionError):
     def __init__(self, message: str, clean: bool = False) -> None:
         super().__init__(message)
         self.clean = clean
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """Writable flat byte memoryview of a contiguous CPU tensor (no copy; works for bf16/fp8 too)."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError("byte_view needs a contiguous CPU tensor")
-    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def recv_exact(sock: socket.socket, mv: memoryview, stop: threading.Event, at_boundary: bool = False) -> None:
@@ -120,9 +111,3 @@ def close_socket(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.close()
 
-
-def staged(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor holding ``t``'s bytes (``t`` itself when it already is one)."""
-    if t.device.type == "cpu":
-        return t if t.is_contiguous() else t.contiguous()
-    return t.to("cpu", copy=True).contiguous()

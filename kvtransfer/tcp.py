@@ -21,7 +21,276 @@ waits on an event recorded at ``send_layer``).
 
 from __future__ import annotations
 
-from kvtransfer.tcp_receiver import TcpReceiver
-from kvtransfer.tcp_sender import TcpSender
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, cast
 
-__all__ = ["TcpReceiver", "TcpSender"]
+import torch
+
+from auth.tls_socket import DuplexTLS
+from kvtransfer.book import Entry, OnFailed
+from kvtransfer.config import TransferConfig
+from kvtransfer.io_cpus import start_io_thread
+from kvtransfer.landing import LandingReceiver
+from kvtransfer.layout import flat_bytes
+from kvtransfer.outgoing import Leg, PeerWrites, QueuedSender, writes_for
+from kvtransfer.sockio import PeerClosed, close_socket, discard, join_all, recv_exact, send_nowait, send_vectored, tune
+from kvtransfer.wire import HEADER_SIZE, Frame, Kind, control, unpack
+
+log = logging.getLogger(__name__)
+_SCRATCH = 1 << 20
+
+
+def staged(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor holding ``t``'s bytes (``t`` itself when it already is one)."""
+    if t.device.type == "cpu":
+        return t if t.is_contiguous() else t.contiguous()
+    return t.to("cpu", copy=True).contiguous()
+
+
+@dataclass(eq=False)
+class _Link:
+    endpoint: str
+    sock: socket.socket
+    legs: dict[int, tuple[Entry, Leg]] = field(default_factory=dict)
+    alive: bool = True
+
+    def close(self) -> None:
+        close_socket(self.sock)
+
+
+class TcpSender(QueuedSender):
+    backend_name: ClassVar[str] = "tcp"
+    cannot_reach: ClassVar[str] = "cannot connect to receiver"
+
+    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
+        super().__init__(config, on_failed)
+        self._start_worker()
+
+    def _peer(self, endpoint: str) -> _Link:
+        with self._lock:
+            link = self._peers.get(endpoint)
+            if link is not None and link.alive:
+                return link
+        host, port = endpoint.rsplit(":", 1)
+        cfg = self.config
+        sock = socket.create_connection((host, int(port)), timeout=cfg.connect_timeout_s)
+        if cfg.tls_client is not None:  # mutual TLS: DuplexTLS stands in for the socket (auth/tls_socket.py)
+            try:
+                tls = DuplexTLS.connect(sock, cfg.tls_client, cfg.tls_server_name or host, cfg.connect_timeout_s)
+            except OSError:
+                close_socket(sock)
+                raise
+            sock = cast(socket.socket, tls)
+        tune(sock, cfg.io_timeout_s)  # the worker re-arms the timeout to each request's deadline
+        return self._keep(_Link(endpoint, sock), self._read)
+
+    def _read(self, link: _Link) -> None:
+        header = bytearray(HEADER_SIZE)
+        try:
+            while not self._stop.is_set():
+                recv_exact(link.sock, memoryview(header), self._stop, at_boundary=True)
+                frame = unpack(header)
+                payload = bytearray(frame.payload_len)
+                if frame.payload_len:
+                    recv_exact(link.sock, memoryview(payload), self._stop)
+                self._on_reply(link, frame, payload)
+        except InterruptedError:
+            return
+        except (OSError, ValueError) as e:
+            self._drop(link, f"receiver connection lost (peer closed or killed): {e}")
+
+    def _flush(self, writes: dict[Any, PeerWrites]) -> None:
+        """One gathered ``sendmsg`` run per connection, then the per-layer progress of what went out."""
+        for link, w in writes.items():
+            if not link.alive:
+                continue
+            try:
+                send_vectored(link.sock, w.frames, w.deadline)
+            except (OSError, TimeoutError) as e:
+                self._drop(link, f"receiver connection lost (peer closed or killed): {e}")
+                continue
+            for entry, leg, nbytes in w.layers:
+                self.out.leg_sent_layer(entry, leg, nbytes)
+
+    def _gather_layer(self, writes: dict[Any, PeerWrites], request_id: str, layer: int) -> None:
+        """Each piece's DATA header, then its payload: a memoryview of the source blocks (no copy for full-head
+        pieces on CPU), side by side in one iovec list."""
+        entry = self.out.live(request_id)
+        if entry is None:
+            return
+        k, v = self.out.kv_caches[layer]
+        for leg in entry.ctx.legs:
+            w = writes_for(writes, leg.peer, entry.deadline)
+            nbytes = 0
+            for p in leg.pieces:
+                for kv, t in enumerate((k, v)):
+                    w.frames.append(Frame(Kind.DATA, leg.dest.transfer_id, layer, kv, p.dst_start, p.num_blocks,
+                                          p.dst_heads[0], p.dst_heads[1], p.nbytes).pack())
+                    src = self.out.source_bytes(layer, kv, p)
+                    w.frames.append(src if src is not None else flat_bytes(staged(p.src_view(t))))
+                    nbytes += p.nbytes
+            w.layers.append((entry, leg, nbytes))
+
+
+@dataclass(eq=False)
+class _Inbound:
+    sock: socket.socket
+    peer: str
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    writing: Entry | None = None  # the request whose payload is being received right now
+
+    def send_control(self, data: bytes) -> None:
+        """Send a small control frame without ever blocking (the caller may be the lease reaper); a peer that
+        does not drain its socket is broken, so the connection is cut instead of stalling this thread."""
+        with self.send_lock:
+            if not send_nowait(self.sock, data):
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
+                raise ConnectionError(f"control frame to {self.peer} would block; connection cut")
+
+
+class TcpReceiver(LandingReceiver):
+    backend_name: ClassVar[str] = "tcp"
+
+    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
+        super().__init__(config, on_failed)
+        cfg = self.config
+        self._stop = threading.Event()
+        self._listener = socket.create_server((cfg.host, cfg.port))
+        self._listener.settimeout(cfg.io_timeout_s)
+        self.endpoint = f"{cfg.host}:{self._listener.getsockname()[1]}"
+        self._conns: set[_Inbound] = set()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._spawn(self._accept_loop, "kv-tcp-accept")
+        self.book.start(cfg)
+
+    def _spawn(self, target: Callable[..., object], name: str, *args: object) -> None:
+        with self._lock:
+            self._threads = [x for x in self._threads if x.is_alive()]
+            self._threads.append(start_io_thread(self.config.io_cpus, target, name, *args))
+
+    def close(self) -> None:
+        self._stop.set()
+        close_socket(self._listener)
+        with self._lock:
+            conns, threads = list(self._conns), list(self._threads)
+        for c in conns:
+            close_socket(c.sock)
+        join_all(threads, self.config.close_timeout_s)
+        self.book.stop(self.config.close_timeout_s / 4)
+
+    # ---- threads
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            self._watchdog()
+            try:
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            tune(sock, None)
+            conn = _Inbound(sock, f"{addr[0]}:{addr[1]}")
+            with self._lock:
+                self._conns.add(conn)
+            self._spawn(self._serve, f"kv-tcp-recv-{conn.peer}", conn)
+
+    def _watchdog(self) -> None:
+        """A sender stalled mid-payload past the lease: cut its connection so the blocked read ends."""
+        now = time.monotonic()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            entry = c.writing
+            if entry is not None and now > entry.deadline + self.config.io_timeout_s:
+                log.warning("kv tcp receiver: %s stalled mid-payload past its lease; closing", c.peer)
+                with contextlib.suppress(OSError):
+                    c.sock.shutdown(socket.SHUT_RDWR)
+
+    def _serve(self, conn: _Inbound) -> None:
+        header = bytearray(HEADER_SIZE)
+        scratch = memoryview(bytearray(_SCRATCH))
+        reason = "receiver closed"
+        tls = self.config.tls_server
+        if tls is not None:  # mutual TLS first, in this connection's thread: a stalled handshake holds only it
+            try:
+                conn.sock = cast(socket.socket, DuplexTLS.accept(conn.sock, tls, self.config.connect_timeout_s))
+            except OSError as e:  # ssl.SSLError included: no client certificate, or one from another CA
+                log.warning("kv tcp receiver: TLS handshake with %s refused: %s", conn.peer, e)
+                close_socket(conn.sock)
+                with self._lock:
+                    self._conns.discard(conn)
+                return
+        try:
+            while not self._stop.is_set():
+                recv_exact(conn.sock, memoryview(header), self._stop, at_boundary=True)
+                self._dispatch(conn, unpack(header), scratch)
+        except PeerClosed as e:  # a SIGKILLed peer's kernel closes its socket cleanly: same as a close
+            reason = f"sender connection lost (peer closed or killed): {e}"
+        except InterruptedError:
+            reason = "receiver closed"
+        except (OSError, ValueError) as e:
+            reason = f"sender connection broken: {e}"
+        finally:
+            close_socket(conn.sock)
+            with self._lock:
+                self._conns.discard(conn)
+            for entry in self.book.entries():
+                if conn in entry.ctx.peers:
+                    self.book.fail(entry, f"receiver: {reason} from {conn.peer}")
+
+    def _dispatch(self, conn: _Inbound, frame: Frame, scratch: memoryview) -> None:
+        if frame.kind == Kind.DATA:
+            self._data(conn, frame, scratch)
+            return
+        payload = bytearray(frame.payload_len)
+        if frame.payload_len:
+            recv_exact(conn.sock, memoryview(payload), self._stop)
+        entry = self.landing.live(frame.transfer_id)
+        if entry is None:
+            if frame.kind == Kind.HELLO:  # unknown or expired lease: say so instead of letting the sender wait
+                conn.send_control(control(Kind.FAIL, frame.transfer_id, b"receiver: no live reservation for this "
+                                          b"transfer (released or lease expired)"))
+            return
+        self._control(entry, frame, bytes(payload), conn)
+
+    def _data(self, conn: _Inbound, frame: Frame, scratch: memoryview) -> None:
+        entry = self.landing.live(frame.transfer_id)
+        if entry is None or not self.book.begin_write(entry):
+            discard(conn.sock, frame.payload_len, self._stop, scratch)
+            return
+        try:
+            try:
+                self.landing.check(entry, frame)
+            except ValueError as e:
+                self.book.fail(entry, f"receiver: refused DATA: {e}", notify_peer=True)
+                discard(conn.sock, frame.payload_len, self._stop, scratch)
+                return
+            conn.writing = entry
+            direct = self.landing.byte_range(frame)
+            if direct is not None:
+                recv_exact(conn.sock, direct, self._stop)
+            else:
+                view = self.landing.view(frame)
+                staging = torch.empty(view.shape, dtype=view.dtype)
+                recv_exact(conn.sock, flat_bytes(staging), self._stop)
+                view.copy_(staging)
+        finally:
+            conn.writing = None
+            self.book.end_write(entry)
+        if self.landing.landed(entry, frame.layer, frame.payload_len):
+            for peer in list(entry.ctx.peers):
+                with contextlib.suppress(OSError):
+                    peer.send_control(control(Kind.ACK, frame.transfer_id))
+
+    def _notify_peer(self, entry: Entry, message: str) -> None:
+        for peer in list(entry.ctx.peers):
+            with contextlib.suppress(OSError):
+                peer.send_control(control(Kind.FAIL, entry.ctx.transfer_id, message.encode()))

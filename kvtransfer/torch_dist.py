@@ -15,9 +15,12 @@ claimed in the store, or one already connected, is cut.
 
 Why a socket for control and not a standing ``recv`` for headers: a gloo ``wait`` that times out closes the pair,
 and a blocked ``wait`` cannot be interrupted, so a thread parked on an idle ``recv`` could never be stopped by
-``close()``; a socket read ends when ``close()`` shuts the socket down. Why not the store (as before): a store
-queue is polled, and each message cost a check, a get and a delete on top of the poll's sleep (5 ms of a 1 MiB
-request's 7). Payload ``recv``s are only posted when bytes are known to be coming.
+``close()``; a socket read ends when ``close()`` shuts the socket down. Why not the store: a store queue is
+polled, and each message would cost a check, a get and a delete on top of the poll's sleep. Payload ``recv``s are
+only posted when bytes are known to be coming.
+
+On CPU this backend is gloo over loopback TCP, so it cannot beat the tcp backend there; it is kept for NCCL, the
+carrier between GPUs.
 
 Failures: a peer killed mid-payload surfaces as a gloo error at once; a killed peer's kernel closes its control
 connection, so either side sees EOF at once, between layers too; a sender alive but stalled is caught by the lease.
@@ -25,8 +28,394 @@ connection, so either side sees EOF at once, between layers too; a sender alive 
 
 from __future__ import annotations
 
-from kvtransfer.torch_group import make_group
-from kvtransfer.torch_receiver import TorchReceiver
-from kvtransfer.torch_sender import TorchSender
+import contextlib
+import datetime
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-__all__ = ["TorchReceiver", "TorchSender", "make_group"]
+import torch
+from torch.distributed import PrefixStore, TCPStore
+
+from kvtransfer.base import KVCaches
+from kvtransfer.book import Entry, OnFailed
+from kvtransfer.config import TransferConfig
+from kvtransfer.io_cpus import io_affinity, start_io_thread
+from kvtransfer.landing import LandingReceiver
+from kvtransfer.layout import KVLayout
+from kvtransfer.outgoing import Leg, PeerWrites, QueuedSender, writes_for
+from kvtransfer.sockio import close_socket, join_all, recv_exact, send_nowait, send_vectored, tune
+from kvtransfer.wire import HEADER_SIZE, Frame, Kind, control, unpack
+
+PAIRS_KEY = "tandem/pairs"
+CONTROL_KEY = "tandem/control"  # the receiver's control listener, host:port
+TAG = 0
+
+
+def timedelta_s(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def make_group(store: Any, rank: int, cuda: bool, timeout_s: float, io_cpus: tuple[int, ...] = ()) -> Any:
+    """A 2-rank process group on ``store``: NCCL for CUDA tensors, gloo (bound to the store's host) otherwise. The
+    library threads it starts (gloo's device loop, which reads every received byte, and its work threads) run on
+    ``io_cpus``."""
+    with io_affinity(io_cpus):
+        return _make_group(store, rank, cuda, timeout_s)
+
+
+def _make_group(store: Any, rank: int, cuda: bool, timeout_s: float) -> Any:
+    if cuda:  # pragma: no cover - needs a GPU
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timedelta_s(timeout_s)
+        return ProcessGroupNCCL(store, rank, 2, opts)
+    from torch.distributed import ProcessGroupGloo
+
+    opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = timedelta_s(timeout_s)
+    return ProcessGroupGloo(store, rank, 2, opts)
+
+
+def split_frames(blob: bytes) -> list[tuple[Frame, bytes]]:
+    """Frames of one store message; control payloads are inline, DATA payloads come through the group."""
+    out: list[tuple[Frame, bytes]] = []
+    off = 0
+    while off < len(blob):
+        frame = unpack(blob[off : off + HEADER_SIZE])
+        off += HEADER_SIZE
+        if frame.kind == Kind.DATA:
+            out.append((frame, b""))
+            continue
+        out.append((frame, blob[off : off + frame.payload_len]))
+        off += frame.payload_len
+    return out
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+_LEN = struct.Struct("!I")
+PAIR_INDEX = struct.Struct("!Q")  # a control connection's first message: the pair index its sender claimed
+MAX_MESSAGE = 64 << 20  # a control message is wire frames: a layer's DATA headers at most, far below this
+
+
+class ControlLink:
+    """A pair's control channel: one TCP connection carrying length-prefixed messages of wire frames both ways.
+
+    Reads block (no polling: a message is seen the moment it lands) and end with :class:`PeerClosed` on EOF, which
+    a killed peer's kernel delivers at once, or ``InterruptedError`` once ``stop`` is set and :meth:`close` shut the
+    socket. One thread reads; any thread may ``put`` (writes are serialised). A write is bounded by ``deadline``; a
+    partial write leaves the stream unusable, so any write error cuts the connection.
+    """
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        tune(sock, None)
+        self.sock, self.peer = sock, peer
+        self._send_lock = threading.Lock()
+        self._len = bytearray(_LEN.size)
+
+    def put(self, blob: bytes, deadline: float) -> None:
+        with self._send_lock:
+            try:
+                send_vectored(self.sock, [_LEN.pack(len(blob)), blob], deadline)
+            except OSError:
+                self.close()
+                raise
+
+    def put_nowait(self, blob: bytes) -> None:
+        """A small reply (ACK/FAIL) from a thread that must never block (the receiver, its lease reaper)."""
+        data = _LEN.pack(len(blob)) + blob
+        with self._send_lock:
+            if not send_nowait(self.sock, data):
+                self.close()
+                raise ConnectionError(f"control message to {self.peer} would block; connection cut")
+
+    def get(self, stop: threading.Event) -> bytes:
+        recv_exact(self.sock, memoryview(self._len), stop, at_boundary=True)
+        (n,) = _LEN.unpack(self._len)
+        if n > MAX_MESSAGE:
+            raise ValueError(f"control message of {n} bytes from {self.peer} is too large")
+        blob = bytearray(n)
+        recv_exact(self.sock, memoryview(blob), stop)
+        return bytes(blob)
+
+    def close(self) -> None:
+        close_socket(self.sock)
+
+
+def store_client(endpoint: str, timeout_s: float) -> TCPStore:
+    host, port = endpoint.rsplit(":", 1)
+    return TCPStore(host, int(port), None, False, timedelta_s(timeout_s), wait_for_workers=False)
+
+
+@dataclass(eq=False)
+class _OutPair:
+    endpoint: str
+    store: Any
+    group: Any
+    link: ControlLink
+    legs: dict[int, tuple[Entry, Leg]] = field(default_factory=dict)
+    alive: bool = True
+
+    def close(self) -> None:
+        self.link.close()
+
+
+class TorchSender(QueuedSender):
+    """Joins the receiver's store, ``send``s each queued layer's block runs, completes on ACK."""
+
+    backend_name: ClassVar[str] = "torch"
+    cannot_reach: ClassVar[str] = "cannot form a group with"
+
+    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
+        super().__init__(config, on_failed)
+        self._inflight: list[tuple[_OutPair, list[Any], PeerWrites]] = []
+        self._start_worker()
+
+    def _peer(self, endpoint: str) -> _OutPair:
+        with self._lock:  # held while the group forms: two starts towards one receiver must not both make a pair
+            pair = self._peers.get(endpoint)
+            if pair is not None and pair.alive:
+                return pair
+            cfg = self.config
+            store = store_client(endpoint, cfg.connect_timeout_s)
+            index = int(store.add(PAIRS_KEY, 1)) - 1
+            host, port = bytes(store.get(CONTROL_KEY)).decode().rsplit(":", 1)
+            link = ControlLink(socket.create_connection((host, int(port)), cfg.connect_timeout_s), endpoint)
+            try:
+                link.put(PAIR_INDEX.pack(index), time.monotonic() + cfg.connect_timeout_s)
+                cuda = bool(self.out.kv_caches) and self.out.kv_caches[0][0].is_cuda
+                group = make_group(PrefixStore(f"tandem/pair/{index}", store_client(endpoint, cfg.connect_timeout_s)),
+                                   1, cuda, cfg.connect_timeout_s, cfg.io_cpus)
+            except Exception:
+                link.close()
+                raise
+            return self._keep(_OutPair(endpoint, store, group, link), self._read)
+
+    def _read(self, pair: _OutPair) -> None:
+        try:
+            while not self._stop.is_set() and pair.alive:
+                for frame, payload in split_frames(pair.link.get(self._stop)):
+                    self._on_reply(pair, frame, payload)
+        except InterruptedError:
+            return
+        except Exception as e:
+            if not self._stop.is_set():
+                self._drop(pair, f"receiver connection lost (peer closed or killed): {e}")
+
+    def _idle(self) -> None:
+        self._complete()  # nothing queued behind: wait for the layers in flight
+
+    def _gather_layer(self, writes: dict[Any, PeerWrites], request_id: str, layer: int) -> None:
+        entry = self.out.live(request_id)
+        if entry is None:
+            return
+        k, v = self.out.kv_caches[layer]
+        for leg in entry.ctx.legs:
+            w = writes_for(writes, leg.peer, entry.deadline)
+            for p in leg.pieces:
+                for kv, t in enumerate((k, v)):
+                    w.frames.append(Frame(Kind.DATA, leg.dest.transfer_id, layer, kv, p.dst_start, p.num_blocks,
+                                          p.dst_heads[0], p.dst_heads[1], p.nbytes).pack())
+                    src = p.src_view(t)
+                    w.payloads.append(as_bytes(src if src.is_contiguous() else src.contiguous()))
+            w.layers.append((entry, leg, sum(p.nbytes for p in leg.pieces) * 2))
+
+    def _flush(self, writes: dict[Any, PeerWrites]) -> None:
+        """Per pair: one control message (every frame gathered, in queue order), then its payloads' ``send``s."""
+        for pair, w in writes.items():
+            if not pair.alive:
+                continue
+            try:
+                pair.link.put(b"".join(w.frames), w.deadline)
+                works = [pair.group.send([buf], 0, TAG) for buf in w.payloads]  # the receiver is rank 0
+            except Exception as e:
+                self._drop(pair, f"receiver connection lost (peer closed or killed): {e}")
+                continue
+            # Completed later (_complete), so the next message and its sends overlap these payloads.
+            self._inflight.append((pair, works, w))
+
+    def _complete(self) -> None:
+        while self._inflight:
+            pair, works, w = self._inflight.pop(0)
+            try:
+                for work in works:
+                    work.wait()
+            except Exception as e:
+                self._drop(pair, f"receiver connection lost (peer closed or killed): {e}")
+                continue
+            for entry, leg, nbytes in w.layers:
+                self.out.leg_sent_layer(entry, leg, nbytes)
+
+
+@dataclass(eq=False)
+class _InPair:
+    index: int
+    link: ControlLink
+    alive: bool = True
+
+
+class TorchReceiver(LandingReceiver):
+    """Hosts the store and a control listener, forms a group per sender, ``recv``s payloads into the reserved
+    blocks."""
+
+    backend_name: ClassVar[str] = "torch"
+
+    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
+        super().__init__(config, on_failed)
+        cfg = self.config
+        with io_affinity(cfg.io_cpus):  # the store server's thread
+            self._store: Any = TCPStore(cfg.host, cfg.port, None, True, timedelta_s(cfg.connect_timeout_s),
+                                        wait_for_workers=False)
+        self.endpoint = f"{cfg.host}:{self._store.port}"
+        self._listener = socket.create_server((cfg.host, 0))
+        self._listener.settimeout(cfg.io_timeout_s)
+        self._store.set(CONTROL_KEY, f"{cfg.host}:{self._listener.getsockname()[1]}")
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._links: set[ControlLink] = set()
+        self._served: set[int] = set()  # pair indices that connected: each is served once
+        self._threads: list[threading.Thread] = []
+        self._cuda = False
+        self._accepter = start_io_thread(cfg.io_cpus, self._accept, "kv-torch-accept")
+        self.book.start(cfg)
+
+    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
+        self.landing.register(kv_caches, layout)
+        self._cuda = kv_caches[0][0].is_cuda
+
+    def close(self) -> None:
+        self._stop.set()
+        close_socket(self._listener)
+        with self._lock:
+            links, threads = list(self._links), [self._accepter, *self._threads]
+        for link in links:
+            link.close()
+        join_all(threads, self.config.close_timeout_s)
+        self.book.stop(self.config.close_timeout_s / 4)
+        self._store = None  # the last reference to the master: its server shuts down
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed
+                return
+            link = ControlLink(sock, f"{addr[0]}:{addr[1]}")
+            with self._lock:
+                self._links.add(link)
+                t = start_io_thread(self.config.io_cpus, self._serve, f"kv-torch-pair-{link.peer}", link)
+                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+
+    def _serve(self, link: ControlLink) -> None:
+        """One sender: its first message names the pair it claimed in the store; then its layers, in order."""
+        cfg = self.config
+        pair: _InPair | None = None
+        reason = "sender gone"
+        try:
+            first = link.get(self._stop)
+            (index,) = PAIR_INDEX.unpack(first) if len(first) == PAIR_INDEX.size else (-1,)
+            with self._lock:
+                if not 0 <= index < int(self._store.add(PAIRS_KEY, 0)) or index in self._served:
+                    raise ValueError(f"{link.peer} named no pair it claimed, or one already connected "
+                                     f"({first[:16]!r})")
+                self._served.add(index)
+            pair = _InPair(index, link)
+            # The group gets a store client of its own: TCPStore clients are not safe for concurrent use.
+            group_store = PrefixStore(f"tandem/pair/{index}", store_client(self.endpoint, cfg.connect_timeout_s))
+            group = make_group(group_store, 0, self._cuda, cfg.connect_timeout_s, cfg.io_cpus)
+            while not self._stop.is_set():
+                data: list[Frame] = []  # a run of DATA headers: their recvs are posted together
+                for frame, payload in split_frames(link.get(self._stop)):
+                    if frame.kind == Kind.DATA:
+                        data.append(frame)
+                        continue
+                    if data:
+                        self._data(pair, group, data)
+                        data = []
+                    self._dispatch(pair, frame, payload)
+                if data:
+                    self._data(pair, group, data)
+            reason = "receiver closed"
+        except InterruptedError:
+            reason = "receiver closed"
+        except Exception as e:  # PeerClosed (a killed sender's kernel closes its socket), gloo errors, bad frames
+            reason = f"sender connection lost (peer closed or killed): {e}".splitlines()[0]
+        finally:
+            link.close()
+            with self._lock:
+                self._links.discard(link)
+            if pair is not None:
+                pair.alive = False
+                for entry in self.book.entries():
+                    if pair in entry.ctx.peers:
+                        self.book.fail(entry, f"receiver: {reason} (pair {pair.index})")
+
+    def _dispatch(self, pair: _InPair, frame: Frame, payload: bytes) -> None:
+        entry = self.landing.live(frame.transfer_id)
+        if entry is None:
+            if frame.kind == Kind.HELLO:
+                with contextlib.suppress(OSError):
+                    pair.link.put_nowait(control(Kind.FAIL, frame.transfer_id,
+                                                 b"receiver: no live reservation (released or lease expired)"))
+            return
+        self._control(entry, frame, payload, pair)
+
+    def _data(self, pair: _InPair, group: Any, frames: list[Frame]) -> None:
+        """Receive one layer message's payloads: all ``recv``s posted first, then waited on together.
+
+        The sender sends every payload it announced no matter what, so each is received; it is written into the
+        reserved blocks only while the lease is live and the header checks out (otherwise into a scratch buffer).
+        """
+        device = "cuda" if self._cuda else "cpu"
+        slots: list[tuple[Frame, Entry | None, torch.Tensor | None, torch.Tensor]] = []
+        try:
+            for frame in frames:
+                entry = self.landing.live(frame.transfer_id)
+                view = None
+                if entry is not None and self.book.begin_write(entry):
+                    try:
+                        view = self.landing.target(entry, frame)
+                    except ValueError as e:
+                        self.book.end_write(entry)
+                        self.book.fail(entry, f"receiver: refused DATA: {e}", notify_peer=True)
+                        entry = None
+                else:
+                    entry = None
+                if view is not None and view.is_contiguous():
+                    target = as_bytes(view)
+                else:
+                    target = torch.empty(frame.payload_len, dtype=torch.uint8, device=device)
+                slots.append((frame, entry, view, target))
+            works = [group.recv([target], 1, TAG) for _, _, _, target in slots]
+            for w in works:
+                w.wait()
+            if self._cuda:  # pragma: no cover - needs a GPU
+                torch.cuda.current_stream().synchronize()
+            for _, _, view, target in slots:
+                if view is not None and not view.is_contiguous():
+                    view.copy_(target.view(view.dtype).view(view.shape))
+        finally:
+            for _, entry, _, _ in slots:
+                if entry is not None:
+                    self.book.end_write(entry)
+        for frame, entry, _, _ in slots:
+            if entry is not None and self.landing.landed(entry, frame.layer, frame.payload_len):
+                for peer in list(entry.ctx.peers):
+                    with contextlib.suppress(OSError):
+                        peer.link.put_nowait(control(Kind.ACK, frame.transfer_id))
+
+    def _notify_peer(self, entry: Entry, message: str) -> None:
+        for peer in list(entry.ctx.peers):
+            if peer.alive:
+                with contextlib.suppress(OSError):
+                    peer.link.put_nowait(control(Kind.FAIL, entry.ctx.transfer_id, message.encode()))

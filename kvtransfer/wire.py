@@ -2,12 +2,13 @@
 
 A frame is a 40-byte big-endian header, optionally followed by ``payload_len`` bytes. DATA payloads are raw KV
 bytes of one piece of one layer, for K (``kv=0``) or V (``kv=1``); they are received straight into the reserved
-blocks. HELLO carries the sender's layout as JSON, FAIL a UTF-8 message. Nothing here is pickled: a peer can at
-worst send a malformed header, which is refused.
+blocks. HELLO carries the sender's layout (and NIXL agent) as JSON, FAIL a UTF-8 message. Nothing here is
+pickled: a peer can at worst send a malformed header, which is refused.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import struct
 from dataclasses import dataclass
@@ -71,13 +72,19 @@ def control(kind: Kind, transfer_id: int, payload: bytes = b"", layer: int = 0) 
     return Frame(kind, transfer_id, layer=layer, payload_len=len(payload)).pack() + payload
 
 
-def hello_payload(layout: KVLayout) -> bytes:
-    return json.dumps({"layout": layout.to_dict()}).encode()
+def hello_payload(layout: KVLayout, agent: str = "", metadata: bytes = b"") -> bytes:
+    """HELLO's payload: the sender's layout and, for NIXL, its agent's name and metadata (to answer on)."""
+    doc: dict[str, object] = {"layout": layout.to_dict()}
+    if agent:
+        doc |= {"agent": agent, "metadata": base64.b64encode(metadata).decode()}
+    return json.dumps(doc).encode()
 
 
-def parse_hello(payload: bytes) -> KVLayout:
+def parse_hello(payload: bytes) -> tuple[KVLayout, str, bytes]:
+    """``(layout, agent, metadata)`` of a HELLO payload (``""``, ``b""`` where the sender sent none)."""
     try:
         doc = json.loads(payload)
-        return KVLayout.from_dict(doc["layout"])
+        metadata = base64.b64decode(doc["metadata"], validate=True) if "agent" in doc else b""
+        return KVLayout.from_dict(doc["layout"]), str(doc.get("agent", "")), metadata
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"malformed HELLO: {e}") from None

@@ -35,8 +35,8 @@ from kvtransfer import (
 from kvtransfer.book import TransferBook
 from kvtransfer.fake import FakeBehaviour, FakeReceiver, FakeSender
 from kvtransfer.layout import paired_runs
+from kvtransfer.plan import HeadSlice, merge_heads, slice_heads, tp_head_map
 from kvtransfer.sockio import IOV_CHUNK, send_vectored
-from kvtransfer.tp_mapping import HeadSlice, merge_heads, slice_heads, tp_head_map
 
 HAS_NIXL = importlib.util.find_spec("nixl") is not None
 LAYOUT = KVLayout("tiny-llama", "float16", num_layers=4, block_size=4, num_kv_heads=2, head_dim=16)
@@ -622,8 +622,7 @@ def _is_cut(sock: socket.socket) -> bool:
 def test_torch_receiver_refuses_a_control_connection_for_an_unclaimed_or_taken_pair() -> None:
     """The torch receiver's control port serves a connection only for a pair index claimed in its store, and each
     index once: one naming no claim, or one already connected, is cut at once while the first keeps its slot."""
-    from kvtransfer.torch_group import CONTROL_KEY, PAIR_INDEX, PAIRS_KEY, store_client
-    from kvtransfer.torch_receiver import TorchReceiver
+    from kvtransfer.torch_dist import CONTROL_KEY, PAIR_INDEX, PAIRS_KEY, TorchReceiver, store_client
 
     receiver = TorchReceiver(TransferConfig(connect_timeout_s=5.0))
     store = store_client(receiver.endpoint, 5.0)

@@ -273,7 +273,7 @@ def test_data_notifications_carry_the_layer_hand_over_time_and_the_pace_predicts
     the layer; the receiver predicts the last layer from those offsets (the compute's pace), not from when the
     notifications arrived, and needs two layers for it."""
     from kvtransfer.nixl_agent import data_notif, handed_after
-    from kvtransfer.nixl_receiver import _Pace
+    from kvtransfer.nixl_backend import _Pace
     from kvtransfer.wire import Frame, Kind, unpack
 
     header = Frame(Kind.DATA, 7, layer=3, payload_len=4096).pack()
@@ -296,7 +296,7 @@ def test_doorbell_wakes_a_waiting_watcher_and_is_only_a_hint() -> None:
     saved."""
     import threading
 
-    from kvtransfer.doorbell import Doorbell, Ringer, split_endpoint
+    from kvtransfer.nixl_agent import Doorbell, Ringer, split_endpoint
 
     assert split_endpoint("127.0.0.1:5000") == ("127.0.0.1", 5000)
     assert split_endpoint("[::1]:7") == ("::1", 7)

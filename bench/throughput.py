@@ -24,8 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.ceilings import Workload, ceiling_ratios, measure, weights_per_token
+from bench.ceilings import Workload, ceiling_ratios, measure
 from engine.model_config import ModelConfig
+from sim.weights import weights_per_token
 
 REPO = Path(__file__).resolve().parent.parent
 

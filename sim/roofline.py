@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.ceilings import weights_per_token
 from engine.model_config import ModelConfig
 from sim.hardware import GpuSpec
+from sim.weights import weights_per_token
 
 
 @dataclass(slots=True, frozen=True)

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from bench.ceilings import Workload, ceiling_ratios, gemm_peak_gflops, matmul_flops, weights_per_token
+from bench.ceilings import Workload, ceiling_ratios, gemm_peak_gflops, matmul_flops
 from engine.model_config import ModelConfig
+from sim.weights import weights_per_token
 
 
 def _checkpoint_matmul_elements(path: Path, cfg: ModelConfig) -> float:

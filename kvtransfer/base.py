@@ -37,6 +37,12 @@ from kvtransfer.layout import KVLayout
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 DESTINATION_VERSION = 1
+# DestinationInfo's fields as JSON types: from_bytes checks each before anything is built from it.
+_WIRE_TYPES: dict[str, type | tuple[type, ...]] = {
+    "backend": str, "request_id": str, "transfer_id": int, "endpoint": str, "layout": dict, "dst_block_ids": list,
+    "num_tokens": int, "deadline_s": (int, float), "compat_hash": str, "agent_name": str, "agent_metadata": str,
+    "regions": list, "mem_type": str, "device_id": int,
+}
 
 __all__ = ["DestinationInfo", "KVCaches", "KVReceiver", "KVSender", "OnDone", "OnFailed", "TransferState",
            "TransferStatus"]
@@ -87,22 +93,10 @@ class DestinationInfo:
             raise ValueError(f"mem_type {self.mem_type!r} is not DRAM or VRAM")
 
     def to_bytes(self) -> bytes:
-        doc = {
-            "version": self.version,
-            "backend": self.backend,
-            "request_id": self.request_id,
-            "transfer_id": self.transfer_id,
-            "endpoint": self.endpoint,
-            "layout": self.layout.to_dict(),
-            "dst_block_ids": list(self.dst_block_ids),
-            "num_tokens": self.num_tokens,
-            "deadline_s": self.deadline_s,
-            "compat_hash": self.compat_hash,
-            "agent_name": self.agent_name,
-            "agent_metadata": base64.b64encode(self.agent_metadata).decode(),
+        doc = {"version": self.version} | {name: getattr(self, name) for name in _WIRE_TYPES} | {
+            "layout": self.layout.to_dict(), "dst_block_ids": list(self.dst_block_ids),
             "regions": [list(r) for r in self.regions],
-            "mem_type": self.mem_type,
-            "device_id": self.device_id,
+            "agent_metadata": base64.b64encode(self.agent_metadata).decode(),
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -116,12 +110,7 @@ class DestinationInfo:
             raise ValueError("DestinationInfo must be a JSON object")
         if doc.get("version") != DESTINATION_VERSION:
             raise ValueError(f"DestinationInfo version {doc.get('version')!r} is not {DESTINATION_VERSION}")
-        expect: dict[str, type | tuple[type, ...]] = {
-            "backend": str, "request_id": str, "transfer_id": int, "endpoint": str, "layout": dict,
-            "dst_block_ids": list, "num_tokens": int, "deadline_s": (int, float), "compat_hash": str,
-            "agent_name": str, "agent_metadata": str, "regions": list, "mem_type": str, "device_id": int,
-        }
-        for key, typ in expect.items():
+        for key, typ in _WIRE_TYPES.items():
             if not isinstance(doc.get(key), typ) or isinstance(doc.get(key), bool):
                 raise ValueError(f"DestinationInfo field {key!r} missing or not {typ}")
         if not all(isinstance(b, int) and b >= 0 for b in doc["dst_block_ids"]):
@@ -129,22 +118,11 @@ class DestinationInfo:
         regions = doc["regions"]
         if not all(isinstance(r, list) and len(r) == 2 and all(isinstance(a, int) for a in r) for r in regions):
             raise ValueError("DestinationInfo regions must be [k_addr, v_addr] int pairs")
-        return cls(
-            backend=doc["backend"],
-            request_id=doc["request_id"],
-            transfer_id=doc["transfer_id"],
-            endpoint=doc["endpoint"],
-            layout=KVLayout.from_dict(doc["layout"]),
-            dst_block_ids=tuple(doc["dst_block_ids"]),
-            num_tokens=doc["num_tokens"],
-            deadline_s=float(doc["deadline_s"]),
-            compat_hash=doc["compat_hash"],
-            agent_name=doc["agent_name"],
-            agent_metadata=base64.b64decode(doc["agent_metadata"], validate=True),
-            regions=tuple((int(k), int(v)) for k, v in regions),
-            mem_type=doc["mem_type"],
-            device_id=doc["device_id"],
-        )
+        return cls(**{key: doc[key] for key in _WIRE_TYPES} | {
+            "layout": KVLayout.from_dict(doc["layout"]), "dst_block_ids": tuple(doc["dst_block_ids"]),
+            "deadline_s": float(doc["deadline_s"]), "regions": tuple((int(k), int(v)) for k, v in regions),
+            "agent_metadata": base64.b64decode(doc["agent_metadata"], validate=True),
+        })
 
 
 class _Side(abc.ABC):

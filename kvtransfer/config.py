@@ -21,7 +21,7 @@ class TransferConfig:
     ucx_tls: str = ""
     nixl_backends: tuple[str, ...] = ("UCX",)
     # NIXL's progress thread sleeps this long between idle passes. NIXL's Python API hard-codes 0, a thread that
-    # spins on a whole core for as long as the agent lives (measured: 1.0 core idle, 0.05 at 100 us).
+    # spins on a whole core for as long as the agent lives.
     nixl_progress_delay_us: int = 100
     # CPUs for every thread the transport starts (kvtransfer.io_cpus); () leaves them on the process's CPUs.
     io_cpus: tuple[int, ...] = ()

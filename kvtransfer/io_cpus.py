@@ -2,10 +2,9 @@
 
 On a CPU host the engine's compute owns its cores, and whatever thread copies a landing transfer's bytes into the
 KV cache spends CPU there: tcp's ``recv_into`` runs in the receiver's thread, gloo's reads in its device loop thread.
-Sharing decode's core, that copy is time taken from the forward pass (docs/benchmarks.md §2: +12–20% ITL on tcp,
-+30–39% on torch while transfers land). NIXL's shared-memory path escapes it because the *sender* copies. Naming
-spare cores here moves every thread the transport starts onto them, so decode keeps its cores and the bytes are
-still copied as they arrive.
+Sharing decode's core, that copy is time taken from the forward pass (docs/benchmarks.md §2 measures the ITL cost).
+NIXL's shared-memory path escapes it because the *sender* copies. Naming spare cores here moves every thread the
+transport starts onto them, so decode keeps its cores and the bytes are still copied as they arrive.
 
 Linux semantics this relies on: ``sched_setaffinity(0, ...)`` sets the *calling thread's* mask, and a new thread
 starts with its creator's. Python threads pin themselves as they start (:func:`start_io_thread`); threads that C++

@@ -69,6 +69,60 @@ def make_agent(config: TransferConfig, role: str) -> Any:
 
 
 _AGENT_CONFIG_LOCK = threading.Lock()
+log = logging.getLogger(__name__)
+
+
+class Agent:
+    """A NIXL agent behind one lock (the forward thread, a progress thread and the lease reaper all call it), with
+    the KV registration each end makes once and the peers it has added."""
+
+    def __init__(self, config: TransferConfig, role: str) -> None:
+        self.nixl = make_agent(config, role)
+        self.name: str = self.nixl.name
+        self.lock = threading.Lock()
+        self.metadata = b""
+        self.known: set[str] = set()  # peer agents added
+        self._reg: Any = None
+
+    def register(self, tensors: list[torch.Tensor]) -> None:
+        with self.lock:
+            self._reg = self.nixl.register_memory(tensors)
+            self.metadata = self.nixl.get_agent_metadata()
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Add the peer agent ``metadata`` describes; returns its name."""
+        with self.lock:
+            name = self.nixl.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self.known.add(name)
+        return name
+
+    def send(self, remote: str, msg: bytes) -> None:
+        with self.lock:
+            self.nixl.send_notif(remote, msg)
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        with self.lock:
+            return self.nixl.get_new_notifs()
+
+    def release(self, handle: Any) -> None:
+        """Release a transfer handle or a prepared descriptor list. An in-flight handle may refuse; NIXL frees it
+        with the agent."""
+        try:
+            with self.lock:
+                handle.release()
+        except Exception as e:
+            log.debug("nixl: release of %r failed: %s", handle, e)
+
+    def close(self) -> None:
+        with self.lock:
+            if self._reg is not None:
+                try:
+                    self.nixl.deregister_memory(self._reg)
+                except Exception as e:
+                    log.debug("nixl %s: deregister failed: %s", self.name, e)
+                self._reg = None
+
 
 
 def import_nixl_api() -> Any:

@@ -59,12 +59,12 @@ from kvtransfer.io_cpus import start_io_thread
 from kvtransfer.landing import LandingReceiver
 from kvtransfer.layout import KVLayout
 from kvtransfer.nixl_agent import (
+    Agent,
     Backoff,
     Doorbell,
     Ringer,
     data_notif,
     handed_after,
-    make_agent,
     mem_of,
     piece_offsets,
     split_endpoint,
@@ -112,12 +112,8 @@ class NixlSender(KVSender):
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
         super().__init__(config, on_failed)
         self.out = Outbound(self.book, self.backend_name)
-        self._agent = make_agent(self.config, "prefill")
-        self._agent_lock = threading.Lock()
-        self._reg: Any = None
-        self._metadata = b""
+        self._agent = Agent(self.config, "prefill")
         self._hello = b""
-        self._known: set[str] = set()
         self._ringer = Ringer()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -127,10 +123,8 @@ class NixlSender(KVSender):
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.out.register(kv_caches, layout)
         tensors = [t for pair in kv_caches for t in pair]
-        with self._agent_lock:
-            self._reg = self._agent.register_memory(tensors)
-            self._metadata = self._agent.get_agent_metadata()
-        self._hello = hello_payload(layout, self._agent.name, self._metadata)  # the same for every request
+        self._agent.register(tensors)
+        self._hello = hello_payload(layout, self._agent.name, self._agent.metadata)  # the same for every request
         self._bases = [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches]
         self._mem = mem_of(tensors[0])
 
@@ -142,13 +136,10 @@ class NixlSender(KVSender):
         for leg in entry.ctx.legs:
             d = leg.dest
             try:
-                if d.agent_name not in self._known:
-                    with self._agent_lock:
-                        name = self._agent.add_remote_agent(d.agent_metadata)
-                    name = name.decode() if isinstance(name, bytes) else str(name)
+                if d.agent_name not in self._agent.known:
+                    name = self._agent.add_remote(d.agent_metadata)
                     if name != d.agent_name:
                         raise ValueError(f"agent metadata names {name!r}, destination says {d.agent_name!r}")
-                    self._known.add(name)
             except Exception as e:
                 self.book.fail(entry, f"sender: cannot add NIXL agent {d.agent_name}: {e}")
                 return
@@ -163,8 +154,7 @@ class NixlSender(KVSender):
             lp.nbytes = 2 * int(lp.lens.sum())
             try:
                 lp.hello_at = time.monotonic()
-                with self._agent_lock:
-                    self._agent.send_notif(lp.remote, control(Kind.HELLO, leg.dest.transfer_id, hello))
+                self._agent.send(lp.remote, control(Kind.HELLO, leg.dest.transfer_id, hello))
             except Exception as e:
                 self.book.fail(entry, f"sender: HELLO to {lp.remote} failed: {e}")
                 return
@@ -227,13 +217,7 @@ class NixlSender(KVSender):
         for entry in self.book.entries():
             self._drain(entry)
         self._ringer.close()
-        with self._agent_lock:
-            if self._reg is not None:
-                try:
-                    self._agent.deregister_memory(self._reg)
-                except Exception as e:
-                    log.debug("nixl sender: deregister failed: %s", e)
-                self._reg = None
+        self._agent.close()
 
     # ---- posting and progress
     def _prepare(self, leg: Leg) -> None:
@@ -249,9 +233,9 @@ class NixlSender(KVSender):
                 remote[at : at + n, 0] = lp.dst_off + np.uint64(dst_bases[kv])
         local[:, 1] = remote[:, 1] = np.tile(lp.lens, 2 * layers)
         local[:, 2], remote[:, 2] = self._mem[1], leg.dest.device_id
-        with self._agent_lock:
-            src = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, self._mem[0])
-            dst = self._agent.prep_xfer_dlist(lp.remote, remote, leg.dest.mem_type)
+        with self._agent.lock:
+            src = self._agent.nixl.prep_xfer_dlist("NIXL_INIT_AGENT", local, self._mem[0])
+            dst = self._agent.nixl.prep_xfer_dlist(lp.remote, remote, leg.dest.mem_type)
         with self.book.lock:
             lp.dlists = (src, dst)
         handles = [self._make_write(leg, layer) for layer in range(layers)]
@@ -265,8 +249,8 @@ class NixlSender(KVSender):
         n = 2 * len(lp.lens)
         rows = np.arange(layer * n, (layer + 1) * n, dtype=np.int32)
         notif = _data_header(leg, layer)
-        with self._agent_lock:
-            return self._agent.make_prepped_xfer("WRITE", lp.dlists[0], rows, lp.dlists[1], rows, notif)
+        with self._agent.lock:
+            return self._agent.nixl.make_prepped_xfer("WRITE", lp.dlists[0], rows, lp.dlists[1], rows, notif)
 
     def _take_write(self, leg: Leg, layer: int) -> Any:
         lp: _LegPlan = leg.peer
@@ -288,15 +272,14 @@ class NixlSender(KVSender):
         try:
             handle = self._take_write(leg, layer)
             notif = data_notif(_data_header(leg, layer), handed - lp.hello_at)
-            with self._agent_lock:
-                state = self._agent.transfer(handle, notif)
+            with self._agent.lock:
+                state = self._agent.nixl.transfer(handle, notif)
         except Exception as e:
             self.book.fail(entry, f"sender: posting layer {layer} to {lp.remote} failed: {e}", notify_peer=True)
             return
         if state == "ERR":
             self.book.fail(entry, f"sender: NIXL refused layer {layer} to {lp.remote}", notify_peer=True)
-            with self._agent_lock:
-                handle.release()
+            self._agent.release(handle)
             return
         with self.book.lock:
             lp.pending.append((layer, handle))
@@ -310,18 +293,8 @@ class NixlSender(KVSender):
                 pending, lp.pending, lp.waiting = lp.pending, [], []
                 unposted, lp.handles = [h for h in lp.handles if h is not None], []
                 dlists, lp.dlists = lp.dlists, None
-            for handle in [h for _, h in pending] + unposted:
-                try:
-                    with self._agent_lock:
-                        handle.release()
-                except Exception as e:  # an in-flight handle may refuse; NIXL frees it with the agent
-                    log.debug("nixl sender: release of in-flight handle failed: %s", e)
-            for dlist in dlists or ():
-                try:
-                    with self._agent_lock:
-                        dlist.release()
-                except Exception as e:
-                    log.debug("nixl sender: release of a prepared descriptor list failed: %s", e)
+            for handle in [h for _, h in pending] + unposted + list(dlists or ()):
+                self._agent.release(handle)
 
     def _progress(self) -> None:
         pace = Backoff(self.config.poll_interval_s)
@@ -347,8 +320,7 @@ class NixlSender(KVSender):
             for leg in entry.ctx.legs:
                 self._advance(entry, leg)
                 busy = busy or self._urgent(entry, leg)
-        with self._agent_lock:
-            notifs = self._agent.get_new_notifs()
+        notifs = self._agent.get_new_notifs()
         for remote, msgs in notifs.items():
             for msg in msgs:
                 self._on_notif(remote, bytes(msg))
@@ -384,8 +356,7 @@ class NixlSender(KVSender):
         if entry.ctx.finish_requested and not lp.finish_sent and leg.layers_sent >= num_layers:
             lp.finish_sent = True
             try:
-                with self._agent_lock:
-                    self._agent.send_notif(lp.remote, control(Kind.FINISH, leg.dest.transfer_id))
+                self._agent.send(lp.remote, control(Kind.FINISH, leg.dest.transfer_id))
             except Exception as e:
                 self.book.fail(entry, f"sender: FINISH to {lp.remote} failed: {e}")
 
@@ -399,11 +370,11 @@ class NixlSender(KVSender):
         with self.book.lock:
             candidates = [p for p in lp.pending if only_layer is None or p[0] == only_layer]
         for layer, handle in candidates:
-            with self._agent_lock:  # held from the membership check to the release: no other thread can free it
+            with self._agent.lock:  # held from the membership check to the release: no other thread can free it
                 with self.book.lock:
                     if (layer, handle) not in lp.pending:
                         continue  # collected by the other thread, or taken by _drain, which releases it
-                state = self._agent.check_xfer_state(handle)
+                state = self._agent.nixl.check_xfer_state(handle)
                 if state == "PROC":
                     continue
                 with self.book.lock:
@@ -436,8 +407,7 @@ class NixlSender(KVSender):
     def _notify_peer(self, entry: Entry, message: str) -> None:
         for leg in entry.ctx.legs:
             if leg.peer is not None:
-                with self._agent_lock:
-                    self._agent.send_notif(leg.peer.remote, control(Kind.FAIL, leg.dest.transfer_id, message.encode()))
+                self._agent.send(leg.peer.remote, control(Kind.FAIL, leg.dest.transfer_id, message.encode()))
                 self._ringer.ring(leg.peer.bell)  # the receiver frees its blocks now, not at its next tick
 
 
@@ -484,13 +454,9 @@ class NixlReceiver(LandingReceiver):
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
         super().__init__(config, on_failed)
-        self._agent = make_agent(self.config, "decode")
-        self._agent_lock = threading.Lock()
+        self._agent = Agent(self.config, "decode")
         self._bell = Doorbell(self.config.host)  # the senders ring it when a transfer's last layer is written
-        self._metadata = b""
         self._regions: tuple[tuple[int, int], ...] = ()
-        self._reg: Any = None
-        self._known: set[str] = set()
         self._stop = threading.Event()
         self._reserved = threading.Event()  # set by reserve: the watcher starts polling
         self._pace: dict[int, _Pace] = {}  # transfer id -> timing, from its HELLO on (watcher thread only)
@@ -501,9 +467,7 @@ class NixlReceiver(LandingReceiver):
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.landing.register(kv_caches, layout)
         tensors = [t for pair in kv_caches for t in pair]
-        with self._agent_lock:
-            self._reg = self._agent.register_memory(tensors)
-            self._metadata = self._agent.get_agent_metadata()
+        self._agent.register(tensors)
         self._regions = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
         self._mem = mem_of(tensors[0])
 
@@ -512,7 +476,7 @@ class NixlReceiver(LandingReceiver):
     ) -> DestinationInfo:
         dest = self.landing.reserve(
             request_id, dst_block_ids, num_tokens, deadline_s, endpoint=self._bell.endpoint,
-            agent_name=self._agent.name, agent_metadata=self._metadata, regions=self._regions,
+            agent_name=self._agent.name, agent_metadata=self._agent.metadata, regions=self._regions,
             mem_type=self._mem[0], device_id=self._mem[1],
         )
         self._reserved.set()
@@ -524,21 +488,11 @@ class NixlReceiver(LandingReceiver):
         self._thread.join(self.config.close_timeout_s * 0.6)
         self.book.stop(self.config.close_timeout_s * 0.2)
         self._bell.close()
-        with self._agent_lock:
-            if self._reg is not None:
-                try:
-                    self._agent.deregister_memory(self._reg)
-                except Exception as e:
-                    log.debug("nixl receiver: deregister failed: %s", e)
-                self._reg = None
-
-    def _send(self, agent_name: str, msg: bytes) -> None:
-        with self._agent_lock:
-            self._agent.send_notif(agent_name, msg)
+        self._agent.close()
 
     def _notify_peer(self, entry: Entry, message: str) -> None:
         for peer in list(entry.ctx.peers):
-            self._send(peer, control(Kind.FAIL, entry.ctx.transfer_id, message.encode()))
+            self._agent.send(peer, control(Kind.FAIL, entry.ctx.transfer_id, message.encode()))
 
     def _watch(self) -> None:
         """Poll the agent's notifications, as rarely as the critical path allows: every wake-up is taken from the
@@ -575,8 +529,7 @@ class NixlReceiver(LandingReceiver):
                 return
             self._poll_prev, self._poll_now = self._poll_now, time.monotonic()
             try:
-                with self._agent_lock:
-                    notifs = self._agent.get_new_notifs()
+                notifs = self._agent.get_new_notifs()
             except Exception:
                 log.exception("nixl receiver: get_new_notifs failed")
                 continue
@@ -637,22 +590,20 @@ class NixlReceiver(LandingReceiver):
         if frame.kind == Kind.HELLO:
             try:
                 layout, name, metadata = parse_hello(payload)
-                if name not in self._known:
-                    with self._agent_lock:
-                        self._agent.add_remote_agent(metadata)
-                    self._known.add(name)
+                if name not in self._agent.known:
+                    self._agent.add_remote(metadata)
                 self.landing.on_hello(entry, layout, name)
                 if frame.transfer_id not in self._pace:  # the first sender's HELLO starts the clock
                     self._pace[frame.transfer_id] = _Pace(max(self._poll_prev, entry.started), self._poll_now)
             except ValueError as e:
-                self._refuse_hello(entry, remote if remote in self._known else None, e)
+                self._refuse_hello(entry, remote if remote in self._agent.known else None, e)
         elif frame.kind == Kind.DATA:  # NIXL delivers this after the layer's WRITE completed
             pace, offset = self._pace.get(frame.transfer_id), handed_after(msg)
             if pace is not None and offset is not None:
                 pace.note(frame.layer, offset, self._poll_now)
             if self.landing.landed(entry, frame.layer, frame.payload_len):
                 for peer in list(entry.ctx.peers):
-                    self._send(peer, control(Kind.ACK, frame.transfer_id))
+                    self._agent.send(peer, control(Kind.ACK, frame.transfer_id))
         elif frame.kind == Kind.FINISH:
             self.landing.on_finish(entry)
         elif frame.kind == Kind.FAIL:

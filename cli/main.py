@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                       choices=["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"])
     init.add_argument("--size", default="tiny", choices=["tiny", "small"])
     init.add_argument("--seed", type=int, default=0)
+    from cli.quantize import add_quantize_args
+
+    add_quantize_args(model.add_parser("quantize", help="write an HF checkpoint quantized (compressed-tensors W8A16 "
+                                                        "or W4A16, or GPTQ/AWQ layouts)"))
 
     gen = sub.add_parser("generate", help="offline generation")
     gen.add_argument("--model", required=True)
@@ -337,6 +341,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "model":
+        if args.model_command == "quantize":
+            from cli.quantize import run_quantize
+
+            return run_quantize(args)
         return _cmd_init_tiny(args)
     if args.command == "generate":
         return _cmd_generate(args)

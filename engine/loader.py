@@ -1,6 +1,7 @@
 """Loading an unmodified HF checkpoint directory: config, safetensors shards (single file or indexed) and weights.
 
 Tensors stream shard by shard (memory-mapped by safetensors), so peak memory is the model plus one tensor.
+Quantized checkpoints (``quantization_config``: compressed-tensors, GPTQ, AWQ) load through :mod:`engine.quant`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from safetensors import safe_open
 
 from engine.model_config import ModelConfig
 from engine.models.decoder import AllReduce, CausalLM, Pipe, ShardSpec, _identity
+from engine.quant.scheme import scheme_from_config
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -50,13 +52,24 @@ def load_model(
     pipe: Pipe | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     cfg = ModelConfig.from_dir(model_dir)
+    scheme = scheme_from_config(json.loads((Path(model_dir) / "config.json").read_text()))
     positions = max_positions or cfg.max_position_embeddings
     with torch.device("cpu"):
         model = CausalLM(cfg, dtype, positions, shard=shard, tp_reduce=tp_reduce, ep_reduce=ep_reduce, pipe=pipe)
-    model.load_weights(iter_weights(model_dir))
+    if scheme is None:
+        model.load_weights(iter_weights(model_dir))
+    else:  # dequantized into the dense parameters, then (CPU) the integers replace them under a kernel
+        from engine.quant.reader import QuantizedCheckpoint  # imports compressed-tensors: only for such checkpoints
+
+        quantized = QuantizedCheckpoint(scheme, iter_weights(model_dir))
+        model.load_weights(quantized.weights())
     model.eval()
     if device != "cpu":
         model.to(device)
     else:
+        if scheme is not None:
+            from engine.quant.attach import attach_kernels
+
+            attach_kernels(model, quantized.matrices)
         model.prepack()
     return model, cfg

@@ -83,7 +83,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     - **Unpacked weights** (MoE experts, sliced per call): oneDNN for 8 or more rows or a large weight, where MKL
       reaches about half of oneDNN on the skinny-K shapes of small models (75 vs 170 GFLOP/s at 4096x256x1376 on
       one core); MKL otherwise.
+    - **Quantized weights** (``weight.quant``, attached by :mod:`engine.quant.attach`): that weight-only kernel.
     """
+    quant = getattr(weight, "quant", None)
+    if quant is not None:
+        return quant(x, bias)
     if _ONEDNN and x.device.type == "cpu" and x.dim() == 2:
         packed = getattr(weight, "packed", None)
         if x.shape[0] <= _MKL_MAX_ROWS and x.dtype is torch.float32 and weight.numel() < _MKL_GEMV_MAX_WEIGHT:

@@ -66,7 +66,7 @@ def measure_overlap(model: str, backend: str, prompt_len: int, threads: int | No
     """``repeats`` fresh prompts (no prefix-cache hit between them) through one prefill/decode pair; the report's
     figures are the medians, every run listed in ``runs``. Both KV pools hold every run's blocks, so no run pays
     for evicting an earlier one's cached blocks and the repeats measure the same thing."""
-    from prefill_worker.service import PrefillService
+    from worker.prefill_service import PrefillService
     from worker.server import build_service
 
     blocks = max(512, (2 * repeats + 2) * (prompt_len // 16 + 1))  # each run: the request and the serial copy

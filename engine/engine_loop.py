@@ -2,8 +2,9 @@
 
 The engine is single-threaded by design. Server threads never touch it directly: they hand it closures with
 :meth:`EngineLoop.call` (run between two steps, result through a ``Future``) and read each request's outputs from
-its own queue. The loop steps whenever there is work, runs ``hooks`` after every step (transfer polling, KV
-event publishing) and otherwise sleeps on a condition until a command arrives or the hook interval passes.
+its own queue. The loop steps whenever there is work, runs ``hooks`` after every step (KV event publishing,
+parking) and otherwise sleeps on a condition until a command arrives or the idle interval passes (longer while
+the only requests wait for remote KV: the engine's KV connector says how long, and a finished transfer wakes it).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ class EngineLoop:
         self._wake = threading.Condition()
         self._streams: dict[str, OutputSink] = {}
         self._hooks: list[Callable[[], None]] = []
-        self.after_layer: Callable[[int], None] | None = None
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
@@ -65,13 +65,6 @@ class EngineLoop:
             self._cmds.append((fn, fut))
             self._wake.notify()
         return fut
-
-    def wait_for_command(self, timeout: float) -> None:
-        """For a hook on the loop thread with nothing to do until something arrives: block until a command is
-        queued (any ``call``) or the loop is stopped, at most ``timeout`` seconds."""
-        with self._wake:
-            if not self._cmds and not self._stop:
-                self._wake.wait(timeout)
 
     def call_sync(self, fn: Callable[[LLMEngine], T], timeout: float | None = 30.0) -> T:
         return self.call(fn).result(timeout)
@@ -113,8 +106,8 @@ class EngineLoop:
         try:
             while True:
                 with self._wake:
-                    if not self._cmds and not eng.has_unfinished() and not self._stop:
-                        self._wake.wait(self.idle_interval_s)
+                    if not self._cmds and not eng.has_runnable() and not self._stop:
+                        self._wake.wait(eng.idle_wait_s(self.idle_interval_s))
                     if self._stop:
                         break
                     cmds = list(self._cmds)
@@ -126,7 +119,7 @@ class EngineLoop:
                         except BaseException as e:  # handed to the caller
                             fut.set_exception(e)
                 if eng.has_unfinished():
-                    for out in eng.step(self.after_layer):
+                    for out in eng.step():
                         self.publish(out)
                 for hook in self._hooks:
                     hook()

@@ -2,6 +2,8 @@
 
 Block tables are append-only: a running request only ever gains blocks, and loses them all at once when it finishes
 or is preempted. A full block is published to the prefix cache as soon as the step that computes it is scheduled.
+A finished request's table can be *held* instead of freed (a KV connector still sends from it): its blocks keep
+their reference, and stay findable in the prefix cache, until :meth:`KVCacheManager.free_held`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ class KVCacheManager:
         self.block_tables: dict[str, list[KVBlock]] = {}
         self._ids: dict[str, list[int]] = {}  # block ids of each table, kept in step (append-only)
         self._num_cached_blocks: dict[str, int] = {}
+        self.held: dict[str, list[KVBlock]] = {}  # tables of finished requests whose blocks a send still reads
 
     def block_ids(self, request_id: str) -> list[int]:
         return self._ids.get(request_id, [])
@@ -100,3 +103,23 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request.request_id, None)
         if table:
             self.pool.free_blocks(reversed(table))
+
+    def hold(self, request: Request) -> None:
+        """Take ``request``'s table out of the live ones without freeing its blocks (see :meth:`free_held`)."""
+        table = self.block_tables.pop(request.request_id, None)
+        self._ids.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if table:
+            self.held.setdefault(request.request_id, []).extend(table)
+
+    def free_held(self, request_id: str) -> int:
+        """Free the blocks held for ``request_id``; how many there were."""
+        table = self.held.pop(request_id, None)
+        if not table:
+            return 0
+        self.pool.free_blocks(reversed(table))
+        return len(table)
+
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(t) for t in self.held.values())

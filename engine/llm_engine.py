@@ -2,6 +2,10 @@
 
 One ``step()`` = schedule → forward → sample → append tokens → check stops → free finished requests. The engine is
 single-threaded and synchronous; workers drive it from their own loop.
+
+A disaggregated role attaches a KV connector (``engine/kv_connector.py``): each step then starts with the
+connector's finished transfers (held blocks freed, landed requests joining the batch, failed ones ended) and each
+layer's forward is followed by the connector's ``save_kv_layer``. Without one (colocated) none of that runs.
 """
 
 from __future__ import annotations
@@ -10,7 +14,6 @@ import gc
 import itertools
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -24,13 +27,14 @@ from engine.cpu_runtime import configure_cpu_runtime
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import allocate_kv_cache, num_blocks_for
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import EngineKV, FinishedTransfers, KVConnector, LoadDone
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.models.decoder import AllReduce, Attention, Pipe, ShardSpec, _identity
 from engine.request import Request, RequestStatus, TokenLogprobs
 from engine.sampler import Sampler, SampleResult
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 from engine.structured.compiler import GrammarCompiler
 from engine.tokenizer import Tokenizer
 
@@ -111,7 +115,7 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
-        self.current_step: SchedulerOutput | None = None  # set while a step's forward pass runs
+        self.connector: KVConnector | None = None
         self.num_steps = 0
         self.num_scheduled_tokens = 0
         self.step_seconds = 0.0
@@ -159,15 +163,42 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, eos)
         return self._grammars
 
+    def attach_connector(self, connector: KVConnector) -> None:
+        """Make this engine one side of a disaggregated pair (see ``engine/kv_connector.py``); once, before work."""
+        if self.connector is not None or self.scheduler.has_unfinished():
+            raise RuntimeError("a KV connector is attached once, to an idle engine")
+        self.connector = connector
+        self.scheduler.connector = connector
+        connector.register_kv_caches(EngineKV(self.kv_caches, self.model_config.num_layers, self.block_size,
+                                              self.kv.block_ids))
+
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     stream_text: bool = False) -> str:
         req = self.make_request(prompt, params, request_id, stream_text)
-        try:
-            self.scheduler.add(req)
-        except ValueError:
-            self._detok.pop(req.request_id, None)
-            raise
+        if not self.add(req):
+            raise ValueError(f"request {req.request_id!r}: not enough free KV blocks for its remote KV")
         return req.request_id
+
+    def add(self, request: Request) -> bool:
+        """Queue a request from :meth:`make_request`. False (nothing kept) only when the connector has its prompt's
+        KV come from another engine and the blocks for it are not free now; ValueError if it can never run. A
+        request waiting for remote KV has its blocks reserved and its receive started when this returns."""
+        rid = request.request_id
+        try:
+            added = self.scheduler.add(request)
+        except ValueError:
+            self._detok.pop(rid, None)
+            raise
+        if not added:
+            self._detok.pop(rid, None)
+            return False
+        if self.connector is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            try:
+                self.connector.start_load_kv(request, list(self.kv.block_ids(rid)))
+            except Exception:
+                self.abort([rid])
+                raise
+        return True
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []
@@ -177,23 +208,36 @@ class LLMEngine:
         return outputs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests not finished, or the connector's transfers still in flight (a step polls them)."""
+        return self.scheduler.has_unfinished() or (self.connector is not None and self.connector.has_pending())
+
+    def has_runnable(self) -> bool:
+        """Requests a step can compute (not those waiting for remote KV): without any, a loop may sleep."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def idle_wait_s(self, default: float) -> float:
+        """How long a loop with nothing runnable may sleep: the connector's wait while requests wait for remote
+        KV (its finished transfers wake the loop), else ``default``."""
+        c = self.connector
+        if c is not None and c.remote_wait_s is not None and self.scheduler.remote:
+            return c.remote_wait_s
+        return default
 
     # ---- the loop ------------------------------------------------------------------------------------------
 
-    def step(self, after_layer: Callable[[int], None] | None = None) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        c = self.connector
+        outputs = self._apply(c.get_finished()) if c is not None else []
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         if not sched:
-            return []
-        self.current_step = sched
-        try:
-            reqs, result = self.runner.execute(sched, after_layer)
-        finally:
-            self.current_step = None
+            return outputs
+        if c is not None:
+            c.bind_step(sched.requests, sched.num_new_tokens)
+        reqs, result = self.runner.execute(sched, None if c is None else c.save_kv_layer)
         self.scheduler.finish_step(sched)
-        outputs = self._process(reqs, result)
+        outputs += self._process(reqs, result)
         self.num_steps += 1
         self.num_scheduled_tokens += sched.total_tokens
         t2 = time.perf_counter()
@@ -232,24 +276,33 @@ class LLMEngine:
             self._detok.pop(req.request_id, None)
         return out
 
-    # ---- disaggregated decode: KV computed elsewhere ------------------------------------------------------------
+    # ---- the KV connector's finished transfers -------------------------------------------------------------------
 
-    def reserve_remote(self, request: Request) -> list[int] | None:
-        """Reserve blocks for ``request``'s prompt, whose KV another engine will write. None if blocks are short."""
-        if not self.scheduler.add_remote(request, request.num_prompt_tokens):
-            self._detok.pop(request.request_id, None)
+    def _apply(self, done: FinishedTransfers) -> list[RequestOutput]:
+        if not done:
+            return []
+        for rid in done.sent:
+            self.scheduler.free_held(rid)
+        outputs = []
+        for failed in done.failed:
+            out = self.finish_request(failed.request_id, RequestStatus.FINISHED_ERROR)
+            if out is not None:
+                out.new_text = failed.message
+                outputs.append(out)
+        for loaded in done.loaded:
+            out = self._start_loaded(loaded)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _start_loaded(self, loaded: LoadDone) -> RequestOutput | None:
+        """The prompt's KV landed and the remote engine sampled the first token: accept it, join the batch."""
+        req = self.scheduler.remote.get(loaded.request_id)
+        if req is None:  # ended meanwhile (aborted)
             return None
-        return list(self.kv.block_ids(request.request_id))
-
-    def start_remote_decode(self, request_id: str, first_token: int, first_logprob: TokenLogprobs | None) -> \
-            RequestOutput:
-        """The prompt's KV landed and prefill sampled ``first_token``: accept it and join the running batch."""
-        req = self.scheduler.remote.get(request_id)
-        if req is None:
-            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
-        out = self._accept_token(req, first_token, first_logprob, time.monotonic())
+        out = self._accept_token(req, loaded.first_token, loaded.first_logprob, time.monotonic())
         if not req.is_finished:
-            self.scheduler.remote_kv_ready(request_id, req.num_prompt_tokens)
+            self.scheduler.remote_kv_ready(req.request_id, req.num_prompt_tokens)
         return out
 
     def finish_request(self, request_id: str, status: RequestStatus) -> RequestOutput | None:
@@ -312,6 +365,8 @@ class LLMEngine:
             raise AssertionError(f"{self.scheduler.num_unfinished} requests still live")
         if self.kv.block_tables:
             raise AssertionError(f"block tables left for {list(self.kv.block_tables)[:5]}")
+        if self.kv.held:
+            raise AssertionError(f"blocks still held for sends of {list(self.kv.held)[:5]}")
         self.pool.check_accounting()
 
     @property

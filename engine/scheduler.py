@@ -8,7 +8,8 @@ prefix cache), its ``num_computed_tokens`` drops to zero and it returns to the f
 recomputed later, mostly from cache.
 
 Requests in ``WAITING_FOR_REMOTE_KV`` hold their blocks but are not scheduled until the KV arrives
-(:meth:`Scheduler.remote_kv_ready`).
+(:meth:`Scheduler.remote_kv_ready`). With a KV connector (``engine/kv_connector.py``) the connector decides which new
+requests wait for remote KV, and which finished requests' blocks stay held for a send until :meth:`free_held`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVConnector
 from engine.request import Request, RequestStatus
 
 
@@ -39,9 +41,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 connector: KVConnector | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.connector = connector
         # A sequence longer than the whole cache would preempt itself forever.
         self.max_model_len = min(max_model_len, kv.pool.num_blocks * kv.block_size)
         self.waiting: deque[Request] = deque()
@@ -49,7 +53,9 @@ class Scheduler:
         self.remote: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request) -> bool:
+        """Queue ``request``. False only for a request whose remote KV (the connector's call) needs more blocks than
+        are free now; nothing is kept then. ValueError if it can never run."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         need = self.kv.blocks_needed(request.num_tokens + 1)
@@ -60,8 +66,13 @@ class Scheduler:
                 f"prompt of {request.num_tokens} tokens leaves no room to generate within max_model_len="
                 f"{self.max_model_len}"
             )
+        if self.connector is not None:
+            num_remote = self.connector.num_remote_tokens(request)
+            if num_remote:
+                return self.add_remote(request, num_remote)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        return True
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.remote)
@@ -127,7 +138,8 @@ class Scheduler:
             req.num_computed_tokens += n
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """Move a request to a finished state and free its blocks. Idempotent."""
+        """Move a request to a finished state and free its blocks, or hold them if the connector still sends from
+        them (freed by :meth:`free_held`). Idempotent."""
         if req.is_finished:
             return
         req.status = status
@@ -138,8 +150,16 @@ class Scheduler:
                 self.waiting.remove(req)
             except ValueError:
                 self.remote.pop(req.request_id, None)
-        self.kv.free(req)
+        if self.connector is not None and self.connector.request_finished(req, list(self.kv.block_ids(
+                req.request_id))):
+            self.kv.hold(req)
+        else:
+            self.kv.free(req)
         del self.requests[req.request_id]
+
+    def free_held(self, request_id: str) -> int:
+        """Free the blocks held for a finished request's send; how many (0 if none are held)."""
+        return self.kv.free_held(request_id)
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         aborted = []

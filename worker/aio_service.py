@@ -211,17 +211,17 @@ class AioWorker(pb_grpc.WorkerServicer):
 
     async def Reserve(self, request: pb.ReserveRequest,
                       context: grpc.aio.ServicerContext[Any, Any]) -> pb.ReserveResponse:
-        from decode_worker.service import DecodeService
+        from worker.decode_service import DecodeService
 
         svc = self.svc
         await self._refuse_if_draining(context)
-        if not isinstance(svc, DecodeService) or svc.receiver is None:
+        if not isinstance(svc, DecodeService) or svc.connector is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker has no KV receiver")
-        assert isinstance(svc, DecodeService) and svc.receiver is not None
+        assert isinstance(svc, DecodeService)
         params = await self._params(request.params, context)
         rid = request.request_id or uuid.uuid4().hex
         try:
-            resp = await self._on_loop(svc.reserve_op(request, params, rid, svc.receiver))
+            resp = await self._on_loop(svc.reserve_op(request, params, rid))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if resp is None:
@@ -231,7 +231,7 @@ class AioWorker(pb_grpc.WorkerServicer):
 
     async def Decode(self, request: pb.DecodeRequest,
                      context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.TokenChunk]:
-        from decode_worker.service import DecodeService
+        from worker.decode_service import DecodeService
 
         svc = self.svc
         rid = request.request_id
@@ -247,7 +247,7 @@ class AioWorker(pb_grpc.WorkerServicer):
 
     async def Prefill(self, request: pb.PrefillRequest,
                       context: grpc.aio.ServicerContext[Any, Any]) -> pb.PrefillResponse:
-        from prefill_worker.service import PrefillService
+        from worker.prefill_service import PrefillService
 
         svc = self.svc
         await self._refuse_if_draining(context)

@@ -115,11 +115,11 @@ def model_key(engine: LLMEngine) -> str:
 def build_service(args: argparse.Namespace, transfer: TransferConfig | None = None) -> WorkerService:
     """The worker's engine and service from its flags; ``transfer`` when the caller has already built (and so
     checked) the KV transport's config from them."""
-    from decode_worker.service import DecodeService
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
     from kvtransfer import get_backend
-    from prefill_worker.service import PrefillService
+    from worker.decode_service import DecodeService
+    from worker.prefill_service import PrefillService
 
     engine = LLMEngine(EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -134,16 +134,15 @@ def build_service(args: argparse.Namespace, transfer: TransferConfig | None = No
     transfer = transfer or transfer_config(args)
     service: WorkerService
     if args.role == "prefill":
-        sender = sender_cls(transfer)
-        sender.register(engine.kv_caches, layout)
-        service = PrefillService(engine, sender, layout, args.kv_backend, args.worker_id)
+        # The service attaches its KV connector to the engine, which registers the KV cache with the sender.
+        prefill = PrefillService(engine, sender_cls(transfer), layout, args.kv_backend, args.worker_id)
         if args.debug_stall_after_layer is not None:
-            service.stall = (args.debug_stall_after_layer, args.debug_stall_seconds)
-        service.transfer_delay_s = args.debug_transfer_delay_ms / 1000.0
+            prefill.connector.stall = (args.debug_stall_after_layer, args.debug_stall_seconds)
+        prefill.connector.transfer_delay_s = args.debug_transfer_delay_ms / 1000.0
+        service = prefill
     else:
-        receiver = receiver_cls(transfer)
-        receiver.register(engine.kv_caches, layout)
-        service = DecodeService(engine, receiver, layout, args.kv_backend, args.worker_id, role=args.role)
+        service = DecodeService(engine, receiver_cls(transfer), layout, args.kv_backend, args.worker_id,
+                                role=args.role)
     service.parking.stall_timeout_s = args.stream_stall_timeout
     return service
 

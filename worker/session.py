@@ -28,21 +28,19 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from auth.tls_socket import DuplexTLS
-from engine.engine_loop import END
+from engine.engine_loop import END, EngineLoop
 from engine.llm_engine import LLMEngine, RequestOutput
 from kvtransfer.sockio import close_socket
 from proto.tandem.v1 import worker_pb2 as pb
 from wire.framing import FrameBuffer, FrameError, frame, read_frames, tune_session_socket
 from worker.convert import chunk_from_outputs, params_from_proto
-
-if TYPE_CHECKING:
-    from worker.service import WorkerService
+from worker.parking import Parking
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +48,22 @@ _CLOSE = object()  # put on the outputs queue when the session ends
 MAX_REPLY_CHUNKS = 1024  # chunks per SessionReply: a reply stays far below the router's 64 MiB receive limit
 MAX_SESSION_CONNECTIONS = 256  # one per router process is the norm; beyond this a connection is closed at once
 _TICK_S = 1.0  # how often an idle reply thread looks for requests that have produced nothing for too long
+
+
+class SessionHost(Protocol):
+    """What a session needs of its worker (``worker/service.py``'s WorkerService is one), so that this module does
+    not import the service that imports it."""
+
+    loop: EngineLoop
+    parking: Parking
+    refuse_colocated: str
+    draining: bool
+    worker_id: str
+    request_timeout_s: float
+
+    def abort_quietly(self, eng: LLMEngine, rid: str) -> None: ...
+
+    def error_code(self, rid: str) -> grpc.StatusCode: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -84,7 +98,7 @@ class _Relay:
 
 
 class WorkerSession:
-    def __init__(self, service: WorkerService) -> None:
+    def __init__(self, service: SessionHost) -> None:
         self.service = service
         self.q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -337,7 +351,7 @@ class SessionListener:
     a mutual TLS handshake in its own thread: a client without a certificate from the cluster's CA is dropped
     before it can send a request."""
 
-    def __init__(self, service: WorkerService, host: str, port: int = 0,
+    def __init__(self, service: SessionHost, host: str, port: int = 0,
                  max_connections: int = MAX_SESSION_CONNECTIONS, tls: ssl.SSLContext | None = None) -> None:
         self.service = service
         self.max_connections = max_connections

@@ -1,0 +1,191 @@
+"""Decode role: the engine's KV connector that lands each prompt's KV from its prefill worker. Lifecycle, as queues::
+
+    Prealloc ──► Transfer ──► Waiting ──► Running ──► finished
+    (Reserve:    (KV landing   (KV landed,   (continuous batching
+     blocks       layer by      waiting for   with every other
+     reserved)    layer)        first token)  request)
+
+- **Prealloc** (:class:`Prealloc`): ``Reserve`` announces the request here, then adds it to the engine; the engine
+  asks ``num_remote_tokens``, reserves blocks for the whole prompt (``WAITING_FOR_REMOTE_KV``) and calls
+  ``start_load_kv``, which opens a receive lease on them. The reply carries the destination and our compatibility
+  hash. No blocks → RESOURCE_EXHAUSTED, so the caller can pick another decode worker before any prefill work.
+- **Transfer** (:class:`Transfer`): the receiver reports progress; prefill death, lease expiry or a refused handshake
+  become an explicit failure with a message (``get_finished``), which ends the request in the engine, frees its
+  blocks and reaches the caller's stream.
+- **Waiting** (:class:`Waiting`): decode can start only when both the last layer has landed and ``Decode`` has
+  delivered the first token (sampled by prefill). Whichever comes second makes the request loaded; the engine
+  accepts the token and moves it to Running. A request whose first token does not arrive within its lease fails.
+- **Running**: an ordinary engine request; the next token is computed from the received KV.
+
+While the only requests wait for KV the engine has nothing to compute, and a loop stepping empty schedules back to
+back would take a core and the GIL from the transport threads that land the bytes. ``remote_wait_s`` lets the
+engine loop sleep instead: every RPC is a command that wakes it, and so is a finished transfer (the receiver's
+``on_done`` wakes it), so only a failure or an expired lease waits for that backstop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.kv_connector import EngineKV, FinishedTransfers, KVConnector, LoadDone, LoadFailed
+from engine.request import Request, TokenLogprobs
+from kvtransfer.base import DestinationInfo, KVReceiver, TransferState
+from kvtransfer.layout import KVLayout
+
+log = logging.getLogger(__name__)
+REMOTE_ONLY_WAIT_S = 0.05  # the engine loop's backstop while only transfers are pending: how late a failure is seen
+FAILED_MEMORY = 1024  # why recent requests failed, kept for a Decode call that arrives after the failure
+
+
+@dataclass(slots=True)
+class Landing:
+    """A reserved request: its lease, its destination and, once ``Decode`` delivered it, its first token."""
+
+    deadline_s: float
+    dest: DestinationInfo
+    num_blocks: int
+    first_token: int | None = None
+    first_logprob: TokenLogprobs | None = None
+
+
+class Prealloc:
+    """Requests announced by ``Reserve`` whose blocks the engine is about to reserve: their lease deadlines."""
+
+    def __init__(self) -> None:
+        self.deadlines: dict[str, float] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.deadlines
+
+
+class Transfer:
+    """Requests whose KV is landing."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, Landing] = {}
+
+    def poll(self, receiver: KVReceiver, now: float) -> tuple[list[str], list[LoadFailed]]:
+        """Requests whose KV landed, and those whose transfer failed or outlived its lease."""
+        landed, failed = [], []
+        for rid, entry in self.entries.items():
+            st = receiver.poll(rid)
+            if st.state == TransferState.DONE:
+                landed.append(rid)
+            elif st.state == TransferState.FAILED:
+                failed.append(LoadFailed(rid, f"KV transfer failed: {st.error}"))
+            elif now > entry.deadline_s + 1.0:
+                failed.append(LoadFailed(rid, "KV transfer lease expired"))
+        return landed, failed
+
+
+class Waiting:
+    """Requests whose KV landed, until their first token is here."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, Landing] = {}
+
+    def poll(self, now: float) -> tuple[list[LoadDone], list[LoadFailed]]:
+        """Requests ready to run, and those whose first token did not come within the lease."""
+        ready, failed = [], []
+        for rid, entry in self.entries.items():
+            if entry.first_token is not None:
+                ready.append(LoadDone(rid, entry.first_token, entry.first_logprob))
+            elif now > entry.deadline_s:
+                failed.append(LoadFailed(rid, "no Decode call arrived within the lease"))
+        return ready, failed
+
+
+class DecodeConnector(KVConnector):
+    remote_wait_s = REMOTE_ONLY_WAIT_S
+
+    def __init__(self, receiver: KVReceiver, layout: KVLayout, wake: Callable[[], object]) -> None:
+        self.receiver = receiver
+        self.layout = layout
+        self.prealloc = Prealloc()
+        self.transfer = Transfer()
+        self.waiting = Waiting()
+        self.failed: OrderedDict[str, str] = OrderedDict()
+        self._wake = wake
+        receiver.set_on_done(self._on_done)
+
+    def _on_done(self, _request_id: str) -> None:
+        self._wake()  # receiver thread: only signal; the engine loop's next step polls the transfer
+
+    # ---- the role's calls (loop thread) ----------------------------------------------------------------------
+
+    def expect(self, request_id: str, deadline_s: float) -> None:
+        """``request_id``'s prompt KV will come from a prefill worker, within its lease (Prealloc)."""
+        self.prealloc.deadlines[request_id] = deadline_s
+
+    def forget(self, request_id: str) -> None:
+        """Leave Prealloc: the engine reserved the blocks (the request is in Transfer) or refused the request."""
+        self.prealloc.deadlines.pop(request_id, None)
+
+    def destination(self, request_id: str) -> tuple[DestinationInfo, int] | None:
+        """Where prefill writes ``request_id``'s KV, and how many blocks (None unless it is in Transfer)."""
+        entry = self.transfer.entries.get(request_id)
+        return None if entry is None else (entry.dest, entry.num_blocks)
+
+    def deliver(self, request_id: str, first_token: int, first_logprob: TokenLogprobs | None) -> str | None:
+        """``Decode`` brought the first token; None, or why there is nothing to decode."""
+        entry = self.transfer.entries.get(request_id) or self.waiting.entries.get(request_id)
+        if entry is None or entry.first_token is not None:  # a second Decode for one reservation too
+            return self.failed.get(request_id, "no reservation here (expired, aborted or never reserved)")
+        entry.first_token, entry.first_logprob = first_token, first_logprob
+        return None
+
+    def in_transfer(self) -> int:
+        return len(self.transfer.entries)
+
+    # ---- scheduler side ------------------------------------------------------------------------------------
+
+    def num_remote_tokens(self, request: Request) -> int:
+        return request.num_prompt_tokens if request.request_id in self.prealloc else 0
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        rid = request.request_id
+        if self.transfer.entries.pop(rid, None) is not None:
+            self.receiver.release(rid)
+        self.waiting.entries.pop(rid, None)
+        return False
+
+    def has_pending(self) -> bool:
+        return bool(self.transfer.entries or self.waiting.entries)
+
+    # ---- worker side ---------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv: EngineKV) -> None:
+        self.receiver.register(list(kv.kv_caches), self.layout)
+
+    def start_load_kv(self, request: Request, block_ids: list[int]) -> None:
+        rid = request.request_id
+        deadline = self.prealloc.deadlines.pop(rid)
+        dest = self.receiver.reserve(rid, block_ids, request.num_prompt_tokens, deadline)
+        self.transfer.entries[rid] = Landing(deadline, dest, len(block_ids))
+
+    def get_finished(self) -> FinishedTransfers:
+        done = FinishedTransfers()
+        if not self.transfer.entries and not self.waiting.entries:
+            return done
+        now = time.time()
+        landed, failed = self.transfer.poll(self.receiver, now)
+        for rid in landed:
+            self.waiting.entries[rid] = self.transfer.entries.pop(rid)
+            self.receiver.release(rid)
+        done.loaded, failed_waiting = self.waiting.poll(now)
+        for loaded in done.loaded:
+            del self.waiting.entries[loaded.request_id]
+        for f in failed + failed_waiting:
+            log.info("request %s failed: %s", f.request_id, f.message)
+            if self.transfer.entries.pop(f.request_id, None) is not None:
+                self.receiver.release(f.request_id)
+            self.waiting.entries.pop(f.request_id, None)
+            self.failed[f.request_id] = f.message
+            while len(self.failed) > FAILED_MEMORY:
+                self.failed.popitem(last=False)
+        done.failed = failed + failed_waiting
+        return done

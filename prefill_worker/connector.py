@@ -1,0 +1,233 @@
+"""Prefill role: the engine's KV connector that streams each prompt's KV to its decode worker. Lifecycle, as queues::
+
+    Bootstrap ──► Waiting ──► Inflight ──► (send DONE | FAILED | lease expired) ──► freed
+    (destination   (engine      (prefill done: first token returned to the caller at once;
+     checked)       schedules,   blocks held, layers still streaming to decode)
+                    chunked)
+
+- **Bootstrap** (:class:`Bootstrap`): ``Prefill`` arrives with decode's serialised destination. Its layout is checked
+  against ours (model, dtype, block size, head geometry, layout) before any work; a mismatch is refused with the
+  field named.
+- **Waiting** (:class:`Waiting`): the request is an ordinary engine request generating one token, so it batches and
+  chunks with everything else and reuses the prefix cache.
+- **Inflight** (:class:`Inflight`): in the step that computes the prompt's last chunk, the send starts at layer 0 and
+  each layer is handed to the sender the moment that layer's forward finishes (``save_kv_layer``), so the transfer
+  overlaps the remaining layers. When the engine request finishes, ``request_finished`` has the engine hold its
+  blocks, so the sender still reads intact KV; the first token goes back to the caller at once: TTFT never waits on
+  the transfer. The hold ends when the sender reports DONE or FAILED (peer death, lease expiry), reported by
+  ``get_finished``: every path frees the blocks. The sender wakes the engine loop the moment a transfer is DONE
+  (that moment ends the request's :class:`TransferTiming`), so an idle loop frees the hold then.
+
+The connector sees block ids only: the engine owns the pool, the tables and the cache tensors throughout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from engine.kv_connector import EngineKV, FinishedTransfers, KVConnector
+from engine.request import Request
+from kvtransfer.base import DestinationInfo, KVSender, TransferState
+from kvtransfer.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+
+class Bootstrap:
+    """The handshake: decode's destination, accepted only if its KV layout matches ours."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+
+    def accept(self, destination: bytes) -> DestinationInfo:
+        """The destination, checked (CompatibilityError on a layout mismatch, ValueError if malformed)."""
+        dest = DestinationInfo.from_bytes(destination)
+        self.layout.check_compatible(dest.layout)
+        return dest
+
+
+@dataclass(slots=True)
+class Waiting:
+    """Requests in the engine whose KV goes to ``dest`` once their prompt's last chunk is computed."""
+
+    dest: DestinationInfo
+    deadline_s: float
+    started: bool = False
+
+
+@dataclass(slots=True)
+class Inflight:
+    """Prefill done; the request's blocks are held until its send ends either way."""
+
+    deadline_s: float
+    compute_done: float  # perf_counter when the last layer's forward finished
+    held_blocks: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class TransferTiming:
+    """How long a finished transfer outlived the compute it overlapped (for metrics and the overlap bench)."""
+
+    request_id: str
+    compute_done: float
+    transfer_done: float
+    ok: bool
+
+    @property
+    def exposed_s(self) -> float:
+        return max(0.0, self.transfer_done - self.compute_done)
+
+
+class PrefillConnector(KVConnector):
+    def __init__(self, sender: KVSender, layout: KVLayout, wake: Callable[[], object]) -> None:
+        self.sender = sender
+        self.layout = layout
+        self.bootstrap = Bootstrap(layout)
+        self.waiting: dict[str, Waiting] = {}
+        self.inflight: dict[str, Inflight] = {}
+        self._wake = wake
+        self._kv: EngineKV | None = None
+        self._sends: list[Request] = []  # the bound step's requests whose prompt completes in it
+        self._gone: list[str] = []  # inflight requests cancelled: their holds are freed at the next step
+        self.stall: tuple[int, float] | None = None  # fault injection: (layer, seconds)
+        # Fault injection: each transfer's last layer (and so its end) goes out this long after the prefill
+        # finished, while the first token has already gone back to the caller.
+        self.transfer_delay_s = 0.0
+        self._delayed: deque[tuple[float, str, int]] = deque()
+        self.timings: deque[TransferTiming] = deque(maxlen=1024)
+        self.totals = {"kv_transfers_done": 0, "kv_transfers_failed": 0, "kv_transfer_bytes": 0,
+                       "kv_transfer_exposed_us": 0}  # since start, reported in Load (loop thread)
+        self._done_at: dict[str, float] = {}  # perf_counter when the sender reported DONE (written on its thread)
+        sender.set_on_done(self._on_done)
+
+    def expect(self, request_id: str, dest: DestinationInfo, deadline_s: float) -> None:
+        """``request_id``, just added to the engine, sends its prompt's KV to ``dest`` (Bootstrap → Waiting)."""
+        self.waiting[request_id] = Waiting(dest, deadline_s)
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop ``request_id``'s send wherever it is (abort); its held blocks are freed at the next step."""
+        found = request_id in self.waiting or request_id in self.inflight
+        self.waiting.pop(request_id, None)
+        if self.inflight.pop(request_id, None) is not None:
+            self._gone.append(request_id)
+        self._done_at.pop(request_id, None)
+        self.sender.release(request_id)
+        return found
+
+    # ---- scheduler side ------------------------------------------------------------------------------------
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        rid = request.request_id
+        infl = self.inflight.get(rid)
+        if infl is not None:
+            infl.held_blocks = len(block_ids)
+            return True
+        if self.waiting.pop(rid, None) is not None:  # ended before its final prefill step (aborted, failed)
+            self.sender.release(rid)
+        return False
+
+    def has_pending(self) -> bool:
+        return bool(self.inflight or self._gone)
+
+    # ---- worker side ---------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv: EngineKV) -> None:
+        self._kv = kv
+        self.sender.register(list(kv.kv_caches), self.layout)
+
+    def bind_step(self, requests: Sequence[Request], num_new_tokens: Sequence[int]) -> None:
+        self._sends = []
+        if self.waiting:
+            self._sends = [r for r, n in zip(requests, num_new_tokens, strict=True)
+                           if r.num_computed_tokens + n == r.num_tokens and r.request_id in self.waiting]
+
+    def save_kv_layer(self, layer: int) -> None:
+        if not self._sends:
+            return
+        kv = self._kv
+        assert kv is not None  # registered when the connector was attached
+        last = layer == kv.num_layers - 1
+        delay = last and self.transfer_delay_s > 0
+        for req in list(self._sends):
+            rid = req.request_id
+            w = self.waiting.get(rid)
+            if w is None:
+                continue
+            try:
+                if not w.started:
+                    nblocks = -(-req.num_prompt_tokens // kv.block_size)
+                    self.sender.start(rid, w.dest, kv.block_ids(rid)[:nblocks], w.deadline_s)
+                    w.started = True
+                if not delay:
+                    self.sender.send_layer(rid, layer)
+                if self.stall is not None and layer == self.stall[0]:
+                    log.warning("fault injection: stalling %.1fs after layer %d of %s", self.stall[1], layer, rid)
+                    time.sleep(self.stall[1])
+                if last:
+                    if delay:  # fault injection: the last layer and the transfer's end go out later
+                        self._delayed.append((time.monotonic() + self.transfer_delay_s, rid, layer))
+                    else:
+                        self.sender.finish(rid)
+                    self.inflight[rid] = Inflight(w.deadline_s, time.perf_counter())
+                    del self.waiting[rid]
+            except Exception as e:  # a broken transfer must not take the engine down
+                log.warning("transfer of %s failed to start: %s", rid, e)
+                self.waiting.pop(rid, None)
+                self.sender.release(rid)
+                self._sends.remove(req)
+
+    def get_finished(self) -> FinishedTransfers:
+        done = FinishedTransfers()
+        if self._gone:
+            done.sent, self._gone = self._gone, []
+        if self._delayed:
+            self._send_delayed()
+        if not self.inflight:
+            return done
+        now = time.time()
+        for rid, infl in list(self.inflight.items()):
+            st = self.sender.poll(rid)
+            if st.state < TransferState.DONE and now <= infl.deadline_s + 1.0:
+                continue
+            ok = st.state == TransferState.DONE
+            if not ok:
+                log.info("KV transfer of %s failed: %s", rid, st.error or "lease expired")
+            done_at = self._done_at.pop(rid, None)
+            end = done_at if ok and done_at is not None else time.perf_counter()
+            self.timings.append(TransferTiming(rid, infl.compute_done, end, ok))
+            self.totals["kv_transfers_done" if ok else "kv_transfers_failed"] += 1
+            self.totals["kv_transfer_bytes"] += st.bytes_sent
+            if ok:
+                self.totals["kv_transfer_exposed_us"] += int(1e6 * max(0.0, end - infl.compute_done))
+            del self.inflight[rid]
+            self.sender.release(rid)
+            done.sent.append(rid)
+        return done
+
+    def _send_delayed(self) -> None:
+        now = time.monotonic()
+        while self._delayed and self._delayed[0][0] <= now:
+            _, rid, layer = self._delayed.popleft()
+            if rid in self.inflight:
+                try:
+                    self.sender.send_layer(rid, layer)
+                    self.sender.finish(rid)
+                except Exception as e:  # as in save_kv_layer: the transfer fails, the engine goes on
+                    log.warning("delayed transfer of %s failed: %s", rid, e)
+
+    def _on_done(self, request_id: str) -> None:
+        # Sender thread: note the moment (the timing's end), then wake the engine loop, whose next step polls it.
+        if request_id in self.inflight or request_id in self.waiting:
+            self._done_at[request_id] = time.perf_counter()
+        self._wake()
+
+    # ---- what the worker reports ----------------------------------------------------------------------------
+
+    def load(self) -> dict[str, int]:
+        """Transfers in flight, blocks held for them, and the totals since start (loop thread)."""
+        return {"transfers_in_flight": len(self.inflight),
+                "held_blocks": sum(i.held_blocks for i in self.inflight.values()), **self.totals}

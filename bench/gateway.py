@@ -647,7 +647,7 @@ def _headline(direct: dict[str, Any], routers: list[dict[str, Any]],
 
 
 def _default_model() -> Path:
-    from cli.main import DEFAULT_MODEL_DIR
+    from controlplane.paths import DEFAULT_MODEL_DIR
 
     if not (DEFAULT_MODEL_DIR / "config.json").is_file():
         from tinymodel.checkpoint import write_tiny_checkpoint

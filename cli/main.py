@@ -13,8 +13,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from controlplane.paths import DEFAULT_MODEL_DIR  # noqa: F401  (re-exported: bench/gateway.py imports it here)
-
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -274,13 +274,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 0
     if args.bench_command == "serve":
         from bench.serve import run_from_args as run_serve
-        from controlplane.local_cluster import ensure_model
+        from cli.model import ensure_model
 
         print(run_serve(args, ensure_model(args.model)))
         return 0
     if args.bench_command == "startup":
         from bench.startup import DEFAULT_VLLM_PYTHON, run_startup_bench
-        from controlplane.local_cluster import ensure_model
+        from cli.model import ensure_model
 
         vllm = None if args.no_vllm else Path(args.vllm_python or DEFAULT_VLLM_PYTHON)
         report = run_startup_bench(ensure_model(args.model), args.repeats, vllm)
@@ -288,7 +288,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 1 if report["tandem"]["failed_runs"] else 0
     if args.bench_command == "structured":
         from bench.structured import format_structured_report, run_structured_bench
-        from controlplane.local_cluster import ensure_model
+        from cli.model import ensure_model
 
         report = run_structured_bench(ensure_model(args.model), tuple(int(b) for b in args.batch_sizes.split(",")),
                                       args.steps, args.repeats, args.threads)
@@ -298,7 +298,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from controlplane.local_cluster import UpConfig, run_up
+    from cli.up import run as run_up
+    from controlplane.local_cluster import UpConfig
 
     settings: dict[str, Any] = {}
     if args.config:  # the file gives defaults; flags given on the command line win

@@ -12,9 +12,11 @@ Start-up, printed as it goes, each line stamped with the seconds since this proc
    recorded in the state file, which ``tandem scale`` reads, with the cluster token that its ``SetReplicas`` and
    ``Drain`` need in a 0600 file beside it) and the URL.
 
-Steps 1 and 2 overlap: while ``ray.init`` waits for its processes, a thread generates the tiny model if needed,
-imports the router (HTTP server, tokenizer, gRPC stubs) and compiles the engine's native kernels (a cold cache
-only). This process never imports torch.
+The control plane imports neither the router nor the engine: the composition root (cli/up.py) passes in a
+:class:`~controlplane.frontend.Preparation`, started once ``ray`` is imported so that it runs while ``ray.init``
+waits for its processes (there: the model, generated if need be, the router's imports and the native kernels), which
+yields the checkpoint to serve; and a :data:`~controlplane.frontend.FrontendFactory`, which builds the router once
+the workers are ready. This process never imports torch.
 
 From then on the controller's reconcile loop owns the replicas: ``tandem scale`` changes a tier's desired count, a
 dead worker is replaced, a scale-down drains first; :class:`RouterSync` keeps the router's worker pool in step, and
@@ -25,23 +27,21 @@ in the state file) stops the router, every worker process, the actors and Ray, i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from controlplane.paths import DEFAULT_MODEL_DIR, STATE_FILE, token_file_for
-from router.serve import stop_on_signals
+from controlplane.paths import STATE_FILE, token_file_for
 
 if TYPE_CHECKING:
     from controlplane.controller import Controller
+    from controlplane.frontend import Frontend, FrontendFactory, Preparation
 
 log = logging.getLogger(__name__)
 
@@ -108,75 +108,14 @@ def _process_start() -> float:
 _STARTED = _process_start()
 
 
-def _say(msg: str) -> None:
+def say(msg: str) -> None:
+    """Print one start-up line, stamped with the seconds since this process started."""
     print(f"[tandem up +{time.monotonic() - _STARTED:.2f}s] {msg}", flush=True)
 
 
-def resolve_model(model: str | None) -> Path:
-    """The checkpoint directory to serve; raises FileNotFoundError for a --model that is not one."""
-    from engine.model_source import resolve_checkpoint
-
-    if not model:
-        return DEFAULT_MODEL_DIR
-    return resolve_checkpoint(model)  # a directory, or a Hugging Face id found in the local cache
-
-
-def ensure_model(model: str | None) -> Path:
-    """:func:`resolve_model`, generating the built-in tiny model on first use (the only step here needing torch)."""
-    path = resolve_model(model)
-    if not (path / "config.json").is_file():
-        from tinymodel.checkpoint import write_tiny_checkpoint
-
-        _say(f"generating the built-in tiny model in {path}")
-        write_tiny_checkpoint(path)
-    return path
-
-
-class _Prepare(threading.Thread):
-    """Runs beside ``ray.init``: makes sure the model exists, imports the router (HTTP server, tokenizer, gRPC
-    stubs) so that ``_serve`` finds it loaded, then builds the engine's native kernels into their cache so that
-    the workers do not each compile them. An import error is left for ``_serve``'s own import to raise."""
-
-    def __init__(self, model: str | None) -> None:
-        super().__init__(name="tandem-up-prepare", daemon=True)
-        self.model = model
-        self.path: Path | None = None
-        self.error: BaseException | None = None
-        self.model_ready = threading.Event()
-
-    def run(self) -> None:
-        try:
-            self.path = ensure_model(self.model)
-            _say(f"model {self.path}")
-        except BaseException as e:
-            self.error = e
-            return
-        finally:
-            self.model_ready.set()
-        with contextlib.suppress(Exception):
-            import router.server  # noqa: F401
-        from engine.kernels import block_hash_module, build_all
-        from router.kv_index import native_available
-
-        build_all()
-        # The router's CPython extensions too (prefix map, block hash for token lists), off its first request's path.
-        native_available()
-        block_hash_module()
-        from router.cost import _kernel
-
-        _kernel()
-
-    def model_path(self, timeout_s: float = 600.0) -> Path:
-        if not self.model_ready.wait(timeout_s):
-            raise TimeoutError(f"the model was not ready within {timeout_s}s")
-        if self.error is not None:
-            raise self.error
-        assert self.path is not None
-        return self.path
-
-
-def run_up(cfg: UpConfig) -> int:
-    resolve_model(cfg.model)  # a bad --model fails here, before Ray starts; and so does a busy port
+def run_up(cfg: UpConfig, prepare: Preparation, frontend: FrontendFactory) -> int:
+    """Start Ray, the workers, the router ``frontend`` builds and the Control API; serve until a signal. A busy
+    port fails before Ray starts (so should a bad model, in the caller, before this)."""
     from controlplane.ports import check_bindable
 
     check_bindable(cfg.host, cfg.port, "the HTTP API")
@@ -193,49 +132,34 @@ def run_up(cfg: UpConfig) -> int:
 
     from worker.launcher import resolve_kv_backend
 
-    prepare = _Prepare(cfg.model)
     prepare.start()  # after `import ray`: imports share one GIL; what overlaps is ray.init waiting for its processes
     ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1", configure_logging=False)
-    _say("ray started")
+    say("ray started")
     try:
         model = prepare.model_path()
-        return asyncio.run(_serve(cfg, model, resolve_kv_backend(cfg.kv_backend)))
+        return asyncio.run(_serve(LocalCluster(cfg, model, resolve_kv_backend(cfg.kv_backend), frontend)))
     finally:
         ray.shutdown()
         STATE_FILE.unlink(missing_ok=True)
         token_file_for(STATE_FILE).unlink(missing_ok=True)
-        _say("stopped")
-
-
-def _hub_id(model: str | None) -> str | None:
-    """``model`` when it named a Hugging Face id (served under that name, as vLLM does), else None."""
-    from engine.model_source import looks_like_hub_id
-
-    return model if model and looks_like_hub_id(model) and not Path(model).expanduser().exists() else None
-
-
-def _flag_int(flags: tuple[str, ...], name: str, default: int) -> int:
-    """The value of ``name`` in worker flags (``--name V`` or ``--name=V``), so the router hashes as they do."""
-    for i, f in enumerate(flags):
-        if f == name and i + 1 < len(flags):
-            return int(flags[i + 1])
-        if f.startswith(name + "="):
-            return int(f.split("=", 1)[1])
-    return default
+        say("stopped")
 
 
 class LocalCluster:
     """The controller, the router and the Control API on this process's event loop: ``tandem up`` after Ray has
-    started. ``state_file`` (None: none written) records this process, its ports and the workers' PIDs."""
+    started. ``frontend`` builds the router once the workers are ready; ``state_file`` (None: none written) records
+    this process, its ports and the workers' PIDs."""
 
-    def __init__(self, cfg: UpConfig, model: Path, kv_backend: str, state_file: Path | None = STATE_FILE) -> None:
+    def __init__(self, cfg: UpConfig, model: Path, kv_backend: str, frontend: FrontendFactory,
+                 state_file: Path | None = STATE_FILE) -> None:
         self.cfg = cfg
         self.model = model
         self.kv_backend = kv_backend
+        self.build_frontend = frontend
         self.state_file = state_file
         self.controller: Controller | None = None
-        self.router: Any = None
+        self.frontend: Frontend | None = None
         self.control_port = 0
         self._servers: list[Any] = []
 
@@ -244,7 +168,6 @@ class LocalCluster:
         from controlplane.controller import Controller, ControllerConfig
         from controlplane.replica_state import ReplicaState
         from controlplane.router_sync import RouterSync
-        from router.server import RouterConfig, build_router
 
         cfg = self.cfg
         self.controller = controller = Controller(ControllerConfig(
@@ -253,30 +176,22 @@ class LocalCluster:
             on_change=self.write_state)
         controller.start()
         await controller.wait_converged(180.0)
-        _say(f"{cfg.prefill} prefill + {cfg.decode} decode workers started (KV transfer: {self.kv_backend})")
+        say(f"{cfg.prefill} prefill + {cfg.decode} decode workers started (KV transfer: {self.kv_backend})")
         addresses = tuple(r.address for r in controller.replicas.values())
-        self.router = router = await build_router(RouterConfig(
-            model=str(self.model), workers=addresses, redis=cfg.redis, min_uncached_tokens=cfg.min_uncached_tokens,
-            served_model_name=cfg.served_model_name or _hub_id(cfg.model),
-            block_size=_flag_int(cfg.worker_flags, "--block-size", 16), api_keys=cfg.api_keys,
-            api_key_file=cfg.api_key_file, vllm_metrics=cfg.vllm_metrics, otlp_endpoint=cfg.otlp_endpoint))
-        controller.registrar = RouterSync(router.pool)
-        router.gateway.metrics.attach_tiers(lambda: {t: (n, sum(r.state == ReplicaState.READY
-                                                                for r in controller.of_tier(t)))
-                                                     for t, n in controller.desired.items()})
+        self.frontend = frontend = await self.build_frontend(self.model, addresses)
+        controller.registrar = RouterSync(frontend.pool)
+        frontend.attach_tiers(lambda: {t: (n, sum(r.state == ReplicaState.READY for r in controller.of_tier(t)))
+                                       for t, n in controller.desired.items()})
         await controller.register_ready()  # any replaced while the router started
         grpc_port = cfg.port + 1 if cfg.grpc_port is None else cfg.grpc_port
         if grpc_port >= 0:
-            from router.grpc_gateway import start_grpc_gateway
-
             try:
-                server, grpc_port = await start_grpc_gateway(router.gateway, cfg.host, grpc_port)
-                self._servers.append(server)
-                _say(f"serving the gRPC API (tandem.v1.Gateway) at {cfg.host}:{grpc_port}")
+                grpc_port = await frontend.serve_grpc(cfg.host, grpc_port)
+                say(f"serving the gRPC API (tandem.v1.Gateway) at {cfg.host}:{grpc_port}")
             except (OSError, RuntimeError) as e:
                 if cfg.grpc_port is not None:  # asked for explicitly: that is an error
                     raise
-                _say(f"warning: no gRPC API ({e}); pass --grpc-port to choose another port")
+                say(f"warning: no gRPC API ({e}); pass --grpc-port to choose another port")
         server, self.control_port = await start_control_server(controller, cfg.host, cfg.control_port)
         self._servers.append(server)
         if self.state_file is not None and controller.credentials.token is not None:
@@ -287,8 +202,8 @@ class LocalCluster:
         self.write_state()
         # The HTTP gateway opens last (the gRPC and Control ports are up by then), and the URL line follows at once,
         # so that it precedes the first answer anyone can get from it.
-        await router.serve_http(cfg.host, cfg.port)
-        _say(f"workers healthy; serving OpenAI API at http://{cfg.host}:{cfg.port}/v1 (Ctrl-C or `tandem down` to "
+        await frontend.serve_http(cfg.host, cfg.port)
+        say(f"workers healthy; serving OpenAI API at http://{cfg.host}:{cfg.port}/v1 (Ctrl-C or `tandem down` to "
              f"stop; `tandem scale TIER N` to scale)")
 
     def write_state(self) -> None:
@@ -305,15 +220,23 @@ class LocalCluster:
     async def close(self) -> None:
         for server in self._servers:
             await server.stop(1.0)
-        if self.router is not None:
-            await self.router.close()
+        if self.frontend is not None:
+            await self.frontend.close()
         if self.controller is not None:
             await self.controller.close()
 
 
-async def _serve(cfg: UpConfig, model: Path, kv_backend: str) -> int:
-    stop = stop_on_signals()
-    cluster = LocalCluster(cfg, model, kv_backend)
+def _stop_on_signals() -> asyncio.Event:
+    """An event that SIGINT or SIGTERM sets, handled by the running loop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _serve(cluster: LocalCluster) -> int:
+    stop = _stop_on_signals()
     try:
         starting = asyncio.create_task(cluster.start())
         stopped = asyncio.create_task(stop.wait())

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 import httpx
@@ -56,6 +56,7 @@ class Harness:
         import ray
 
         from auth.token import ensure_cluster_token
+        from cli.up import router_frontend
         from controlplane.local_cluster import LocalCluster, UpConfig
 
         ensure_cluster_token()  # as tandem up does: Ray's processes, and so the workers, inherit it
@@ -67,7 +68,7 @@ class Harness:
         port = _free_port()
         cfg = UpConfig(model=str(model), prefill=1, decode=1, port=port, grpc_port=-1, cpus_per_replica=0.25,
                        drain_timeout_s=90.0)
-        self.cluster = LocalCluster(cfg, model, "tcp", state_file=home / "up.json")
+        self.cluster = LocalCluster(cfg, model, "tcp", router_frontend(cfg), state_file=home / "up.json")
         self.url = f"http://127.0.0.1:{port}"
         self.model = model.name  # the served model name
         self.call(self.cluster.start(), 240)
@@ -90,9 +91,14 @@ class Harness:
     def controller(self) -> Any:
         return self.cluster.controller
 
+    @property
+    def router(self) -> Any:
+        """The in-process router (cli/up.py's RouterFrontend wraps it)."""
+        return cast(Any, self.cluster.frontend).router
+
     def _log_dispatch(self) -> None:
         """Record every routing decision the router makes (on the loop, so in order with the controller's marks)."""
-        dispatcher = self.cluster.router.dispatcher
+        dispatcher = self.router.dispatcher
         plan = dispatcher.plan
 
         def logged(prompt: list[int], exclude: set[str]) -> Any:
@@ -287,7 +293,7 @@ def test_scale_decode_1_3_1_under_load_drains_before_removing(harness: Harness) 
         assert r.drain_acked and r.final_load is not None and r.removed_at is not None
         assert in_flight(r.final_load) == 0 and r.final_load.used_blocks == 0 and r.final_load.held_blocks == 0
     assert any(p for _, _, _, p in harness.dispatch_log), "no request was routed disaggregated"
-    stats = harness.cluster.router.dispatcher.stats
+    stats = harness.router.dispatcher.stats
     assert (stats.retries, stats.migrations) == (0, 0)
     held = next(r for r in removed if r.replica_id == busy.replica_id)
     assert held.draining_since is not None and held.removed_at is not None

@@ -415,8 +415,8 @@ def _alive(pid: int) -> bool:
 
 def test_router_takes_the_block_size_the_workers_are_given() -> None:
     """`tandem up` passes worker flags through; the router must hash with the same block size or it refuses them."""
-    from controlplane.local_cluster import _flag_int
+    from cli.up import flag_int
 
-    assert _flag_int(("--threads", "1", "--block-size", "32"), "--block-size", 16) == 32
-    assert _flag_int(("--block-size=8",), "--block-size", 16) == 8
-    assert _flag_int(("--threads", "1"), "--block-size", 16) == 16
+    assert flag_int(("--threads", "1", "--block-size", "32"), "--block-size", 16) == 32
+    assert flag_int(("--block-size=8",), "--block-size", 16) == 8
+    assert flag_int(("--threads", "1"), "--block-size", 16) == 16

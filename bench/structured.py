@@ -1,19 +1,22 @@
 """``tandem bench structured``: the per-step cost of constrained decoding (a JSON schema) against unconstrained
 decoding, at each batch size, side by side in one run on the same engine.
 
-Workload: ``B`` copies of one chat prompt decode ``--steps`` steps each, once with no constraint and once all
+Workload: ``B`` copies of one chat prompt decode ``--steps`` steps each, once with no constraint and twice all
 constrained by one JSON schema (an object holding an array of at least 50 small objects, so no output can complete
-inside the measured steps and the batch stays full). Prefill is done before the clock starts: only decode steps are
-timed, through ``LLMEngine.step`` (schedule, forward, mask, sample, matcher advance). The two sides alternate for
-``--repeats`` rounds and each reports its median step time; the overhead is ``constrained / unconstrained - 1``.
+inside the measured steps and the batch stays full): with the grammar masks filled on the masks thread during the
+forward pass (the engine's default, :mod:`engine.structured.prefetch`) and with them filled inline in the sampler.
+Prefill is done before the clock starts: only decode steps are timed, through ``LLMEngine.step`` (schedule,
+forward, mask, sample, matcher advance). The sides alternate for ``--repeats`` rounds and each reports its median
+step time, in wall time and in the engine thread's CPU time (what the step costs the thread that runs it: the masks
+thread's work is not in it, its waits are in the wall time); the overhead is ``constrained / unconstrained - 1``.
 
-The grammar is compiled (and cached) before timing, as a server does on the first request with a schema; the mask
-of each step is computed by llguidance on its own threads while the forward pass runs (engine/structured/).
+The grammar is compiled (and cached) before timing, as a server does on the first request with a schema.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -33,18 +36,20 @@ SCHEMA: dict[str, Any] = {
                        "tags": {"type": "array", "maxItems": 4, "items": {"enum": ["red", "green", "blue"]}}}}}}}
 
 
-def _step_time(engine: LLMEngine, prompt: list[int], batch: int, steps: int, params: SamplingParams) -> float:
-    """Median wall time of one decode step of ``batch`` sequences."""
+def _step_time(engine: LLMEngine, prompt: list[int], batch: int, steps: int,
+               params: SamplingParams) -> tuple[float, float]:
+    """Median wall time and engine-thread CPU time of one decode step of ``batch`` sequences."""
     ids = [engine.add_request(prompt, params) for _ in range(batch)]
     for _ in range(4):  # prefill (all prompts fit one step) and a first decode
         engine.step()
-    times = []
+    wall, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         engine.step()
-        times.append(time.perf_counter() - t0)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
     engine.abort(ids)
-    return statistics.median(times)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def run_structured_bench(model: Path, batch_sizes: tuple[int, ...], steps: int, repeats: int,
@@ -58,25 +63,42 @@ def run_structured_bench(model: Path, batch_sizes: tuple[int, ...], steps: int, 
     budget = steps + 8
     free = SamplingParams(max_tokens=budget, temperature=1.0, seed=0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=budget, temperature=1.0, seed=0, structured=spec)
+    sides = (("unconstrained", free, True), ("json_schema", constrained, True),
+             ("json_schema_inline", constrained, False))
     rows = []
     for b in batch_sizes:
-        _step_time(engine, prompt, b, 4, free)  # warm-up at this batch size
-        _step_time(engine, prompt, b, 4, constrained)
-        base, cons = [], []
-        for _ in range(repeats):
-            base.append(_step_time(engine, prompt, b, steps, free))
-            cons.append(_step_time(engine, prompt, b, steps, constrained))
-        u, c = statistics.median(base), statistics.median(cons)
-        rows.append({"batch": b, "unconstrained_step_ms": round(u * 1e3, 3), "json_schema_step_ms": round(c * 1e3, 3),
-                     "overhead_pct": round((c / u - 1) * 100, 2)})
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in sides}
+        for r in range(repeats + 1):  # round 0 warms up this batch size and is not counted
+            for name, params, overlap in sides:
+                engine.sampler.mask_overlap = overlap
+                t = _step_time(engine, prompt, b, steps if r else 4, params)
+                if r:
+                    times[name].append(t)
+        engine.sampler.mask_overlap = True
+        row: dict[str, Any] = {"batch": b}
+        for name, _, _ in sides:
+            row[f"{name}_step_ms"] = round(statistics.median(w for w, _ in times[name]) * 1e3, 3)
+            row[f"{name}_cpu_ms"] = round(statistics.median(c for _, c in times[name]) * 1e3, 3)
+        for name in ("json_schema", "json_schema_inline"):
+            suffix = "" if name == "json_schema" else "_inline"
+            row[f"overhead{suffix}_pct"] = round((row[f"{name}_step_ms"] / row["unconstrained_step_ms"] - 1) * 100, 2)
+            row[f"cpu_overhead{suffix}_pct"] = round((row[f"{name}_cpu_ms"] / row["unconstrained_cpu_ms"] - 1) * 100,
+                                                     2)
+        rows.append(row)
     return {"engine": "tandem", "model": str(model), "steps": steps, "repeats": repeats, "threads": threads,
-            "library": "llguidance", "rows": rows}
+            "library": "llguidance", "load_average": [round(x, 2) for x in os.getloadavg()],
+            "cpus": os.cpu_count(), "rows": rows}
 
 
 def format_structured_report(report: dict[str, Any]) -> str:
     lines = [f"structured decoding (JSON schema) vs unconstrained, {report['steps']} decode steps x "
-             f"{report['repeats']} rounds, median step time", "batch  unconstrained ms  json_schema ms  overhead"]
+             f"{report['repeats']} rounds, median step time: wall ms (engine-thread CPU ms); load average "
+             f"{report['load_average'][0]} on {report['cpus']} CPUs",
+             "batch  unconstrained      json_schema (masks overlapped)       json_schema (masks inline)"]
     for r in report["rows"]:
-        lines.append(f"{r['batch']:>5}  {r['unconstrained_step_ms']:>16.3f}  {r['json_schema_step_ms']:>14.3f}  "
-                     f"{r['overhead_pct']:>+7.2f}%")
+        lines.append(f"{r['batch']:>5}  {r['unconstrained_step_ms']:>7.3f} ({r['unconstrained_cpu_ms']:.3f})  "
+                     f"{r['json_schema_step_ms']:>7.3f} ({r['json_schema_cpu_ms']:.3f}) "
+                     f"{r['overhead_pct']:>+6.1f}% ({r['cpu_overhead_pct']:+.1f}%)  "
+                     f"{r['json_schema_inline_step_ms']:>7.3f} ({r['json_schema_inline_cpu_ms']:.3f}) "
+                     f"{r['overhead_inline_pct']:>+6.1f}% ({r['cpu_overhead_inline_pct']:+.1f}%)")
     return "\n".join(lines)

@@ -126,6 +126,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput,
                 after_layer: Callable[[int], None] | None = None) -> tuple[list[Request], SampleResult | None]:
         inputs = self.prepare(out)
+        self.sampler.prefetch(inputs.sample_requests)  # grammar masks fill on their thread during the forward
         if self.micro_batches > 1 and inputs.sample_rows is None and len(out.requests) > 1:
             hidden = self._forward_micro_batches(out, inputs, after_layer)
         else:

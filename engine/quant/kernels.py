@@ -1,12 +1,18 @@
-"""CPU weight-only INT8 and INT4 matmuls: the native kernel of ``wlinear.c``, built on first use like the engine's
-other kernels (:func:`native.build.compile_shared`).
+"""CPU weight-only INT8 and INT4 matmuls: the native kernels of ``wlinear.c``, built on first use like the engine's
+other kernels (:func:`engine.kernels.compile_shared`).
 
-Why our own kernel: torch's packed kernels (``torch._weight_int8pack_mm``, ``torch._weight_int4pack_mm_for_cpu``)
-are exact enough (fp32 accumulation, within 1e-4 of dequantize-then-matmul) but, measured here on the small model's
-shapes (AMD EPYC, AVX-512 without AMX, one thread, 24 weights of 4096x768 cycled so they stream from memory), no
-faster than oneDNN's bf16 matmul at one row (INT8 16.8 ms, INT4 9.8 ms, bf16 10.1 ms) and 4x slower at 32 rows
-(151 / 127 / 34 ms), and their fp32 paths are scalar (10x slower than fp32 MKL). ``wlinear.c`` widens each weight
-row once and dots it with every input row, so it reads the quantized bytes once per call.
+Why our own kernels: torch's packed kernels (``torch._weight_int8pack_mm``, ``torch._weight_int4pack_mm_for_cpu``)
+are exact enough (fp32 accumulation, within 1e-4 of dequantize-then-matmul) but, measured on the small model's
+shapes on this project's CPU (AMD EPYC, AVX-512 with BF16, no AMX; one thread; 24 weights of 4096x768 cycled so they
+stream from memory), no faster than oneDNN's packed bf16 matmul at one row (INT8 16.8 ms, INT4 9.8 ms, bf16 10.1 ms),
+4x slower at 32 rows (151 / 127 / 34 ms), and their fp32 paths are scalar (10x slower than fp32 MKL).
+``wlinear.c`` widens each weight row once (four rows at a time) and dots it with every input row, so the quantized
+bytes are read once per call: with bf16 inputs the rows widen exactly to bf16 and AVX512-BF16's ``vdpbf16ps`` does
+the products (exact in fp32) and fp32 sums; with fp32 inputs (and where the CPU lacks BF16, or a group is not a
+multiple of 32) rows widen to fp32 and FMA. On the small model's 64 projection weights, one thread, best of 12
+(interleaved with a loaded machine, so ratios are the figure to read): at one row INT8 2.3-2.8x and INT4 2.0-2.4x
+faster than packed bf16; at 4 rows about even; at 16-32 rows 0.55-0.9x (the widening is amortised but the dot is not
+blocked over inputs as oneDNN's GEMM is).
 
 :class:`QuantLinear` is what :func:`engine.models.layers.linear` calls for a weight that carries one (``weight.quant``):
 up to ``MAX_KERNEL_ROWS`` rows (decode batches) the kernel; more rows (prefill) dequantize the weight to the
@@ -39,21 +45,40 @@ _i = ctypes.c_int64
 
 
 @functools.cache
-def wq_linear_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """``tandem_wq_linear`` (see ``wlinear.c``), or None when native kernels are off or cannot be built."""
+def _library() -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not enabled() or cc is None:
         log.info("native kernels disabled or no C compiler: quantized weights run dequantized")
         return None
     try:
-        lib = ctypes.CDLL(str(compile_shared(cc, _SOURCE, _FLAGS)))
+        return ctypes.CDLL(str(compile_shared(cc, _SOURCE, _FLAGS)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("could not build the quantized-linear kernel (%s): quantized weights run dequantized", e)
         return None
-    fn = lib.tandem_wq_linear
+
+
+def _bind(lib: ctypes.CDLL, name: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    fn = getattr(lib, name)
     fn.argtypes = [_p, _i, _p, _p, ctypes.c_int, _p, _p, _p, _i, _i, _i, _i]
     fn.restype = None
     return fn
+
+
+@functools.cache
+def wq_linear_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """``tandem_wq_linear`` (fp32 inputs; see ``wlinear.c``), or None when native kernels are off or cannot be
+    built."""
+    lib = _library()
+    return None if lib is None else _bind(lib, "tandem_wq_linear")
+
+
+@functools.cache
+def wq_linear_bf16_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """``tandem_wq_linear_bf16`` (bf16 inputs, AVX512-BF16), or None where the CPU or compiler lacks it."""
+    lib = _library()
+    if lib is None or not lib.tandem_wq_has_bf16():
+        return None
+    return _bind(lib, "tandem_wq_linear_bf16")
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -71,7 +96,7 @@ def unpack_int4(p: torch.Tensor) -> torch.Tensor:
 class QuantLinear:
     """One quantized weight ready for the kernel: ``y = x @ ((q - zero) * scale).T``."""
 
-    __slots__ = ("bits", "fn", "group", "groups", "k", "n", "q", "scale", "zero")
+    __slots__ = ("bits", "fn", "fn_bf16", "group", "groups", "k", "n", "q", "scale", "zero")
 
     def __init__(self, m: QuantizedMatrix, fn: ctypes._CFuncPtr) -> None:  # type: ignore[name-defined]
         self.bits = m.bits
@@ -84,6 +109,7 @@ class QuantLinear:
         self.scale = m.scale.float().contiguous()
         self.zero = None if m.zero is None else m.zero.float().contiguous()
         self.fn = fn
+        self.fn_bf16 = wq_linear_bf16_kernel() if self.group % 32 == 0 else None
 
     @property
     def nbytes(self) -> int:
@@ -99,11 +125,16 @@ class QuantLinear:
         rows = x.shape[0]
         if rows > MAX_KERNEL_ROWS or x.dim() != 2:
             return F.linear(x, self.dequantize(x.dtype), bias)
-        xf = x if x.dtype is torch.float32 and x.stride(1) == 1 else x.float().contiguous()
-        xs = None if self.zero is None else xf.view(rows, self.groups, self.group).sum(-1)
         y = torch.empty(rows, self.n, dtype=torch.float32)
-        self.fn(xf.data_ptr(), xf.stride(0), None if xs is None else xs.data_ptr(), self.q.data_ptr(), self.bits,
-                self.scale.data_ptr(), None if self.zero is None else self.zero.data_ptr(), y.data_ptr(), rows,
-                self.n, self.k, self.group)
+        if x.dtype is torch.bfloat16 and self.fn_bf16 is not None:
+            xb = x if x.stride(1) == 1 else x.contiguous()
+            xs = None if self.zero is None else xb.float().view(rows, self.groups, self.group).sum(-1)
+            fn, ptr, stride = self.fn_bf16, xb.data_ptr(), xb.stride(0)
+        else:
+            xf = x if x.dtype is torch.float32 and x.stride(1) == 1 else x.float().contiguous()
+            xs = None if self.zero is None else xf.view(rows, self.groups, self.group).sum(-1)
+            fn, ptr, stride = self.fn, xf.data_ptr(), xf.stride(0)
+        fn(ptr, stride, None if xs is None else xs.data_ptr(), self.q.data_ptr(), self.bits, self.scale.data_ptr(),
+           None if self.zero is None else self.zero.data_ptr(), y.data_ptr(), rows, self.n, self.k, self.group)
         out = y if x.dtype is torch.float32 else y.to(x.dtype)
         return out if bias is None else out.add_(bias)

@@ -4,6 +4,7 @@ The planner is a pure function, so each test feeds a sequence of observations an
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import replace
 
@@ -73,6 +74,40 @@ def test_forecast_follows_a_ramp_ahead_of_the_observed_rate() -> None:
     assert p.forecast_rate > 40
 
 
+def test_a_scale_up_covers_the_rate_forecast_one_start_up_ahead() -> None:
+    """On a ramp of +10 req/s per window, a replica asked for now serves four windows later (120 s start-up): the
+    planner sizes for the forecast then, not for the next window. On the way down it sizes for the next window."""
+    sizes = {}
+    for lead in (0.0, 120.0):
+        cfg = config(forecast_alpha=0.5, forecast_beta=0.5, lead_time_s=lead)
+        state = PlannerState()
+        for i, rate in enumerate([10, 20, 30, 40]):
+            p = plan(cfg, observe(30 * i, rate, prefill=(9, 0, 0), decode=(9, 0, 0)), state)
+            state = p.state
+        sizes[lead] = p.decision("prefill").sized
+    assert sizes[120.0] > sizes[0.0] >= 4  # one replica per 10 req/s of 1,000-token prompts
+    assert sizes[120.0] >= 8  # ~ the rate five windows on
+    cfg = config(forecast_alpha=0.5, forecast_beta=0.5, lead_time_s=120.0)
+    state = PlannerState()
+    for i, rate in enumerate([80, 70, 60, 50]):
+        p = plan(cfg, observe(30 * i, rate, prefill=(9, 0, 0), decode=(9, 0, 0)), state)
+        state = p.state
+    assert p.decision("prefill").sized == math.ceil(p.forecast_rate / 10 - 1e-9)
+
+
+def test_a_reactive_scale_up_counts_starting_replicas_and_at_most_doubles_the_ready_ones() -> None:
+    cfg = config(mode=Mode.REACTIVE)
+    # 64 prompts queued on one ready prefill replica (16x the high mark): one decision asks for 2, not 16.
+    p = plan(cfg, observe(0, rate=10, prefill=(1, 0, 0), queue=64))
+    assert p.desired("prefill") == 2 and "queue" in p.decision("prefill").reason
+    # Next window the second replica is still starting and the queue is still long: nothing more is asked for.
+    p = plan(cfg, observe(30, rate=10, prefill=(1, 1, 0), queue=64), p.state)
+    assert p.desired("prefill") == 2
+    # Once it serves and the queue still holds, the tier doubles again.
+    p = plan(cfg, observe(60, rate=10, prefill=(2, 0, 0), queue=128), p.state)
+    assert p.desired("prefill") == 4
+
+
 def test_hysteresis_holds_a_small_drop_and_cool_down_holds_a_quick_second_rise() -> None:
     cfg = config(scale_down_windows=1)
     # 10 prefill replicas, load for 9: within 20%, nothing changes, however long it lasts.
@@ -130,7 +165,7 @@ def test_gpu_budget_is_never_exceeded_counting_draining_replicas() -> None:
 
 
 def test_a_tier_starved_by_the_budget_takes_gpus_from_a_tier_above_its_predicted_need() -> None:
-    cfg = config(gpu_budget=48)  # 6 replicas in all
+    cfg = config(gpu_budget=48, reactive_max_step=8)  # 6 replicas in all; decode may ask for 8 at once
     # Prefill holds 5 but its forecast needs 2; decode holds 1 with 30 prompts queued and its KV full (it asks for 8).
     obs = Observations(
         time_s=0, window_s=30, request_rate=20, input_len=LengthStats(1000, 1500), output_len=LengthStats(300, 400),

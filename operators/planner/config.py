@@ -56,11 +56,18 @@ class PlannerConfig:
     itl_slo_s: float = 0.1
     mode: Mode = Mode.PREDICTIVE
     target_utilisation: float = 0.8  # plan each tier to run at this fraction of its capacity at the SLO
+    # A new replica's start-up (pod scheduled, weights loaded, warm-up): predictive sizing also covers the rate
+    # forecast this far past the next window, so a replica asked for now is there when the load it is for arrives.
+    lead_time_s: float = 0.0
     # Reactive thresholds: queued requests per ready replica, KV utilisation (0..1).
     queue_high: float = 4.0
     queue_low: float = 0.5
     kv_high: float = 0.85
     kv_low: float = 0.5
+    # A reactive scale-up asks for at most this multiple of the ready replicas per decision (as Kubernetes' HPA's
+    # default scale-up policy, which doubles): its signals are per ready replica and lag by a start-up, so a bigger
+    # jump overshoots and takes the GPU budget from the other tier.
+    reactive_max_step: float = 2.0
     # Guards.
     hysteresis: float = 0.2  # scale down only to at most (1 - hysteresis) of the current replicas
     scale_up_cooldown_s: float = 30.0
@@ -84,12 +91,16 @@ class PlannerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not 0 <= self.queue_low < self.queue_high:
             raise ValueError(f"need 0 <= queue_low < queue_high, got {self.queue_low}, {self.queue_high}")
+        if not (math.isfinite(self.reactive_max_step) and self.reactive_max_step > 1):
+            raise ValueError(f"reactive_max_step must be a finite number > 1, got {self.reactive_max_step!r}")
         if not 0 <= self.kv_low < self.kv_high <= 1:
             raise ValueError(f"need 0 <= kv_low < kv_high <= 1, got {self.kv_low}, {self.kv_high}")
         if not 0 < self.target_utilisation <= 1:
             raise ValueError(f"target_utilisation must be in (0, 1], got {self.target_utilisation}")
         if not 0 <= self.hysteresis < 1:
             raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis}")
+        if not (math.isfinite(self.lead_time_s) and self.lead_time_s >= 0):
+            raise ValueError(f"lead_time_s must be a finite number >= 0, got {self.lead_time_s!r}")
         if self.scale_up_cooldown_s < 0 or self.scale_down_cooldown_s < 0:
             raise ValueError("cool-downs must be >= 0")
         if self.scale_down_windows < 1:

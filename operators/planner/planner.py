@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from operators.planner.config import Mode, PlannerConfig
-from operators.planner.forecast import HoltState, holt_update
+from operators.planner.forecast import HoltState, ahead, holt_update
 from operators.planner.observations import Observations, TierObservation
 from operators.planner.sizing import predictive, reactive
 
@@ -96,6 +96,9 @@ class _Work:
 def plan(cfg: PlannerConfig, obs: Observations, state: PlannerState | None = None) -> Plan:
     state = state or PlannerState()
     holt, rate = holt_update(state.forecast, obs.request_rate, cfg.forecast_alpha, cfg.forecast_beta)
+    # Size for the next window and for the window a replica asked for now would start serving in, whichever needs
+    # more: a rise is met by the time it arrives, and a tier is not drained of what it needs again within a start-up.
+    sizing_rate = max(rate, ahead(holt, 1 + cfg.lead_time_s / obs.window_s))
     now = obs.time_s
     work: list[_Work] = []
     for tier in cfg.tiers:
@@ -103,7 +106,7 @@ def plan(cfg: PlannerConfig, obs: Observations, state: PlannerState | None = Non
         current = t.current
         ts = state.tiers.get(tier.name, TierState())
         floor, all_low = reactive(cfg, tier, obs, t)
-        pred = predictive(cfg, tier, obs, rate) if cfg.mode is Mode.PREDICTIVE else None
+        pred = predictive(cfg, tier, obs, sizing_rate) if cfg.mode is Mode.PREDICTIVE else None
         if pred is None:
             sized, reason = floor.replicas, floor.reason
         elif (floor.replicas > current and floor.replicas > pred.replicas) or (not all_low and pred.replicas < current):

@@ -134,7 +134,6 @@ class _Side(abc.ABC):
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
         self.config = config or TransferConfig()
-        self.on_failed = on_failed
         self.book = TransferBook(self.side, on_failed, self._notify_peer)
 
     @abc.abstractmethod

@@ -37,12 +37,10 @@ from kvtransfer.wire import Frame, Kind, parse_hello
 @dataclass(slots=True)
 class Reservation:
     transfer_id: int
-    dst_ids: tuple[int, ...]
     dst_set: frozenset[int]
     layer_expected: int
     layer_bytes: list[int]
     expected_senders: int = 0  # known at the first HELLO (depends on the source TP)
-    hellos: int = 0
     finishes: int = 0
     peers: list[Any] = field(default_factory=list)  # backend handles to answer ACK/FAIL on
 
@@ -83,7 +81,7 @@ class Landing:
         if blocks_for_tokens(num_tokens, layout.block_size) != len(ids):
             raise ValueError(f"reserve {request_id!r}: {num_tokens} tokens do not fill {len(ids)} blocks")
         tid = next(self._tids)
-        res = Reservation(tid, ids, frozenset(ids), expected_layer_bytes(layout, len(ids)), [0] * layout.num_layers)
+        res = Reservation(tid, frozenset(ids), expected_layer_bytes(layout, len(ids)), [0] * layout.num_layers)
         dest = DestinationInfo(
             backend=self.backend, request_id=request_id, transfer_id=tid, layout=layout, dst_block_ids=ids,
             num_tokens=num_tokens, deadline_s=deadline_s, compat_hash=layout.compat_hash(), **dest_fields,
@@ -126,7 +124,6 @@ class Landing:
         with self.book.lock:
             res: Reservation = entry.ctx
             res.expected_senders = senders
-            res.hellos += 1
             if peer is not None and peer not in res.peers:
                 res.peers.append(peer)
             if entry.state == TransferState.PENDING:

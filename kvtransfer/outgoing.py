@@ -53,14 +53,6 @@ class Outgoing:
     legs: list[Leg]
     src_ids: tuple[int, ...]
     finish_requested: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def as_dests(dest: DestinationInfo | Sequence[DestinationInfo]) -> list[DestinationInfo]:
-    dests = [dest] if isinstance(dest, DestinationInfo) else list(dest)
-    if not dests:
-        raise ValueError("start() needs at least one destination")
-    return dests
 
 
 class Outbound:
@@ -94,7 +86,9 @@ class Outbound:
         """Create the entry (deadline = the earlier of ours and every destination's lease)."""
         if self.layout is None:
             raise RuntimeError(f"{self.backend} sender: register() the KV caches first")
-        dests = as_dests(dest)
+        dests = [dest] if isinstance(dest, DestinationInfo) else list(dest)
+        if not dests:
+            raise ValueError("start() needs at least one destination")
         for d in dests:
             if d.backend != self.backend:
                 raise ValueError(f"destination is for backend {d.backend!r}, this sender is {self.backend!r}")

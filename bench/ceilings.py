@@ -109,7 +109,7 @@ def read_bandwidth_gbps(dtype: str, repeats: int = 8) -> float:
     return buf.numel() * buf.element_size() / seconds / 1e9
 
 
-def decode_step_seconds(model: str | Path, context: int, steps: int = 16, dtype: str = "float32") -> float:
+def decode_step_seconds(model: str | Path, context: int, steps: int = 32, dtype: str = "float32") -> float:
     """The best wall time of one engine step decoding one token for a single sequence ``context`` tokens in: the
     engine alone (scheduler, forward, sampling), without a server around it."""
     from engine.llm import LLM

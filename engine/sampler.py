@@ -11,9 +11,9 @@ probabilities and generator state, so the same seed gives the same tokens whatev
 Unseeded rows share the engine's generator.
 
 Constrained rows (``params.structured``): after penalties and bias, every token the request's grammar does not allow
-next gets -inf (:mod:`engine.structured.bitmask`), then the same pick. The masks are filled on a worker thread while
-the forward pass runs (:meth:`Sampler.prefetch`, which the model runner calls before it; see
-:mod:`engine.structured.prefetch`).
+next gets -inf (:mod:`engine.structured.bitmask`), then the same pick. On a host with CPUs to spare the masks are
+filled on a worker thread while the forward pass runs (:meth:`Sampler.prefetch`, which the model runner calls before
+it; see :mod:`engine.structured.prefetch`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import llguidance as llg
 import torch
 
 from engine.request import Request, TokenLogprobs
-from engine.structured.bitmask import MaskBatch
+from engine.structured.bitmask import SMALL_HOST, MaskBatch
 from engine.structured.prefetch import MaskPrefetch
 
 
@@ -41,7 +41,10 @@ class Sampler:
         self._llg: llg.LLExecutor | None = None
         self._prefetch: MaskPrefetch | None = None
         self._width = 0  # the logits' width, as last seen
-        self.mask_overlap = True  # False: every mask filled inline, in __call__ (tandem bench structured's A/B)
+        # Grammar masks filled on the masks thread during the forward pass, where the host has a CPU to spare for it;
+        # on two CPUs or fewer the thread's GIL hand-offs cost more than the fill (tandem bench structured, which
+        # times both). False: filled inline, in __call__.
+        self.mask_overlap = not SMALL_HOST
 
     def _executor(self) -> llg.LLExecutor:
         if self._llg is None:

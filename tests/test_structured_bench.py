@@ -16,9 +16,9 @@ def test_bench_structured_reports_constrained_and_unconstrained_step_times(check
                          capture_output=True, text=True, timeout=600, check=True)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert [r["batch"] for r in report["rows"]] == [1, 4]
-    assert report["cpus"] >= 1 and len(report["load_average"]) == 3
+    assert report["cpus"] >= 1 and len(report["load_average"]) == 3 and report["default_masks"] in ("overlap", "inline")
     for r in report["rows"]:
-        for side in ("unconstrained", "json_schema", "json_schema_inline"):
+        for side in ("unconstrained", "json_schema_overlap", "json_schema_inline"):
             assert r[f"{side}_step_ms"] > 0 and r[f"{side}_cpu_ms"] > 0
         assert abs(r["overhead_pct"] - (r["json_schema_step_ms"] / r["unconstrained_step_ms"] - 1) * 100) < 0.5
         assert abs(r["cpu_overhead_inline_pct"] - (r["json_schema_inline_cpu_ms"] / r["unconstrained_cpu_ms"] - 1)

@@ -100,12 +100,13 @@ def test_masks_filled_during_the_forward_give_the_tokens_of_masks_filled_inline(
     params = [SamplingParams(max_tokens=24, temperature=0 if i % 2 else 0.9, seed=i, structured=kinds[i % 3])
               for i in range(12)]
     sampler = llm.engine.sampler
+    default = sampler.mask_overlap
     runs = []
     try:
         for overlap in (False, True):
             sampler.mask_overlap = overlap
             runs.append([o.token_ids for o in llm.generate(prompts, params)])
     finally:
-        sampler.mask_overlap = True
+        sampler.mask_overlap = default
     assert runs[0] == runs[1]
     assert sampler._prefetch is not None and sampler._prefetch.prefetched > 10

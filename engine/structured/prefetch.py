@@ -15,8 +15,10 @@ misuse would raise, not race.
 
 The worker never makes the engine wait for it to *start*: if the fill has not begun when the sampler needs it (a
 busy host whose spare CPU went elsewhere), the job is cancelled and the sampler fills inline, as without a worker;
-only a fill already running is waited for. So on an idle core the masks cost the step nothing, and on a starved
-host about what an inline fill costs.
+only a fill already running is waited for. So on an idle core the masks cost the step nothing. The thread still
+costs two GIL hand-offs a step (it takes the GIL to call llguidance and again when the fill returns), each an OS
+wake-up of the other thread: on a host of two CPUs, shared and busy, those cost more than the 32-row fill they hide
+(``tandem bench structured`` times both ways), so the sampler fills inline there (``Sampler.mask_overlap``).
 """
 
 from __future__ import annotations

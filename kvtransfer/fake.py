@@ -21,7 +21,7 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.landing import LandingReceiver
 from kvtransfer.layout import KVLayout
 from kvtransfer.outgoing import Leg, Outbound, Outgoing
-from kvtransfer.wire import Frame, Kind
+from kvtransfer.wire import Frame, Kind, hello_payload
 
 _RECEIVERS: weakref.WeakValueDictionary[str, FakeReceiver] = weakref.WeakValueDictionary()
 _NEXT = itertools.count()
@@ -61,25 +61,18 @@ class FakeReceiver(LandingReceiver):
         entry = self.landing.live(tid)
         if entry is None:
             return
-        if frame.kind == Kind.HELLO:
-            try:
-                self.landing.on_hello(entry, src, sender)  # type: ignore[arg-type]
-            except ValueError as e:
-                self._refuse_hello(entry, sender, e)
-        elif frame.kind == Kind.DATA:
-            try:
-                view = self.landing.target(entry, frame)
-            except ValueError as e:
-                self.book.fail(entry, f"receiver: refused DATA: {e}", notify_peer=True)
-                return
-            view.copy_(src)  # type: ignore[arg-type]
-            if self.landing.landed(entry, frame.layer, frame.payload_len):
-                for peer in entry.ctx.peers:
-                    peer[0].acked(peer[1], peer[2])
-        elif frame.kind == Kind.FINISH:
-            self.landing.on_finish(entry)
-        elif frame.kind == Kind.FAIL:
-            self.book.fail(entry, f"receiver: peer reported: {src}")
+        if frame.kind != Kind.DATA:  # HELLO, FINISH, FAIL: their payloads as bytes, as on a wire
+            self._control(entry, frame, src, sender)  # type: ignore[arg-type]
+            return
+        try:
+            view = self.landing.target(entry, frame)
+        except ValueError as e:
+            self.book.fail(entry, f"receiver: refused DATA: {e}", notify_peer=True)
+            return
+        view.copy_(src)  # type: ignore[arg-type]
+        if self.landing.landed(entry, frame.layer, frame.payload_len):
+            for peer in entry.ctx.peers:
+                peer[0].acked(peer[1], peer[2])
 
     def _notify_peer(self, entry: Entry, message: str) -> None:
         for peer in list(entry.ctx.peers):
@@ -114,8 +107,8 @@ class FakeSender(KVSender):
         self.out.plan(entry)
         assert self.out.layout is not None
         for leg in entry.ctx.legs:
-            leg.peer.deliver(leg.dest.transfer_id, Frame(Kind.HELLO, leg.dest.transfer_id), self.out.layout,
-                             (self, entry, leg))
+            leg.peer.deliver(leg.dest.transfer_id, Frame(Kind.HELLO, leg.dest.transfer_id),
+                             hello_payload(self.out.layout), (self, entry, leg))
 
     def send_layer(self, request_id: str, layer: int) -> None:
         entry = self.out.live(request_id)
@@ -148,7 +141,7 @@ class FakeSender(KVSender):
         if b.stall_from_layer is not None:
             return
         for leg in out.legs:
-            leg.peer.deliver(leg.dest.transfer_id, Frame(Kind.FINISH, leg.dest.transfer_id), None, (self, entry, leg))
+            leg.peer.deliver(leg.dest.transfer_id, Frame(Kind.FINISH, leg.dest.transfer_id), b"", (self, entry, leg))
 
     def release(self, request_id: str) -> None:
         entry = self.book.find(request_id)
@@ -169,5 +162,5 @@ class FakeSender(KVSender):
     def _notify_peer(self, entry: Entry, message: str) -> None:
         for leg in entry.ctx.legs:
             if leg.peer is not None:
-                leg.peer.deliver(leg.dest.transfer_id, Frame(Kind.FAIL, leg.dest.transfer_id), message,
+                leg.peer.deliver(leg.dest.transfer_id, Frame(Kind.FAIL, leg.dest.transfer_id), message.encode(),
                                  (self, entry, leg))

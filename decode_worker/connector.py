@@ -110,6 +110,7 @@ class DecodeConnector(KVConnector):
         self.waiting = Waiting()
         self.failed: OrderedDict[str, str] = OrderedDict()
         self._wake = wake
+        self.on_landed: list[Callable[[str, bool], object]] = []  # (request, landed or failed): traces
         receiver.set_on_done(self._on_done)
 
     def _on_done(self, _request_id: str) -> None:
@@ -176,6 +177,11 @@ class DecodeConnector(KVConnector):
         for rid in landed:
             self.waiting.entries[rid] = self.transfer.entries.pop(rid)
             self.receiver.release(rid)
+        for hook in self.on_landed:
+            for rid in landed:
+                hook(rid, True)
+            for f in failed:
+                hook(f.request_id, False)
         done.loaded, failed_waiting = self.waiting.poll(now)
         for loaded in done.loaded:
             del self.waiting.entries[loaded.request_id]

@@ -57,6 +57,7 @@ class Waiting:
     dest: DestinationInfo
     deadline_s: float
     started: bool = False
+    started_at: float = 0.0  # perf_counter when its first layer went to the sender
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ class Inflight:
     deadline_s: float
     compute_done: float  # perf_counter when the last layer's forward finished
     held_blocks: int = 0
+    started_at: float = 0.0  # perf_counter when its first layer went to the sender
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,6 +78,8 @@ class TransferTiming:
     compute_done: float
     transfer_done: float
     ok: bool
+    started: float = 0.0  # perf_counter when its first layer went to the sender
+    bytes_sent: int = 0
 
     @property
     def exposed_s(self) -> float:
@@ -102,6 +106,7 @@ class PrefillConnector(KVConnector):
         self.totals = {"kv_transfers_done": 0, "kv_transfers_failed": 0, "kv_transfer_bytes": 0,
                        "kv_transfer_exposed_us": 0}  # since start, reported in Load (loop thread)
         self._done_at: dict[str, float] = {}  # perf_counter when the sender reported DONE (written on its thread)
+        self.on_transfer: list[Callable[[TransferTiming], object]] = []  # each finished timing (metrics, traces)
         sender.set_on_done(self._on_done)
 
     def expect(self, request_id: str, dest: DestinationInfo, deadline_s: float) -> None:
@@ -161,7 +166,7 @@ class PrefillConnector(KVConnector):
                 if not w.started:
                     nblocks = -(-req.num_prompt_tokens // kv.block_size)
                     self.sender.start(rid, w.dest, kv.block_ids(rid)[:nblocks], w.deadline_s)
-                    w.started = True
+                    w.started, w.started_at = True, time.perf_counter()
                 if not delay:
                     self.sender.send_layer(rid, layer)
                 if self.stall is not None and layer == self.stall[0]:
@@ -172,7 +177,7 @@ class PrefillConnector(KVConnector):
                         self._delayed.append((time.monotonic() + self.transfer_delay_s, rid, layer))
                     else:
                         self.sender.finish(rid)
-                    self.inflight[rid] = Inflight(w.deadline_s, time.perf_counter())
+                    self.inflight[rid] = Inflight(w.deadline_s, time.perf_counter(), started_at=w.started_at)
                     del self.waiting[rid]
             except Exception as e:  # a broken transfer must not take the engine down
                 log.warning("transfer of %s failed to start: %s", rid, e)
@@ -198,7 +203,10 @@ class PrefillConnector(KVConnector):
                 log.info("KV transfer of %s failed: %s", rid, st.error or "lease expired")
             done_at = self._done_at.pop(rid, None)
             end = done_at if ok and done_at is not None else time.perf_counter()
-            self.timings.append(TransferTiming(rid, infl.compute_done, end, ok))
+            timing = TransferTiming(rid, infl.compute_done, end, ok, infl.started_at, st.bytes_sent)
+            self.timings.append(timing)
+            for hook in self.on_transfer:
+                hook(timing)
             self.totals["kv_transfers_done" if ok else "kv_transfers_failed"] += 1
             self.totals["kv_transfer_bytes"] += st.bytes_sent
             if ok:

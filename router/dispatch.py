@@ -35,6 +35,7 @@ from router.pool import Worker, WorkerPool
 from router.session import SessionError
 
 log = logging.getLogger(__name__)
+Metadata = tuple[tuple[str, str], ...]  # gRPC call metadata (the request's trace context)
 
 _LINGER_S = 1.0  # how long a finished stream may take to deliver its status before it is cancelled
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -165,12 +166,14 @@ class Dispatcher:
             self.prefill_selector.release(plan.prefill_decision)
 
     async def run(self, request_id: str, prompt: list[int], params: pb.SamplingParams,
-                  plan_out: list[Plan] | None = None, min_chunk_tokens: int = 0) -> AsyncGenerator[pb.TokenChunk, None]:
+                  plan_out: list[Plan] | None = None, min_chunk_tokens: int = 0,
+                  trace: Metadata = ()) -> AsyncGenerator[pb.TokenChunk, None]:
         """Yield the request's chunks, retrying and migrating across workers as needed.
 
         ``min_chunk_tokens`` > 1 lets the workers hold tokens until that many are ready (worker.proto's output
         pacing), for a caller that answers its client only at the end: fewer messages, and a migration loses at
-        most that many tokens of decode work (never tokens already yielded here).
+        most that many tokens of decode work (never tokens already yielded here). ``trace``: gRPC metadata
+        carrying the request's W3C trace context to the disaggregated calls (router/tracing.py; empty: none).
         """
         generated: list[int] = []
         exclude: set[str] = set()
@@ -186,7 +189,7 @@ class Dispatcher:
                                                              min_chunk_tokens=min_chunk_tokens),
                                           self.config.rpc_timeout_s, self.config.max_buffered_tokens)
             else:
-                source = self._disaggregated_run(plan, rid, full, cont, min_chunk_tokens)
+                source = self._disaggregated_run(plan, rid, full, cont, min_chunk_tokens, trace)
             try:
                 # Closed in ``finally`` (aclosing below): an inner generator ends as soon as its consumer stops, not
                 # later by the event loop's async-generator finalizer (a task and a self-pipe wake-up each).
@@ -206,7 +209,7 @@ class Dispatcher:
 
     async def collect(self, request_id: str, prompt: list[int], params: pb.SamplingParams,
                       sink: Callable[[pb.TokenChunk], bool], plan_out: list[Plan] | None = None,
-                      min_chunk_tokens: int = 0) -> None:
+                      min_chunk_tokens: int = 0, trace: Metadata = ()) -> None:
         """``run`` for a caller that answers only at the end: each chunk goes to ``sink`` as it arrives (from the
         session's reader, with no generator step per chunk and none per layer), which returns True once it needs
         no more (a stop string matched: the rest is aborted). Same retries, migration and cancellation as ``run``:
@@ -231,7 +234,7 @@ class Dispatcher:
                                           self.config.rpc_timeout_s, take)
                     return
                 async with contextlib.aclosing(self._disaggregated_run(plan, rid, full, cont,
-                                                                       min_chunk_tokens)) as chunks:
+                                                                       min_chunk_tokens, trace)) as chunks:
                     async for chunk in chunks:
                         if take(chunk) or chunk.finish_reason:
                             return
@@ -289,13 +292,13 @@ class Dispatcher:
         return attempt
 
     async def _disaggregated_run(self, plan: Plan, rid: str, prompt: list[int], params: pb.SamplingParams,
-                                 min_chunk_tokens: int) -> AsyncGenerator[pb.TokenChunk, None]:
+                                 min_chunk_tokens: int, trace: Metadata) -> AsyncGenerator[pb.TokenChunk, None]:
         """Reserve → Prefill → Decode; a request that does not finish is aborted on both workers."""
         touched: list[Worker] = [plan.decode] + ([plan.prefill] if plan.prefill else [])
         finished = False
         try:
             async with contextlib.aclosing(self._disaggregated(plan, rid, prompt, params,
-                                                               min_chunk_tokens)) as chunks:
+                                                               min_chunk_tokens, trace)) as chunks:
                 async for chunk in chunks:
                     finished = bool(chunk.finish_reason)
                     yield chunk
@@ -307,21 +310,23 @@ class Dispatcher:
                     task.add_done_callback(self._background.discard)
 
     async def _disaggregated(self, plan: Plan, rid: str, prompt: list[int], params: pb.SamplingParams,
-                             min_chunk_tokens: int) -> AsyncGenerator[pb.TokenChunk, None]:
+                             min_chunk_tokens: int, trace: Metadata) -> AsyncGenerator[pb.TokenChunk, None]:
         assert plan.prefill is not None and plan.decode.stub is not None and plan.prefill.stub is not None
         t = self.config.rpc_timeout_s
+        meta = trace or None
         lease = self.config.lease_ms
         reserve = await _unary(plan.decode, "Reserve", plan.decode.stub.Reserve(
-            pb.ReserveRequest(request_id=rid, prompt_token_ids=prompt, params=params, lease_ms=lease), timeout=t))
+            pb.ReserveRequest(request_id=rid, prompt_token_ids=prompt, params=params, lease_ms=lease), timeout=t,
+            metadata=meta))
         first = await _unary(plan.prefill, "Prefill", plan.prefill.stub.Prefill(
             pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params,
-                              destination=reserve.destination, lease_ms=lease), timeout=t))
+                              destination=reserve.destination, lease_ms=lease), timeout=t, metadata=meta))
         dreq = pb.DecodeRequest(request_id=rid, first_token_id=first.first_token_id,
                                 min_chunk_tokens=min_chunk_tokens, first_token_sent=True)
         if first.HasField("first_logprob"):
             dreq.first_logprob.CopyFrom(first.first_logprob)
         yield first_chunk(first, len(prompt))  # at once: decode's stream starts only once the KV has landed
-        call = plan.decode.stub.Decode(dreq, timeout=t)
+        call = plan.decode.stub.Decode(dreq, timeout=t, metadata=meta)
         async with contextlib.aclosing(_paced(call, plan.decode, rid, self.config.max_buffered_tokens)) as chunks:
             async for chunk in chunks:
                 if not chunk.num_cached_tokens:

@@ -205,6 +205,7 @@ class Gateway:
         with self.admitted():
             self.metrics.prompt_tokens.inc(req.num_prompt_tokens * req.best_of)
             choices = [self._choice(req, i) for i in range(len(req.prompts) * req.best_of)]
+            self.begin_trace(choices, t0)
             plans: list[Plan] = []
             if req.stream:
                 return await self._stream(request, req, choices, plans, request.explain, t0)
@@ -282,7 +283,16 @@ class Gateway:
                                Phases(t0, dispatched, c.first_at, c.second_at, end),
                                {"tandem.prompt_tokens": prompt_tokens, "tandem.sequences": len(choices),
                                 "tandem.generated_tokens": sum(len(ch.token_ids) for ch in choices),
-                                "tandem.attempts": len(plans)})
+                                "tandem.attempts": len(plans)}, c.trace_root)
+
+    def begin_trace(self, choices: list[Choice], t0: float) -> None:
+        """Open the request's root span when tracing is on: its choices carry it and its trace context, which the
+        dispatcher sends to the workers (router/tracing.py)."""
+        if self.tracer is not None:
+            root = self.tracer.begin(t0)
+            meta = self.tracer.metadata(root)
+            for c in choices:
+                c.trace_root, c.trace_metadata = root, meta
 
     def admit(self) -> None:
         """Check that a request would be admitted now (no slot is taken: see ``admitted``)."""
@@ -300,7 +310,7 @@ class Gateway:
     def _run(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> AsyncGenerator[pb.TokenChunk, None]:
         return self.dispatcher.run(f"{req.request_id}-{c.index}", c.prompt or req.prompt_token_ids,
                                    self._params_for(req, c.index), plans,
-                                   0 if req.stream else self.config.collect_chunk_tokens)
+                                   0 if req.stream else self.config.collect_chunk_tokens, c.trace_metadata)
 
     def _absorb(self, req: GenerationRequest, c: Choice, chunk: pb.TokenChunk) -> str:
         """Take one chunk into ``c`` (tokens, text, logprobs, finish reason); return its new text."""
@@ -360,7 +370,7 @@ class Gateway:
         try:
             await self.dispatcher.collect(f"{req.request_id}-{c.index}", c.prompt or req.prompt_token_ids,
                                           self._params_for(req, c.index), self._sink(req, c), plans,
-                                          self.config.collect_chunk_tokens)
+                                          self.config.collect_chunk_tokens, c.trace_metadata)
         except DispatchError as e:
             raise APIError(e.status, e.message, retry_after=e.retry_after) from None
         finally:

@@ -256,6 +256,7 @@ class GatewayServicer(gpb_grpc.GatewayServicer):
         metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         choice = new_choice(req, 0, gw.tokenizer) if req.chat else Choice(
             0, IncrementalDetokenizer(gw.tokenizer, tuple(req.params.stop), req.params.include_stop_str_in_output))
+        gw.begin_trace([choice], t0)
         plans: list[Plan] = []
         sent_tokens = sent_logprobs = 0
         first = True

@@ -52,6 +52,8 @@ class Choice:
     created_at: float = field(default_factory=time.perf_counter)  # made once admitted, as it is handed to routing
     first_at: float = 0.0  # when its first generated token arrived (perf_counter; 0 until then)
     second_at: float = 0.0  # when a later chunk first brought tokens (disaggregated: decode's first chunk)
+    trace_root: Any = None  # the request's root span when tracing is on (router/tracing.py; shared by its choices)
+    trace_metadata: tuple[tuple[str, str], ...] = ()  # its W3C trace context, sent to the workers as gRPC metadata
 
 
 def new_choice(req: GenerationRequest, index: int, tokenizer: Tokenizer) -> Choice:

@@ -22,9 +22,10 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -38,6 +39,9 @@ from worker.convert import chunk_from_outputs, params_from_proto
 from worker.service import WorkerService, without_first_token
 from worker.session import WorkerSession
 
+if TYPE_CHECKING:
+    from worker.tracing import WorkerTracer
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 COMMAND_TIMEOUT_S = 30.0  # an engine command (reserve, load, abort ...) that takes longer fails the call
@@ -45,11 +49,17 @@ MAX_UNSENT_TOKENS = 256  # a stream's tokens generated but not sent (its client 
 
 
 class AioWorker(pb_grpc.WorkerServicer):
-    def __init__(self, service: WorkerService, max_unsent_tokens: int = MAX_UNSENT_TOKENS) -> None:
+    def __init__(self, service: WorkerService, max_unsent_tokens: int = MAX_UNSENT_TOKENS,
+                 tracer: WorkerTracer | None = None) -> None:
         if max_unsent_tokens < 1:
             raise ValueError(f"max_unsent_tokens must be >= 1, not {max_unsent_tokens}")
         self.svc = service
         self.max_unsent_tokens = max_unsent_tokens
+        self.tracer = tracer  # --otlp-endpoint: spans of traced requests (worker/tracing.py)
+
+    def _trace_parent(self, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        """The router's trace context of this call, when tracing is on and the call carries one."""
+        return None if self.tracer is None else self.tracer.parent(context.invocation_metadata())
 
     # ---- helpers -------------------------------------------------------------------------------------------
 
@@ -220,6 +230,7 @@ class AioWorker(pb_grpc.WorkerServicer):
         assert isinstance(svc, DecodeService)
         params = await self._params(request.params, context)
         rid = request.request_id or uuid.uuid4().hex
+        parent = self._trace_parent(context)
         try:
             resp = await self._on_loop(svc.reserve_op(request, params, rid))
         except ValueError as e:
@@ -227,6 +238,8 @@ class AioWorker(pb_grpc.WorkerServicer):
         if resp is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "not enough free KV blocks for this prompt")
         assert resp is not None  # context.abort raised otherwise
+        if parent is not None and self.tracer is not None:  # the landing ends on the engine loop (worker/tracing.py)
+            self.tracer.hold(rid, parent, time.perf_counter())
         return resp
 
     async def Decode(self, request: pb.DecodeRequest,
@@ -238,12 +251,19 @@ class AioWorker(pb_grpc.WorkerServicer):
         if not isinstance(svc, DecodeService):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker does not decode")
         assert isinstance(svc, DecodeService)
+        start, parent, sent = time.perf_counter(), self._trace_parent(context), 0
         sink = self._sink(rid)
         got = await self._on_loop(svc.deliver_op(request, sink))
         if isinstance(got, str):
             await context.abort(svc.refusal_code(rid), f"request {rid}: {got}")
-        async for chunk in self._relay(rid, sink, context, request.min_chunk_tokens, request.first_token_sent):
-            yield chunk
+        try:
+            async for chunk in self._relay(rid, sink, context, request.min_chunk_tokens, request.first_token_sent):
+                sent += len(chunk.token_ids)
+                yield chunk
+        finally:
+            if parent is not None and self.tracer is not None:
+                self.tracer.span("decode_worker.decode", parent, start, time.perf_counter(),
+                                 {"tandem.request_id": rid, "tandem.tokens_sent": sent})
 
     async def Prefill(self, request: pb.PrefillRequest,
                       context: grpc.aio.ServicerContext[Any, Any]) -> pb.PrefillResponse:
@@ -257,6 +277,7 @@ class AioWorker(pb_grpc.WorkerServicer):
         params = await self._params(request.params, context)
         rid = request.request_id or uuid.uuid4().hex
         lease_s = (request.lease_ms or 30_000) / 1000.0
+        start, parent = time.perf_counter(), self._trace_parent(context)
         try:
             dest = svc.destination(request)
         except CompatibilityError as e:
@@ -264,6 +285,8 @@ class AioWorker(pb_grpc.WorkerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV destination: {e}")
         sink = self._sink(rid, bounded=False)
+        if parent is not None and self.tracer is not None and dest is not None:
+            self.tracer.hold(rid, parent)  # its transfer's span ends when the transport reports it (engine loop)
         try:
             await self._on_loop(svc.prefill_op(request, rid, params, dest, lease_s, sink))
         except ValueError as e:
@@ -282,6 +305,10 @@ class AioWorker(pb_grpc.WorkerServicer):
             if not finished:  # the caller went away (or the wait failed): the prefill and its transfer stop
                 svc.loop.call(svc.abort_op(rid))
         assert out is not None  # context.abort raised otherwise
+        if parent is not None and self.tracer is not None:
+            self.tracer.span("prefill_worker.prefill", parent, start, time.perf_counter(),
+                             {"tandem.request_id": rid, "tandem.prompt_tokens": len(request.prompt_token_ids),
+                              "tandem.cached_tokens": out.num_cached_tokens})
         return svc.prefill_response(out)
 
     # ---- control -------------------------------------------------------------------------------------------

@@ -60,6 +60,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="CPUs (e.g. 3 or 2-3) for the KV transport's threads, off the engine's cores: on a CPU host "
                         "they copy every landing byte, and on the engine's cores that time comes out of decode's steps")
     p.add_argument("--redis", default=None, help="redis://host:port: register a lease and publish KV events")
+    p.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
+                   help="record this worker's spans of traced requests, exported over OTLP/gRPC to this collector")
     p.add_argument("--lease-seconds", type=float, default=3.0)
     add_credential_args(p)  # --auth-token-file, --tls-cert/--tls-key/--tls-ca (auth/credentials.py)
     p.add_argument("--stream-stall-timeout", type=_positive, default=60.0, metavar="S",
@@ -152,6 +154,7 @@ def serve(args: argparse.Namespace) -> int:
     from auth.grpc_server import AioAdminGuard, add_port
     from worker.aio_server import AioServerThread
     from worker.aio_service import AioWorker
+    from worker.tracing import tracer_for
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -177,8 +180,9 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     service = build_service(args, transfer)
     service.start()
+    tracer = tracer_for(service, args.otlp_endpoint)  # worker/tracing.py: None without --otlp-endpoint
     # grpc.aio (worker/aio_service.py): a stream holds no thread, and Health never waits behind streams.
-    server = AioServerThread(AioWorker(service, args.max_unsent_tokens),
+    server = AioServerThread(AioWorker(service, args.max_unsent_tokens, tracer),
                              options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
                              interceptors=[AioAdminGuard(creds.token)])
     port = server.bind(lambda s: add_port(s, f"{args.host}:{args.port}", creds))
@@ -219,6 +223,8 @@ def serve(args: argparse.Namespace) -> int:
         listener.close()
     server.stop(grace_s=1.0)
     service.stop()
+    if tracer is not None:
+        tracer.shutdown()  # exports the spans still batched
     return 0
 
 

@@ -53,6 +53,8 @@ def add_controller_args(p: argparse.ArgumentParser) -> None:
                    help="each worker's plain-TCP Session port (default: 7101 with --worker-host node, else free)")
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster to join ('auto' in a Ray head pod); default $RAY_ADDRESS, else start one")
+    p.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
+                   help="the workers record their spans of traced requests and export them over OTLP/gRPC here")
     p.add_argument("--worker-flag", action="append", default=[], metavar="FLAG",
                    help="extra `tandem worker` flag (repeat; e.g. --worker-flag=--dtype --worker-flag=bfloat16)")
     from auth.credentials import add_args as add_credential_args
@@ -83,7 +85,8 @@ def controller_config(args: argparse.Namespace, creds: Credentials) -> Controlle
 
     return ControllerConfig(
         args.model, args.prefill, args.decode, args.kv_backend, args.cpus_per_replica, args.ranks,
-        worker_flags=(*_port_flags(args), *args.worker_flag, *to_flags(creds, args.auth_token_file)),
+        worker_flags=(*_port_flags(args), *args.worker_flag, *to_flags(creds, args.auth_token_file),
+                      *(("--otlp-endpoint", args.otlp_endpoint) if args.otlp_endpoint else ())),
         redis=args.redis,
         worker_host=NODE_IP if args.worker_host == "node" else args.worker_host, drain_timeout_s=args.drain_timeout,
         prefill_ranks=args.prefill_ranks, decode_ranks=args.decode_ranks,

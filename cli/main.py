@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--vllm-metrics", action="store_true", default=None,
                     help="also export vllm:* metric names where vLLM has an equivalent (vLLM dashboards work)")
     up.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
-                    help="trace every request with OpenTelemetry, exported over OTLP/gRPC to this collector")
+                    help="trace every request with OpenTelemetry (router and workers), exported over OTLP/gRPC to "
+                         "this collector")
     up.add_argument("--grpc-port", type=int, default=None,
                     help="client gRPC API port (tandem.v1.Gateway; default: the HTTP port + 1; -1: not served)")
     up.add_argument("--redis", default=None, help="redis://... for the worker registry and KV events")

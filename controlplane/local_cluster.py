@@ -172,7 +172,9 @@ class LocalCluster:
         cfg = self.cfg
         self.controller = controller = Controller(ControllerConfig(
             str(self.model), cfg.prefill, cfg.decode, self.kv_backend, cfg.cpus_per_replica,
-            worker_flags=cfg.worker_flags, redis=cfg.redis, drain_timeout_s=cfg.drain_timeout_s),
+            # the workers trace their part of each request to the router's collector (worker/tracing.py)
+            worker_flags=(*cfg.worker_flags, *(("--otlp-endpoint", cfg.otlp_endpoint) if cfg.otlp_endpoint else ())),
+            redis=cfg.redis, drain_timeout_s=cfg.drain_timeout_s),
             on_change=self.write_state)
         controller.start()
         await controller.wait_converged(180.0)

@@ -113,6 +113,15 @@ def test_per_tier_ranks_and_kv_backends_parse_and_default_to_the_shared_flags() 
         controller_config(_controller_args("--decode-ranks", "0"), Credentials(None))
 
 
+def test_the_controllers_otlp_endpoint_reaches_every_worker_as_its_flag() -> None:
+    from cli.controller import controller_config
+
+    traced = controller_config(_controller_args("--otlp-endpoint", "collector:4317"), Credentials(None))
+    flags = traced.worker_flags
+    assert flags[flags.index("--otlp-endpoint") + 1] == "collector:4317"
+    assert "--otlp-endpoint" not in controller_config(_controller_args(), Credentials(None)).worker_flags
+
+
 def test_bundles_ask_for_the_tiers_ray_resource_once_per_rank_only_with_tier_resources() -> None:
     from controlplane.controller import tier_resource
     from operators.render_ray import ray_resource

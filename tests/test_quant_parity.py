@@ -113,3 +113,44 @@ def test_gptq_and_awq_checkpoints_load_the_same_weights_and_tokens(quantized: Ca
     got = [o.token_ids for o in llm_other.generate(prompts, GREEDY)]
     assert got == [o.token_ids for o in llm_ct.generate(prompts, GREEDY)]
     assert got == _reference(ct, prompts)
+
+
+def test_fp8_weights_load_dequantized_and_match_transformers(checkpoint: Callable[[str], Path],
+                                                             tmp_path: Path) -> None:
+    """compressed-tensors ``float-quantized`` FP8 (e4m3) weights with per-channel scales, written here (the quantizer
+    writes integer schemes only): Tandem widens them to float32 at load (no CPU kernel takes FP8), transformers runs
+    the same checkpoint with its own compressed-tensors handling."""
+    import json
+    import re
+    import shutil
+
+    from safetensors.torch import save_file
+
+    src, dst = checkpoint("llama"), tmp_path / "fp8"
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        f.unlink()
+    tensors = {}
+    for name, t in iter_weights(src):
+        if re.search(r"\.(q|k|v|o|gate|up|down)_proj\.weight$", name):
+            scale = t.abs().amax(1, keepdim=True) / 448.0  # e4m3's largest finite value
+            tensors[name] = (t / scale).to(torch.float8_e4m3fn)
+            tensors[name.removesuffix("weight") + "weight_scale"] = scale
+        else:
+            tensors[name] = t
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}}}}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(dst), num_kv_blocks=128)
+    assert _kernel_weights(llm) == 0
+    qkv: torch.Tensor = llm.engine.model._layer_seq[0].self_attn.qkv_proj
+    q_rows = tensors["model.layers.0.self_attn.q_proj.weight"].shape[0]
+    expected = tensors["model.layers.0.self_attn.q_proj.weight"].float() \
+        * tensors["model.layers.0.self_attn.q_proj.weight_scale"]
+    assert torch.equal(qkv[:q_rows], expected)
+    prompts = _prompts(2048)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == _reference(dst, prompts)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.spec.config import SpeculativeConfig
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -73,6 +75,7 @@ class EngineConfig:
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (engine/spec); None: off
 
     def __post_init__(self) -> None:
         if not self.model:

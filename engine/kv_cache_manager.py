@@ -97,6 +97,19 @@ class KVCacheManager:
         if table is not None:
             self._cache_full_blocks(request, table, request.num_computed_tokens)
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Free the table's tail blocks beyond what ``num_tokens`` tokens need (slots reserved for speculative
+        tokens that were rejected, see ``engine/spec``); how many. Those blocks were never published."""
+        table = self.block_tables.get(request.request_id)
+        keep = self.blocks_needed(num_tokens)
+        if table is None or len(table) <= keep:
+            return 0
+        extra = table[keep:]
+        del table[keep:]
+        del self._ids[request.request_id][keep:]
+        self.pool.free_blocks(reversed(extra))
+        return len(extra)
+
     def free(self, request: Request) -> None:
         table = self.block_tables.pop(request.request_id, None)
         self._ids.pop(request.request_id, None)

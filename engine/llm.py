@@ -10,6 +10,7 @@ from engine.llm_engine import LLMEngine, RequestOutput
 from engine.models.decoder import AllReduce, Pipe, ShardSpec, _identity
 from engine.request import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
 
 
 @dataclass(slots=True)
@@ -29,13 +30,16 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_memory_bytes: int = 1 << 30, enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, max_model_len: int | None = None,
                  seed: int = 0, num_threads: int | None = None, shard: ShardSpec | None = None,
-                 tp_reduce: AllReduce = _identity, ep_reduce: AllReduce = _identity, pipe: Pipe | None = None) -> None:
-        """``shard`` and the reducers make this one rank of a parallel replica (see :mod:`engine.parallel`)."""
+                 tp_reduce: AllReduce = _identity, ep_reduce: AllReduce = _identity, pipe: Pipe | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
+        """``shard`` and the reducers make this one rank of a parallel replica (see :mod:`engine.parallel`);
+        ``speculative`` turns on speculative decoding (:mod:`engine.spec`)."""
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed, num_threads=num_threads,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_budget_bytes=kv_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            speculative=speculative,
         ), shard=shard, tp_reduce=tp_reduce, ep_reduce=ep_reduce, pipe=pipe)
         self.tokenizer = self.engine.tokenizer
 

@@ -35,6 +35,8 @@ from engine.request import Request, RequestStatus, TokenLogprobs
 from engine.sampler import Sampler, SampleResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec.decoder import SpecDecoder, build_proposer
+from engine.spec.draft import DraftProposer, check_same_tokenizer, draft_engine_config
 from engine.structured.compiler import GrammarCompiler
 from engine.tokenizer import Tokenizer
 
@@ -110,6 +112,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_caches, cache.block_size,
                                   config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                   self.max_model_len, self.kv.block_ids, self.sampler, device)
+        self.spec: SpecDecoder | None = None
+        if config.speculative is not None:
+            self.spec = self._spec_decoder(config)
         self.eos_token_ids = _eos_ids(model_dir, cfg.eos_token_ids, self.tokenizer.eos_token_id)
         self.extra_keys = extra_keys_for(model=model_dir.name)
         self._grammars: GrammarCompiler | None = None
@@ -122,6 +127,19 @@ class LLMEngine:
         self.schedule_seconds = 0.0
         gc.collect()
         gc.freeze()
+
+    def _spec_decoder(self, config: EngineConfig) -> SpecDecoder:
+        spec = config.speculative
+        assert spec is not None
+
+        def draft() -> DraftProposer:
+            path = str(spec.draft_model)
+            check_same_tokenizer(self.tokenizer, Tokenizer(Path(path)), path)
+            engine = LLMEngine(draft_engine_config(path, config, self.max_model_len, spec.num_speculative_tokens))
+            return DraftProposer(engine, self.model_config.vocab_size)
+
+        return SpecDecoder(spec, build_proposer(spec, draft), self.kv, self.max_model_len,
+                           config.scheduler.max_num_batched_tokens)
 
     # ---- requests ------------------------------------------------------------------------------------------
 
@@ -235,9 +253,12 @@ class LLMEngine:
             return outputs
         if c is not None:
             c.bind_step(sched.requests, sched.num_new_tokens)
-        reqs, result = self.runner.execute(sched, None if c is None else c.save_kv_layer)
+        drafts = self.spec.plan(sched) if self.spec is not None and c is None else None
+        reqs, result, verified = self.runner.execute_spec(sched, None if c is None else c.save_kv_layer, drafts)
         self.scheduler.finish_step(sched)
         outputs += self._process(reqs, result)
+        if verified:
+            outputs += self._process_verified(verified)
         self.num_steps += 1
         self.num_scheduled_tokens += sched.total_tokens
         t2 = time.perf_counter()
@@ -252,6 +273,32 @@ class LLMEngine:
         return [self._accept_token(req, token, lp, now)
                 for req, token, lp in zip(reqs, result.token_ids, result.logprobs, strict=True)
                 if not req.is_finished]
+
+    def _process_verified(self, verified: list[tuple[Request, torch.Tensor]]) -> list[RequestOutput]:
+        """Speculated requests: the verified tokens appended one by one (stops checked after each), one output."""
+        spec = self.spec
+        assert spec is not None
+        now = time.monotonic()
+        outputs = []
+        for req, logits in verified:
+            if req.is_finished:
+                continue
+            tokens = spec.verify(req, logits, self.sampler.generator)
+            out = None
+            new_text = []
+            for token in tokens:
+                out = self._accept_token(req, token, None, now)
+                new_text.append(out.new_text)
+                if req.is_finished:
+                    break
+            assert out is not None
+            n = len(new_text)
+            out.new_token_ids = tokens[:n]
+            out.new_text = "".join(new_text)
+            outputs.append(out)
+            if not req.is_finished:
+                spec.settle(req, n)
+        return outputs
 
     def _accept_token(self, req: Request, token: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
         """Append one sampled token: detokenize, check stops, finish (freeing blocks) if it ends the request."""

@@ -34,6 +34,7 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor | None  # rows of the flat batch that produce a token; None: every row, in order
     sample_requests: list[Request]
+    verify: list[tuple[Request, int]]  # speculated requests and their row count, after the sampled rows
 
 
 class ModelRunner:
@@ -58,9 +59,13 @@ class ModelRunner:
         self._native_prefill = model.dtype == torch.float32  # bf16 prefills and lone decodes stay on SDPA
         self.micro_batches = 1
 
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
+    def prepare(self, out: SchedulerOutput, drafts: dict[str, list[int]] | None = None) -> StepInputs:
+        """``drafts``: proposed tokens of decoding requests (``engine/spec``): such a request's rows are its last
+        token then its drafts, and each of them produces logits (``verify``), after the sampled rows."""
         n = len(out.requests)
         q_lens = np.asarray(out.num_new_tokens, dtype=np.int64)
+        verify_rows: list[int] = []
+        verify: list[tuple[Request, int]] = []
         ctx = np.empty(n, dtype=np.int64)
         if n > self._tables.shape[0]:
             self._tables = np.zeros((n, self._tables.shape[1]), dtype=np.int64)
@@ -73,8 +78,19 @@ class ModelRunner:
         ids, pos = self._ids, self._pos
         for i, (req, q) in enumerate(zip(out.requests, out.num_new_tokens, strict=True)):
             start = req.num_computed_tokens
+            d = drafts.get(req.request_id) if drafts else None
+            if d:
+                q = 1 + len(d)
+                q_lens[i] = q
             end = start + q
-            if q == 1:
+            if d:
+                all_decodes = False
+                ids[t] = req.all_token_ids[start]
+                ids[t + 1 : t + q] = d
+                pos[t : t + q] = self._arange[start:end] if end < len(self._arange) else np.arange(start, end)
+                verify_rows.extend(range(t, t + q))
+                verify.append((req, q))
+            elif q == 1:
                 ids[t] = req.all_token_ids[start]
                 pos[t] = start
             else:
@@ -86,7 +102,7 @@ class ModelRunner:
             row = self.block_ids(req.request_id)
             tables[i, : len(row)] = row
             t += q
-            if end == req.num_tokens:
+            if end == req.num_tokens and not d:
                 sample_rows.append(t - 1)
                 sample_reqs.append(req)
         width = -(-ctx_max // self.block_size)
@@ -100,9 +116,10 @@ class ModelRunner:
             positions=positions if on_cpu else positions.to(self.device, non_blocking=True),
             meta=meta,
             # Every row samples (a step of decodes): no gather at all.
-            sample_rows=None if all_decodes and len(sample_rows) == t else torch.tensor(sample_rows, dtype=torch.long,
-                                                                          device=self.device),
+            sample_rows=None if all_decodes and len(sample_rows) == t else torch.tensor(sample_rows + verify_rows,
+                                                                          dtype=torch.long, device=self.device),
             sample_requests=sample_reqs,
+            verify=verify,
         )
 
     def _forward_micro_batches(self, out: SchedulerOutput, inputs: StepInputs,
@@ -122,10 +139,18 @@ class ModelRunner:
                                     after_layer=after_layer))
         return torch.cat(parts)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput,
                 after_layer: Callable[[int], None] | None = None) -> tuple[list[Request], SampleResult | None]:
-        inputs = self.prepare(out)
+        reqs, result, _ = self.execute_spec(out, after_layer)
+        return reqs, result
+
+    @torch.inference_mode()
+    def execute_spec(self, out: SchedulerOutput, after_layer: Callable[[int], None] | None = None,
+                     drafts: dict[str, list[int]] | None = None
+                     ) -> tuple[list[Request], SampleResult | None, list[tuple[Request, torch.Tensor]]]:
+        """One forward; the sampled requests and their tokens, and each speculated request's logits over its
+        ``1 + len(drafts)`` rows for verification (``engine/spec``)."""
+        inputs = self.prepare(out, drafts)
         self.sampler.prefetch(inputs.sample_requests)  # grammar masks fill on their thread during the forward
         if self.micro_batches > 1 and inputs.sample_rows is None and len(out.requests) > 1:
             hidden = self._forward_micro_batches(out, inputs, after_layer)
@@ -134,8 +159,16 @@ class ModelRunner:
                                 after_layer=after_layer)
         if any(r.params.prompt_logprobs is not None for r in out.requests):
             add_prompt_logprobs(hidden, out.requests, out.num_new_tokens, self.model.compute_logits)
-        if not inputs.sample_requests:
-            return [], None
+        if not inputs.sample_requests and not inputs.verify:
+            return [], None, []
         rows = hidden if inputs.sample_rows is None else hidden.index_select(0, inputs.sample_rows)
         logits = self.model.compute_logits(rows)
-        return inputs.sample_requests, self.sampler(logits, inputs.sample_requests)
+        ns = len(inputs.sample_requests)
+        verified = []
+        r = ns
+        for req, q in inputs.verify:
+            verified.append((req, logits[r : r + q]))
+            r += q
+        if not ns:
+            return [], None, verified
+        return inputs.sample_requests, self.sampler(logits[:ns], inputs.sample_requests), verified

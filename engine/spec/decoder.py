@@ -1,0 +1,136 @@
+"""Speculative decoding in the engine's step: propose, verify in the same forward, keep the accepted tokens.
+
+Per step, around the ordinary schedule → forward → sample:
+
+1. :meth:`SpecDecoder.plan`: each scheduled request that is decoding (one new token, nothing else to compute) and
+   whose sampling allows it gets up to K proposed tokens (n-gram lookup or a draft model), capped by its remaining
+   ``max_tokens``, the context and the step's token budget. Its KV slots for the K extra positions are reserved
+   (``allocate_slots``); a request that cannot get them simply is not speculated this step.
+2. The model runner computes the request's last token plus its K proposals as one chunk of K+1 rows, over the
+   paged KV cache, in the same forward as every other request, and returns the K+1 rows' logits.
+3. :meth:`SpecDecoder.verify` accepts a prefix of the proposals and adds one token of the target's own
+   (``rejection.py``): greedy output equals non-speculative decoding token for token; sampled output has the
+   target's distribution.
+4. :meth:`SpecDecoder.settle`: the request's computed length moves past the accepted tokens; the KV written for
+   rejected positions lies beyond it (overwritten by the next step), and the blocks reserved only for them go back
+   to the pool (``KVCacheManager.trim``), so block accounting is exactly that of a non-speculative run.
+
+Not speculated: requests with penalties, logprobs, prompt logprobs or a grammar (their distribution at one
+position depends on the tokens emitted before it in the same step, or they need per-token logprobs), steps of an
+engine with a KV connector (disaggregated roles), and steps where a request asks for prompt logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request
+from engine.scheduler import SchedulerOutput
+from engine.spec.config import SpeculativeConfig
+from engine.spec.ngram import NgramProposer
+from engine.spec.rejection import target_probs, verify_greedy, verify_sampled
+
+
+class Proposer(Protocol):
+    def propose_batch(self, items: list[tuple[list[int], int]]) -> list[list[int]]: ...
+
+
+class NgramBatch:
+    """The n-gram proposer over a batch (one lookup per request)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.ngram = NgramProposer(config)
+
+    def propose_batch(self, items: list[tuple[list[int], int]]) -> list[list[int]]:
+        return [self.ngram.propose(ids, k) for ids, k in items]
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Counters since start: steps with proposals, tokens proposed, proposals accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per speculated request-step: 1 (the target's own) plus the accepted proposals."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def speculable(req: Request) -> bool:
+    p = req.params
+    return (req.matcher is None and p.logprobs is None and p.prompt_logprobs is None and not p.needs_penalties)
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, kv: KVCacheManager, max_model_len: int,
+                 max_num_batched_tokens: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.stats = SpecStats()
+        self.drafts: dict[str, list[int]] = {}
+
+    def plan(self, sched: SchedulerOutput) -> dict[str, list[int]]:
+        """Propose for this step's decoding requests and reserve their slots; request id -> proposed tokens."""
+        self.drafts = {}
+        if any(r.params.prompt_logprobs is not None for r in sched.requests):
+            return self.drafts
+        budget = self.max_num_batched_tokens - sched.total_tokens
+        chosen: list[tuple[Request, int]] = []
+        for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
+            if budget <= 0:
+                break
+            if n != 1 or req.num_computed_tokens + 1 != req.num_tokens or not speculable(req):
+                continue
+            k = min(self.config.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - req.num_tokens - 1, budget)
+            if k > 0:
+                chosen.append((req, k))
+                budget -= k
+        if not chosen:
+            return self.drafts
+        proposals = self.proposer.propose_batch([(req.all_token_ids, k) for req, k in chosen])
+        for (req, k), d in zip(chosen, proposals, strict=True):
+            d = d[:k]
+            if d and self.kv.allocate_slots(req, 1 + len(d)):
+                self.drafts[req.request_id] = d
+        return self.drafts
+
+    def verify(self, req: Request, logits: torch.Tensor, generator: torch.Generator) -> list[int]:
+        """The tokens ``req`` emits this step (1 to K+1) from the target's logits over its K+1 verified rows."""
+        d = self.drafts[req.request_id]
+        p = req.params
+        if p.greedy:
+            out = verify_greedy(logits, d, p)
+        else:
+            out = verify_sampled(target_probs(logits, p), d, None, req.generator or generator)
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += len(d)
+        self.stats.num_accepted_tokens += len(out) - 1
+        return out
+
+    def settle(self, req: Request, num_emitted: int) -> None:
+        """After the engine appended ``num_emitted`` tokens to a live ``req`` (the scheduler already counted one as
+        computed): the accepted proposals are computed too, their blocks published, the rest of the slots freed."""
+        req.num_computed_tokens += num_emitted - 1
+        self.kv.cache_computed(req)
+        self.kv.trim(req, req.num_computed_tokens)
+
+
+def build_proposer(config: SpeculativeConfig, draft: Callable[[], Proposer]) -> Proposer:
+    """The configured proposer; ``draft`` builds the draft-model one (it needs an engine, which the caller has)."""
+    return draft() if config.method == "draft" else NgramBatch(config)

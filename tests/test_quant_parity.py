@@ -154,3 +154,18 @@ def test_fp8_weights_load_dequantized_and_match_transformers(checkpoint: Callabl
     assert torch.equal(qkv[:q_rows], expected)
     prompts = _prompts(2048)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == _reference(dst, prompts)
+
+
+def test_quantized_moe_experts_load_dequantized_and_match_transformers(quantized: Callable[..., Path],
+                                                                       tmp_path: Path) -> None:
+    """Mixtral with every expert's w1/w2/w3 quantized (INT8): experts run dense from the dequantized integers (no
+    kernel), attention through the kernel; the reference is transformers on the dequantized checkpoint
+    (``dequantized_checkpoint``: ``(q - zero) * scale`` in float32, written as a plain HF checkpoint)."""
+    from engine.quant.quantize import dequantized_checkpoint
+
+    path = quantized("mixtral", "w8a16")
+    llm = LLM(str(path), num_kv_blocks=128)
+    assert _kernel_weights(llm) == 2 * llm.engine.model_config.num_layers  # qkv and o; experts stay dense
+    prompts = _prompts(2048)[:2]
+    got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == _reference(dequantized_checkpoint(path, tmp_path / "dense"), prompts)

@@ -37,6 +37,9 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--no-prefix-caching")
     if args.threads:
         flags += ["--threads", str(args.threads)]
+    if args.speculative:  # the decode worker speculates; the prefill worker ignores it
+        k = 4 if args.num_speculative_tokens is None else args.num_speculative_tokens
+        flags += ["--speculative", args.speculative, "--num-speculative-tokens", str(k)]
     return flags
 
 

@@ -24,6 +24,18 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    _add_speculative_flags(p)
+
+
+def _num_speculative_tokens(args: argparse.Namespace) -> int:
+    return 4 if args.num_speculative_tokens is None else int(args.num_speculative_tokens)
+
+
+def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", default=None, metavar="ngram|draft:DIR",
+                   help="speculative decoding: n-gram prompt lookup, or a draft model sharing the tokenizer")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="tokens proposed per step (default 4)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-backend", default=None, choices=["auto", "nixl", "torch", "tcp"],
                     help="KV transfer between the tiers (default tcp, the fastest to start; auto: nixl where "
                          "installed, else tcp)")
+    _add_speculative_flags(up)  # handed to every worker (prefill workers ignore it)
     sub.add_parser("down", help="stop the cluster `tandem up` started")
     from cli.controller import add_controller_args, add_scale_args
 
@@ -183,6 +196,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from engine.llm_engine import PromptTooLongError
     from engine.model_config import UnsupportedModelError
     from engine.sampling_params import SamplingParams
+    from engine.spec.config import parse_speculative
 
     prompts = list(args.prompt)
     if args.prompt_file:
@@ -201,7 +215,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                   num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, num_threads=args.threads)
+        spec = parse_speculative(args.speculative, _num_speculative_tokens(args))
         if args.tp != 1 or args.ep != 1 or args.pp != 1:
+            if spec is not None:
+                raise ValueError("--speculative runs with --tp/--ep/--pp 1")
             from engine.parallel.config import ParallelConfig
             from engine.parallel.llm import ParallelLLM
 
@@ -212,7 +229,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             with ParallelLLM(args.model, ParallelConfig(tp=args.tp, ep=args.ep, pp=args.pp), **kw) as plm:
                 outputs = plm.generate(prompts, params)
         else:
-            outputs = LLM(args.model, **kw).generate(prompts, params)  # type: ignore[arg-type]
+            outputs = LLM(args.model, speculative=spec, **kw).generate(prompts, params)  # type: ignore[arg-type]
     except (PromptTooLongError, UnsupportedModelError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -323,6 +340,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
             settings["worker_flags"] = tuple(settings["worker_flags"])
         if "api_keys" in settings:
             settings["api_keys"] = tuple(settings["api_keys"])
+    if args.speculative:  # handed to the workers, after a config file's worker_flags
+        settings["worker_flags"] = (*settings.get("worker_flags", ()), "--speculative", args.speculative,
+                                    "--num-speculative-tokens", str(_num_speculative_tokens(args)))
     flags = {"model": args.model, "prefill": args.prefill, "decode": args.decode, "port": args.port,
              "grpc_port": args.grpc_port, "redis": args.redis, "kv_backend": args.kv_backend, "host": args.host,
              "served_model_name": args.served_model_name, "api_key_file": args.api_key_file,

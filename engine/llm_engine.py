@@ -253,7 +253,7 @@ class LLMEngine:
             return outputs
         if c is not None:
             c.bind_step(sched.requests, sched.num_new_tokens)
-        drafts = self.spec.plan(sched) if self.spec is not None and c is None else None
+        drafts = self.spec.plan(sched) if self.spec is not None else None
         reqs, result, verified = self.runner.execute_spec(sched, None if c is None else c.save_kv_layer, drafts)
         self.scheduler.finish_step(sched)
         outputs += self._process(reqs, result)

@@ -28,6 +28,7 @@ from auth.credentials import add_args as add_credential_args
 if TYPE_CHECKING:
     from auth.tls import TLSFiles
     from engine.llm_engine import LLMEngine
+    from engine.spec.config import SpeculativeConfig
     from kvtransfer.config import TransferConfig
     from kvtransfer.layout import KVLayout
     from worker.service import WorkerService
@@ -53,6 +54,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--speculative", default=None, metavar="ngram|draft:DIR",
+                   help="speculative decoding (engine/spec): n-gram prompt lookup, or a draft model sharing the "
+                        "tokenizer; a prefill worker ignores it (it never decodes)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="tokens proposed per step")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--session-port", type=int, default=0,
                    help="port of the plain-TCP Session transport (0: a free one, reported by Health; -1: none)")
@@ -109,6 +114,19 @@ def transfer_config(args: argparse.Namespace, tls: TLSFiles | None = None) -> Tr
                           tls_server_name=tls.server_name)
 
 
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """``--speculative`` for a decoding role (None for prefill); ValueError for a bad value or a multi-rank worker
+    (its ranks step in lockstep, and speculation changes a step's shape on rank 0 only)."""
+    from engine.spec.config import parse_speculative
+
+    spec = parse_speculative(args.speculative, args.num_speculative_tokens)
+    if spec is None or args.role == "prefill":
+        return None
+    if max(getattr(args, name, 1) for name in ("tp", "pp", "ep")) > 1:
+        raise ValueError("--speculative runs on a single-rank worker (--tp/--pp/--ep 1)")
+    return spec
+
+
 def model_key(engine: LLMEngine) -> str:
     """Names the model on the Redis bus: workers of one model share a registry and an event stream."""
     return Path(engine.config.model).name
@@ -130,6 +148,7 @@ def build_service(args: argparse.Namespace, transfer: TransferConfig | None = No
                           memory_budget_bytes=args.kv_memory_mb << 20,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        speculative=speculative_config(args),
     ))
     layout = kv_layout_for(engine)
     sender_cls, receiver_cls = get_backend(args.kv_backend)

@@ -16,8 +16,10 @@ Per step, around the ordinary schedule → forward → sample:
    to the pool (``KVCacheManager.trim``), so block accounting is exactly that of a non-speculative run.
 
 Not speculated: requests with penalties, logprobs, prompt logprobs or a grammar (their distribution at one
-position depends on the tokens emitted before it in the same step, or they need per-token logprobs), steps of an
-engine with a KV connector (disaggregated roles), and steps where a request asks for prompt logprobs.
+position depends on the tokens emitted before it in the same step, or they need per-token logprobs), and steps
+where a request asks for prompt logprobs (their rows' offsets). A disaggregated decode engine speculates like a
+colocated one once a request's KV has landed (its connector saves nothing per layer); a prefill worker is never
+given speculation (it never decodes).
 """
 
 from __future__ import annotations

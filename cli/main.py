@@ -399,9 +399,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_sim(args)
     if args.command == "worker":
+        from router.metric_catalogue import WORKER_METRICS
         from worker.server import serve
 
-        return serve(args)
+        return serve(args, WORKER_METRICS)
     raise AssertionError(args.command)
 
 

@@ -1,8 +1,11 @@
 """Every Prometheus metric Tandem exports, named once: its type, help text, labels, histogram buckets and, where
 vLLM has an equivalent, the ``vllm:*`` name it is also exported under with ``--vllm-metrics``.
 
-The router is the one process that serves metrics: workers answer ``Load`` over gRPC and the router turns each
-worker's latest report into per-worker gauges at scrape time (router/metrics.py). The dashboards' generator
+The router serves nearly all of them: workers answer ``Load`` over gRPC and the router turns each worker's latest
+report into per-worker gauges at scrape time (router/metrics.py). The exceptions (``exporter="worker"``) are the KV
+transfer histograms, which a prefill worker observes as each transfer ends and serves on its own ``/metrics``
+(``tandem worker --metrics-port``, worker/metrics.py; the worker is handed these entries, as it may not import the
+router). The dashboards' generator
 (deploy/helm/tandem/dashboards/generate.py) and the alert rules' tests read this module to check that every
 query names a metric that exists here. A leaf module: it imports nothing of Tandem, so anything may import it.
 
@@ -22,8 +25,11 @@ Kind = Literal["counter", "gauge", "histogram"]
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+BYTE_BUCKETS = tuple(float(4**k) for k in range(8, 17))  # 64 KiB .. 4 GiB, x4
 WORKER = ("worker", "role")
 KV_WORKER = ("worker", "role", "backend")
+Exporter = Literal["router", "worker"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,6 +42,7 @@ class MetricSpec:
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
     vllm: str | None = None  # the vLLM family exported beside it with --vllm-metrics (a ``model_name`` label added)
+    exporter: Exporter = "router"  # the process whose /metrics serves it
 
     def __post_init__(self) -> None:
         if not self.name.startswith("tandem_"):
@@ -46,11 +53,13 @@ class MetricSpec:
             raise ValueError(f"{self.name}: histograms, and only they, have buckets")
         if self.vllm is not None and not self.vllm.startswith("vllm:"):
             raise ValueError(f"{self.name}: a vLLM name starts with vllm:, got {self.vllm}")
+        if self.exporter not in ("router", "worker"):
+            raise ValueError(f"{self.name}: exported by the router or a worker, not {self.exporter!r}")
 
 
 def _h(name: str, help: str, buckets: tuple[float, ...], labels: tuple[str, ...] = (),
-       vllm: str | None = None) -> MetricSpec:
-    return MetricSpec(name, "histogram", help, labels, buckets, vllm)
+       vllm: str | None = None, exporter: Exporter = "router") -> MetricSpec:
+    return MetricSpec(name, "histogram", help, labels, buckets, vllm, exporter)
 
 
 def _c(name: str, help: str, labels: tuple[str, ...] = (), vllm: str | None = None) -> MetricSpec:
@@ -113,12 +122,19 @@ METRICS: tuple[MetricSpec, ...] = (
     _c("tandem_kv_transfer_bytes", "KV bytes handed to the transport", KV_WORKER),
     _c("tandem_kv_transfer_exposed_seconds", "Seconds finished KV transfers outlived their prefill's compute (the "
        "transfer time layer-wise overlap did not hide)", KV_WORKER),
+    # served by each prefill worker on its own /metrics (worker/metrics.py)
+    _h("tandem_kv_transfer_seconds", "Outgoing KV transfer time, first layer handed to the transport until it "
+       "reported the send done or failed, by prefill worker, backend and outcome", KV_TRANSFER_BUCKETS,
+       (*KV_WORKER, "outcome"), exporter="worker"),
+    _h("tandem_kv_transfer_size_bytes", "Bytes one finished outgoing KV transfer moved, by prefill worker and "
+       "backend", BYTE_BUCKETS, KV_WORKER, exporter="worker"),
     # tiers, from the controller's Status when one is attached (tandem up)
     _g("tandem_tier_replicas_desired", "Replicas the controller is asked to keep, by tier", ("tier",)),
     _g("tandem_tier_replicas_ready", "Replicas ready (lease in the registry), by tier", ("tier",)),
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+WORKER_METRICS: dict[str, MetricSpec] = {m.name: m for m in METRICS if m.exporter == "worker"}
 VLLM_ALIASES: dict[str, str] = {m.name: m.vllm for m in METRICS if m.vllm is not None}
 # newer vLLM releases renamed the KV gauge and count prefix-cache queries; both names are exported
 EXTRA_VLLM_ALIASES: dict[str, tuple[str, ...]] = {

@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from engine.spec.config import SpeculativeConfig
     from kvtransfer.config import TransferConfig
     from kvtransfer.layout import KVLayout
+    from worker.metrics import FamilySpec
     from worker.service import WorkerService
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", default=None, help="redis://host:port: register a lease and publish KV events")
     p.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
                    help="record this worker's spans of traced requests, exported over OTLP/gRPC to this collector")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="a prefill worker serves Prometheus /metrics (its KV transfers' latency and size histograms) "
+                        "on this port of --host (0: a free one)")
     p.add_argument("--lease-seconds", type=float, default=3.0)
     add_credential_args(p)  # --auth-token-file, --tls-cert/--tls-key/--tls-ca (auth/credentials.py)
     p.add_argument("--stream-stall-timeout", type=_positive, default=60.0, metavar="S",
@@ -168,11 +173,15 @@ def build_service(args: argparse.Namespace, transfer: TransferConfig | None = No
     return service
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, catalogue: Mapping[str, FamilySpec] | None = None) -> int:
+    """Run a worker until SIGTERM or SIGINT; ``catalogue``: the metric families of ``--metrics-port``
+    (router/metric_catalogue.WORKER_METRICS, handed in by the composition root: worker/metrics.py)."""
     from auth.credentials import from_args
     from auth.grpc_server import AioAdminGuard, add_port
     from worker.aio_server import AioServerThread
     from worker.aio_service import AioWorker
+    from worker.metrics import WorkerMetrics
+    from worker.prefill_service import PrefillService
     from worker.tracing import tracer_for
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -200,6 +209,11 @@ def serve(args: argparse.Namespace) -> int:
     service = build_service(args, transfer)
     service.start()
     tracer = tracer_for(service, args.otlp_endpoint)  # worker/tracing.py: None without --otlp-endpoint
+    metrics = None
+    if args.metrics_port is not None and isinstance(service, PrefillService) and catalogue is not None:
+        metrics = WorkerMetrics(catalogue, service.worker_id, service.role, service.kv_backend)
+        metrics.watch(service.connector)
+        log.info("metrics on http://%s:%d/metrics", args.host, metrics.serve(args.host, args.metrics_port))
     # grpc.aio (worker/aio_service.py): a stream holds no thread, and Health never waits behind streams.
     server = AioServerThread(AioWorker(service, args.max_unsent_tokens, tracer),
                              options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
@@ -244,6 +258,8 @@ def serve(args: argparse.Namespace) -> int:
     service.stop()
     if tracer is not None:
         tracer.shutdown()  # exports the spans still batched
+    if metrics is not None:
+        metrics.close()
     return 0
 
 

@@ -92,6 +92,10 @@ KV_TRANSFER = (
     Panel("Exposed transfer time", "Mean time a transfer outlived its prefill's compute (not hidden by overlap)",
           (("{{backend}}", f"sum by (backend) (rate(tandem_kv_transfer_exposed_seconds_total{RATE})) / "
             f"sum by (backend) (rate(tandem_kv_transfers_total{RATE}))"),), "s"),
+    Panel("KV transfer latency", "Outgoing transfer time, first layer handed to the transport until done, p50 "
+          "and p99 per backend (each prefill worker's own /metrics)",
+          tuple((f"{{{{backend}}}} p{q[2:]}", f"histogram_quantile({q}, sum by (le, backend) "
+                 f"(rate(tandem_kv_transfer_seconds_bucket{W}{RATE})))") for q in ("0.50", "0.99")), "s"),
     Panel("KV transfer failures", "Failed transfers (error or lease expired), per backend",
           (("{{backend}}", f"sum by (backend) (increase(tandem_kv_transfer_failures_total{RATE}))"),)),
     Panel("Transfers in flight", "KV transfers in flight per worker",

@@ -182,7 +182,6 @@ def serve(args: argparse.Namespace, catalogue: Mapping[str, FamilySpec] | None =
     from worker.aio_service import AioWorker
     from worker.metrics import WorkerMetrics
     from worker.prefill_service import PrefillService
-    from worker.tracing import tracer_for
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -208,7 +207,11 @@ def serve(args: argparse.Namespace, catalogue: Mapping[str, FamilySpec] | None =
         return 2
     service = build_service(args, transfer)
     service.start()
-    tracer = tracer_for(service, args.otlp_endpoint)  # worker/tracing.py: None without --otlp-endpoint
+    tracer = None
+    if args.otlp_endpoint:  # the OpenTelemetry SDK is an optional extra (.[tracing]): imported only when asked for
+        from worker.tracing import tracer_for
+
+        tracer = tracer_for(service, args.otlp_endpoint)
     metrics = None
     if args.metrics_port is not None and isinstance(service, PrefillService) and catalogue is not None:
         metrics = WorkerMetrics(catalogue, service.worker_id, service.role, service.kv_backend)

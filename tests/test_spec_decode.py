@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,9 +64,12 @@ def test_rejected_proposals_blocks_are_freed_in_the_same_step(checkpoint: Callab
     free0 = eng.pool.num_free_blocks
     for prompt in PROMPTS:
         eng.add_request(prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    # sampled requests are verified by rejection sampling (the distribution is checked in test_spec_rejection.py)
+    sampled = eng.add_request("hello", SamplingParams(max_tokens=30, temperature=0.3, seed=5, ignore_eos=True))
+    sampled_len = 0
     steps = 0
     while eng.has_unfinished():
-        eng.step()
+        sampled_len += sum(len(o.new_token_ids) for o in eng.step() if o.request_id == sampled)
         steps += 1
         for req in eng.scheduler.running:
             held = len(eng.kv.block_ids(req.request_id))
@@ -74,6 +78,7 @@ def test_rejected_proposals_blocks_are_freed_in_the_same_step(checkpoint: Callab
     stats = eng.spec.stats  # type: ignore[union-attr]
     assert stats.num_draft_tokens > stats.num_accepted_tokens  # rejections happened
     assert steps < 30 + 1  # and acceptances shortened the run
+    assert sampled_len == 30
     assert eng.pool.num_free_blocks == free0
     eng.check_block_accounting()
 
@@ -114,3 +119,59 @@ def test_draft_with_another_tokenizer_is_refused_at_start(checkpoint: Callable[[
     (edited / "tokenizer.json").write_text(json.dumps(doc))
     with pytest.raises(ValueError, match=str(edited)):
         _engine(model, SpeculativeConfig("draft", 3, draft_model=str(edited)))
+
+
+def test_a_disaggregated_decode_engine_speculates_after_its_kv_lands(checkpoint: Callable[[str], Path]) -> None:
+    """A prefill engine and a speculating decode engine joined by the decode and prefill connectors over the
+    in-process fake transport: the decode side's tokens equal colocated decoding without speculation, proposals
+    were verified there, and both pools end full."""
+    from decode_worker.connector import DecodeConnector
+    from engine.config import CacheConfig, EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.tokenizer import Tokenizer
+    from kvtransfer.fake import FakeReceiver, FakeSender
+    from prefill_worker.connector import PrefillConnector
+    from worker.server import kv_layout_for
+
+    model = checkpoint("llama")
+    prompt = Tokenizer(model).encode("hello")  # the tiny model answers with a repeated token: proposals
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def engine(spec: SpeculativeConfig | None) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(model), num_threads=1, speculative=spec,
+                                      cache=CacheConfig(block_size=4, num_blocks=32)))
+
+    want = _engine(model, None).generate([prompt], greedy)[0].token_ids
+    pre, dec = engine(None), engine(SpeculativeConfig("ngram", 4))
+    layout = kv_layout_for(pre)
+    sender, receiver = FakeSender(), FakeReceiver()
+    pc, dc = PrefillConnector(sender, layout, wake=lambda: None), DecodeConnector(receiver, layout, wake=lambda: None)
+    pre.attach_connector(pc)
+    dec.attach_connector(dc)
+    try:
+        dc.expect("r", time.time() + 20)
+        assert dec.add(dec.make_request(prompt, greedy, "r"))
+        dc.forget("r")
+        where = dc.destination("r")
+        assert where is not None
+        pre.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), "r")
+        pc.expect("r", where[0], where[0].deadline_s)
+        (first,) = pre.step()
+        deadline = time.monotonic() + 30
+        while pre.has_unfinished():
+            assert time.monotonic() < deadline
+            pre.step()
+            time.sleep(0.002)
+        assert dc.deliver("r", first.token_ids[0], None) is None
+        tokens: list[int] = []
+        while dec.has_unfinished():
+            assert time.monotonic() < deadline
+            tokens += [t for o in dec.step() for t in o.new_token_ids]
+            time.sleep(0.002)
+        assert tokens == want
+        assert dec.spec is not None and dec.spec.stats.num_drafts > 0
+        pre.check_block_accounting()
+        dec.check_block_accounting()
+    finally:
+        sender.close()
+        receiver.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -29,6 +30,7 @@ from auth.credentials import add_args as add_credential_args
 if TYPE_CHECKING:
     from auth.tls import TLSFiles
     from engine.llm_engine import LLMEngine
+    from engine.parallel.config import ParallelConfig
     from engine.spec.config import SpeculativeConfig
     from kvtransfer.config import TransferConfig
     from kvtransfer.layout import KVLayout
@@ -60,6 +62,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding (engine/spec): n-gram prompt lookup, or a draft model sharing the "
                         "tokenizer; a prefill worker ignores it (it never decodes)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="tokens proposed per step")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: rank 0 is this process, the others its "
+                   "child processes, joined by torch.distributed (gloo on CPU)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages, each a contiguous range of layers")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (a MoE model)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--session-port", type=int, default=0,
                    help="port of the plain-TCP Session transport (0: a free one, reported by Health; -1: none)")
@@ -146,7 +152,7 @@ def build_service(args: argparse.Namespace, transfer: TransferConfig | None = No
     from worker.decode_service import DecodeService
     from worker.prefill_service import PrefillService
 
-    engine = LLMEngine(EngineConfig(
+    config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         num_threads=args.threads,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
@@ -154,7 +160,16 @@ def build_service(args: argparse.Namespace, transfer: TransferConfig | None = No
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
         speculative=speculative_config(args),
-    ))
+    )
+    parallel = parallel_config(args)
+    replica = None
+    if parallel.world_size > 1:
+        from engine.parallel.replica import ServedReplica
+
+        replica = ServedReplica(config, parallel, on_rank_exit=_rank_exited)
+        engine = replica.engine
+    else:
+        engine = LLMEngine(config)
     layout = kv_layout_for(engine)
     sender_cls, receiver_cls = get_backend(args.kv_backend)
     transfer = transfer or transfer_config(args)
@@ -167,10 +182,34 @@ def build_service(args: argparse.Namespace, transfer: TransferConfig | None = No
         prefill.connector.transfer_delay_s = args.debug_transfer_delay_ms / 1000.0
         service = prefill
     else:
-        service = DecodeService(engine, receiver_cls(transfer), layout, args.kv_backend, args.worker_id,
-                                role=args.role)
+        # A replica with ranks takes no remote KV yet: a receiver would land it in rank 0's heads only.
+        receiver = receiver_cls(transfer) if replica is None else None
+        service = DecodeService(engine, receiver, layout, args.kv_backend, args.worker_id, role=args.role)
     service.parking.stall_timeout_s = args.stream_stall_timeout
+    service.replica = replica
     return service
+
+
+def parallel_config(args: argparse.Namespace) -> ParallelConfig:
+    """The replica's ranks from ``--tp/--pp/--ep``; ValueError naming the constraint a bad split breaks (the model's
+    heads, layers or experts), before any rank starts."""
+    from engine.model_config import ModelConfig
+    from engine.parallel.config import ParallelConfig
+
+    parallel = ParallelConfig(tp=args.tp, ep=args.ep, pp=args.pp)
+    if parallel.world_size > 1:
+        if args.role != "both":
+            raise ValueError(f"--tp/--pp/--ep above 1 serve --role both only: a {args.role} worker would move only "
+                             "rank 0's KV heads between the tiers")
+        parallel.check_model(ModelConfig.from_dir(args.model))
+    return parallel
+
+
+def _rank_exited(reason: str) -> None:
+    """A rank of this replica died: the replica is down as a whole (the controller replaces it)."""
+    log.error("%s; exiting", reason)
+    logging.shutdown()
+    os._exit(3)
 
 
 def serve(args: argparse.Namespace, catalogue: Mapping[str, FamilySpec] | None = None) -> int:
@@ -204,6 +243,11 @@ def serve(args: argparse.Namespace, catalogue: Mapping[str, FamilySpec] | None =
                     "KVEvents are refused to every caller%s", ", and Redis entries go unsigned" if args.redis else "")
     if args.max_unsent_tokens < 1:
         print(f"error: --max-unsent-tokens must be >= 1, not {args.max_unsent_tokens}", file=sys.stderr)
+        return 2
+    try:
+        parallel_config(args)  # a bad split fails here, naming its constraint, before any rank starts
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     service = build_service(args, transfer)
     service.start()
@@ -263,6 +307,8 @@ def serve(args: argparse.Namespace, catalogue: Mapping[str, FamilySpec] | None =
         tracer.shutdown()  # exports the spans still batched
     if metrics is not None:
         metrics.close()
+    if service.replica is not None:
+        service.replica.close()
     return 0
 
 

@@ -64,6 +64,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._events_cv = threading.Condition()
         self.event_listeners: set[Callable[[], None]] = set()  # called (loop thread) after each new batch
         self.publisher: Any = None  # worker.redis_bus.RedisPublisher when a Redis URL is configured
+        self.replica: Any = None  # engine.parallel.replica.ServedReplica when the engine has ranks (--tp/--pp/--ep)
         self.loop.add_hook(self._collect_events)
         self.loop.add_hook(lambda: self.parking.poll(self.engine))
 

@@ -39,6 +39,9 @@ def add_controller_args(p: argparse.ArgumentParser) -> None:
                    help="ranks (bundles) per replica of every tier, unless --prefill-ranks / --decode-ranks say")
     for tier in ("prefill", "decode"):
         p.add_argument(f"--{tier}-ranks", type=int, default=None, help=f"ranks (bundles) per {tier} replica")
+        for dim in ("tp", "pp", "ep"):
+            p.add_argument(f"--{tier}-{dim}", type=int, default=1, help=f"{dim.upper()} of each {tier} replica's "
+                           "ranks (its workers' --" + dim + ")")
         p.add_argument(f"--{tier}-kv-backend", default=None, choices=KV_BACKEND_CHOICES,
                        help=f"{tier} workers' KV transport")
     p.add_argument("--tier-resources", action="store_true",
@@ -91,6 +94,8 @@ def controller_config(args: argparse.Namespace, creds: Credentials) -> Controlle
         worker_host=NODE_IP if args.worker_host == "node" else args.worker_host, drain_timeout_s=args.drain_timeout,
         prefill_ranks=args.prefill_ranks, decode_ranks=args.decode_ranks,
         prefill_kv_backend=args.prefill_kv_backend, decode_kv_backend=args.decode_kv_backend,
+        prefill_parallel=(args.prefill_tp, args.prefill_pp, args.prefill_ep),
+        decode_parallel=(args.decode_tp, args.decode_pp, args.decode_ep),
         tier_resources=args.tier_resources)
 
 

@@ -73,6 +73,10 @@ class ControllerConfig:
     decode_ranks: int | None = None
     prefill_kv_backend: str | None = None  # None: ``kv_backend``
     decode_kv_backend: str | None = None
+    # (tp, pp, ep) of a tier's replicas: handed to its workers as --tp/--pp/--ep (worker/server.py checks them
+    # against the model; its ranks are the worker's child processes, inside the replica's bundles)
+    prefill_parallel: tuple[int, int, int] = (1, 1, 1)
+    decode_parallel: tuple[int, int, int] = (1, 1, 1)
     # Each bundle also asks for one unit of the Ray custom resource ``tandem_<tier>``, which the operator's worker
     # group of that tier advertises once per rank (operators/render_ray.py): a tier's replicas land only on its own
     # pods. Off for a local Ray (``tandem up``), which advertises no such resource.
@@ -88,6 +92,9 @@ class ControllerConfig:
         for name in ("prefill_ranks", "decode_ranks"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("prefill_parallel", "decode_parallel"):
+            if len(getattr(self, name)) != 3 or min(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be (tp, pp, ep), each >= 1, got {getattr(self, name)}")
         for tier, n in (("prefill", self.prefill), ("decode", self.decode)):
             if not 0 <= n <= self.max_replicas:
                 raise ValueError(f"{tier} replicas must be in [0, {self.max_replicas}], got {n}")
@@ -99,6 +106,11 @@ class ControllerConfig:
     def ranks_of(self, tier: str) -> int:
         own = self.prefill_ranks if tier == "prefill" else self.decode_ranks
         return self.ranks if own is None else own
+
+    def parallel_flags(self, tier: str) -> tuple[str, ...]:
+        """The worker flags of a ``tier`` replica's ranks (none for a single rank)."""
+        tp, pp, ep = self.prefill_parallel if tier == "prefill" else self.decode_parallel
+        return tuple(f for name, n in (("--tp", tp), ("--pp", pp), ("--ep", ep)) if n > 1 for f in (name, str(n)))
 
     def kv_backend_of(self, tier: str) -> str:
         own = self.prefill_kv_backend if tier == "prefill" else self.decode_kv_backend
@@ -293,7 +305,7 @@ class Controller:
         from controlplane.replica import ReplicaSpec, WorkerReplica
 
         spec = ReplicaSpec(r.tier, self.cfg.model, self.cfg.kv_backend_of(r.tier), self.cfg.cpus_per_replica,
-                           self._flags(), self.cfg.worker_host)
+                           (*self._flags(), *self.cfg.parallel_flags(r.tier)), self.cfg.worker_host)
         try:
             r.placement_group = placement_group(self.cfg.bundles(r.tier), strategy="PACK",
                                                 name=f"tandem-{r.replica_id}")

@@ -62,8 +62,11 @@ def controller_args(spec: DeploymentSpec) -> list[str]:
     # on to every worker it starts (cli/controller.py), which the worker pods mount at the same paths.
     # Per tier: its ranks and KV backend, and --tier-resources, so each replica's bundles ask for the tier's Ray
     # resource and land on that tier's worker group only.
+    # Its tp, pp and ep reach the tier's workers (--tp/--pp/--ep) through the controller.
     tiers = [flag for t in spec.tiers for flag in (f"--{t.name}-ranks", str(t.ranks),
-                                                   f"--{t.name}-kv-backend", t.kv_backend)]
+                                                   f"--{t.name}-kv-backend", t.kv_backend,
+                                                   f"--{t.name}-tp", str(t.tp), f"--{t.name}-pp", str(t.pp),
+                                                   f"--{t.name}-ep", str(t.ep))]
     return ["controller", "--model", spec.model.path, "--redis", pods.redis_url(spec),
             "--prefill", str(prefill.replicas if prefill else 0), "--decode", str(decode.replicas),
             "--control-port", str(CONTROL_PORT), "--host", "0.0.0.0", "--kv-backend", decode.kv_backend, *tiers,

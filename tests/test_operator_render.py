@@ -235,10 +235,10 @@ def test_rendered_commands_parse_with_the_real_parsers(monkeypatch: pytest.Monke
     import argparse
 
     import auth.credentials
+    from auth.credentials import Credentials, from_args, to_flags
     from auth.credentials import add_args as add_credential_args
-    from auth.credentials import from_args, to_flags
     from auth.tls import TLSFiles
-    from cli.controller import add_controller_args
+    from cli.controller import add_controller_args, controller_config
     from router.serve import add_router_args
     from worker.server import add_worker_args
 
@@ -263,6 +263,10 @@ def test_rendered_commands_parse_with_the_real_parsers(monkeypatch: pytest.Monke
     # per tier: prefill tp=1, decode tp=2; each replica's bundles ask for the tier's Ray resource
     assert (c.prefill_ranks, c.decode_ranks, c.prefill_kv_backend, c.decode_kv_backend, c.tier_resources) == (
         1, 2, "nixl", "nixl", True)
+    # and each tier's tp/pp/ep, which the controller hands that tier's workers as --tp/--pp/--ep
+    cc = controller_config(c, Credentials(None))
+    assert (cc.prefill_parallel, cc.decode_parallel) == ((1, 1, 1), (2, 1, 1))
+    assert (cc.parallel_flags("prefill"), cc.parallel_flags("decode")) == ((), ("--tp", "2"))
     assert (c.auth_token_file, c.tls_cert, c.tls_key, c.tls_ca, c.tls_server_name) == creds
     # What `tandem controller` hands each worker (cli/controller.py): its own credential flags. The mounted files do
     # not exist here, so their checks are skipped.
@@ -271,7 +275,9 @@ def test_rendered_commands_parse_with_the_real_parsers(monkeypatch: pytest.Monke
     p = argparse.ArgumentParser(exit_on_error=False)
     add_worker_args(p)
     w = p.parse_args(["--role", "decode", "--model", c.model, *c.worker_flag, *to_flags(from_args(c),
-                                                                                           c.auth_token_file)])
+                                                                                           c.auth_token_file),
+                      *cc.parallel_flags("decode")])
+    assert (w.tp, w.pp, w.ep) == (2, 1, 1)
     assert w.dtype == "bfloat16" and (w.auth_token_file, w.tls_cert, w.tls_key, w.tls_ca, w.tls_server_name) == creds
     groups = objs[("RayCluster", "llama")]["spec"]["workerGroupSpecs"]
     worker_pod = next(g for g in groups if g["groupName"] == "decode")

@@ -198,9 +198,9 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
 
     parallel = ParallelConfig(tp=args.tp, ep=args.ep, pp=args.pp)
     if parallel.world_size > 1:
-        if args.role != "both":
-            raise ValueError(f"--tp/--pp/--ep above 1 serve --role both only: a {args.role} worker would move only "
-                             "rank 0's KV heads between the tiers")
+        if args.role == "prefill":
+            raise ValueError("--tp/--pp/--ep above 1 serve --role both or decode (colocated): a prefill worker "
+                             "would send only rank 0's KV heads")
         parallel.check_model(ModelConfig.from_dir(args.model))
     return parallel
 

@@ -24,7 +24,7 @@ import llguidance as llg
 import torch
 
 from engine.request import Request, TokenLogprobs
-from engine.structured.bitmask import SMALL_HOST, MaskBatch
+from engine.structured.bitmask import SMALL_HOST, MaskBatch, MaskBuffers
 from engine.structured.prefetch import MaskPrefetch
 
 
@@ -40,6 +40,7 @@ class Sampler:
         self.vocab_size = vocab_size  # the grammar masks' width (0: the logits' width)
         self._llg: llg.LLExecutor | None = None
         self._prefetch: MaskPrefetch | None = None
+        self._mask_buffers = MaskBuffers()  # one step's masks at a time, prefetched or inline
         self._width = 0  # the logits' width, as last seen
         # Grammar masks filled on the masks thread during the forward pass, where the host has a CPU to spare for it;
         # on two CPUs or fewer the thread's GIL hand-offs cost more than the fill (tandem bench structured, which
@@ -56,13 +57,13 @@ class Sampler:
         if not self.mask_overlap or not self._width or all(r.matcher is None for r in requests):
             return
         if self._prefetch is None:
-            self._prefetch = MaskPrefetch(self._executor())
+            self._prefetch = MaskPrefetch(self._executor(), self._mask_buffers)
         self._prefetch.start([r.matcher for r in requests], self.vocab_size or self._width, self._width)
 
     def _masks(self, requests: list[Request], width: int) -> MaskBatch:
         matchers = [r.matcher for r in requests]
         masks = self._prefetch.take(matchers, width) if self._prefetch is not None else None
-        return masks or MaskBatch(self._executor(), matchers, self.vocab_size or width, width)
+        return masks or MaskBatch(self._executor(), matchers, self.vocab_size or width, width, self._mask_buffers)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """``logits``: float32 [len(requests), vocab], on CPU or GPU."""

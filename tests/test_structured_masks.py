@@ -15,7 +15,7 @@ import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.structured.bitmask import MaskBatch, mask_bias
+from engine.structured.bitmask import MaskBatch, MaskBuffers, mask_bias
 from engine.structured.prefetch import MaskPrefetch
 from engine.structured.spec import StructuredOutput
 
@@ -36,8 +36,8 @@ def test_the_bias_is_zero_exactly_where_the_bitmask_allows_and_minus_inf_elsewhe
     allowed = ((words.unsqueeze(-1) >> torch.arange(32)) & 1).bool().reshape(3, 128)
     for width in (100, 128, 140):  # narrower than the mask, equal, wider (the head's padding columns)
         bias = mask_bias(bitmask, width)
-        assert bias.shape == (3, width) and bias.dtype == torch.float32
-        want = torch.full((3, width), float("-inf"))
+        assert bias.shape == (3, width) and bias.dtype == torch.bfloat16
+        want = torch.full((3, width), float("-inf"), dtype=torch.bfloat16)
         want[:, :min(width, 128)][allowed[:, :width]] = 0.0
         assert torch.equal(bias, want)
 
@@ -70,7 +70,7 @@ def test_applying_the_masks_equals_a_masked_fill_of_the_constrained_rows(llm: LL
 def test_a_prefetch_for_other_rows_is_not_used_and_one_never_started_is_filled_inline(llm: LLM) -> None:
     grammars = llm.engine.grammars
     m = grammars.matcher(StructuredOutput("regex", "[0-9]{3}"))
-    pf = MaskPrefetch(llg.LLExecutor(1))
+    pf = MaskPrefetch(llg.LLExecutor(1), MaskBuffers())
     try:
         pf.start([m, None], grammars.vocab_size, grammars.vocab_size)
         assert pf.take([None, m], grammars.vocab_size) is None  # different rows: the sampler fills its own

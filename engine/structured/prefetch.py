@@ -29,12 +29,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance as llg
 
-from engine.structured.bitmask import MaskBatch
+from engine.structured.bitmask import MaskBatch, MaskBuffers
 
 
 class MaskPrefetch:
-    def __init__(self, executor: llg.LLExecutor) -> None:
+    def __init__(self, executor: llg.LLExecutor, buffers: MaskBuffers) -> None:
         self._executor = executor
+        self._buffers = buffers
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-masks")
         self._batch: MaskBatch | None = None
         self._job: Future[None] | None = None
@@ -43,7 +44,7 @@ class MaskPrefetch:
     def start(self, matchers: Sequence[llg.LLMatcher | None], vocab_size: int, width: int) -> None:
         """Begin filling the masks of a step whose rows have ``matchers`` (None: unconstrained row)."""
         self.settle()
-        batch = MaskBatch(self._executor, matchers, vocab_size, width)
+        batch = MaskBatch(self._executor, matchers, vocab_size, width, self._buffers)
         self._batch = batch
         self._job = self._pool.submit(batch.fill, True)  # one call: the GIL taken twice, not per row
 

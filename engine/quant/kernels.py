@@ -128,7 +128,8 @@ class QuantLinear:
         y = torch.empty(rows, self.n, dtype=torch.float32)
         if x.dtype is torch.bfloat16 and self.fn_bf16 is not None:
             xb = x if x.stride(1) == 1 else x.contiguous()
-            xs = None if self.zero is None else xb.float().view(rows, self.groups, self.group).sum(-1)
+            need_xs = self.zero is not None or self.bits == 4  # INT4 rows carry a +136 bias (see wlinear.c)
+            xs = xb.float().view(rows, self.groups, self.group).sum(-1) if need_xs else None
             fn, ptr, stride = self.fn_bf16, xb.data_ptr(), xb.stride(0)
         else:
             xf = x if x.dtype is torch.float32 and x.stride(1) == 1 else x.float().contiguous()

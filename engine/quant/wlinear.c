@@ -139,19 +139,24 @@ static inline void widen_i8_bf16(const int8_t *q, __m512bh *w, int64_t k) {
     }
 }
 
+/* INT4 rows widen without a conversion: bf16 0x4300 | u is exactly 128 + u for a nibble u, so each 32-bit lane
+ * (one byte: inputs 2j and 2j + 1) becomes the bf16 pair (128 + lo, 128 + hi) in input order with a few integer
+ * operations. The dot then holds sum x * (q + 136); the caller subtracts 136 * (the group's sum of x). */
 static inline void widen_u4_bf16(const uint8_t *q, __m512bh *w, int64_t k) {
-    const __m512i lo_mask = _mm512_set1_epi32(0x0f), eight = _mm512_set1_epi32(8);
-    const __m512i even = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i odd = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    const __m512i lo_mask = _mm512_set1_epi32(0x0f), hi_mask = _mm512_set1_epi32(0xf0);
+    const __m512i magic = _mm512_set1_epi32(0x43004300);
     for (int64_t i = 0; i < k; i += 32) {
         const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + i / 2)));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, lo_mask), eight));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight));
-        w[i / 32] = _mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(lo, odd, hi), _mm512_permutex2var_ps(lo, even, hi));
+        const __m512i pair = _mm512_or_si512(_mm512_and_si512(b, lo_mask),
+                                             _mm512_slli_epi32(_mm512_and_si512(b, hi_mask), 12));
+        w[i / 32] = (__m512bh)_mm512_or_si512(pair, magic);
     }
 }
 
-/* As tandem_wq_linear, with x bf16 [M, K] (row stride xstride) and K, group multiples of 32. */
+#define U4_BIAS 136.0f /* 128 (the bf16 exponent trick) + 8 (the unsigned offset) */
+
+/* As tandem_wq_linear, with x bf16 [M, K] (row stride xstride), K and group multiples of 32, and xs (the group sums
+ * of x) always given for INT4. */
 void tandem_wq_linear_bf16(const uint16_t *x, int64_t xstride, const float *xs, const void *q, int bits,
                            const float *scale, const float *zero, float *y, int64_t m, int64_t n, int64_t k,
                            int64_t group) {
@@ -191,9 +196,11 @@ void tandem_wq_linear_bf16(const uint16_t *x, int64_t xstride, const float *xs, 
                 }
                 for (int64_t j = 0; j < nrows; j++) {
                     float acc = _mm512_reduce_add_ps(tot[j]);
-                    if (zero) {
-                        const float *zr = zero + (r0 + j) * groups, *sr = scale + (r0 + j) * groups;
-                        for (int64_t g = 0; g < groups; g++) acc -= sr[g] * zr[g] * xs[i * groups + g];
+                    const float *sr = scale + (r0 + j) * groups;
+                    if (zero || bits == 4) {
+                        const float *zr = zero ? zero + (r0 + j) * groups : NULL;
+                        for (int64_t g = 0; g < groups; g++)
+                            acc -= sr[g] * ((zr ? zr[g] : 0.0f) + (bits == 4 ? U4_BIAS : 0.0f)) * xs[i * groups + g];
                     }
                     y[i * n + r0 + j] = acc;
                 }

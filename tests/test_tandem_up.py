@@ -38,13 +38,14 @@ def _free_port() -> int:
 
 
 class Cluster:
-    def __init__(self, model: Path, home: Path) -> None:
+    def __init__(self, model: Path, home: Path, flags: tuple[str, ...] = ()) -> None:
         self.port = _free_port()
         self.grpc_port = _free_port()
         self.home = home
         env = {**os.environ, "TANDEM_HOME": str(home), "RAY_AUTH_MODE": "disabled"}
         self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--model", str(model), "--port",
-                                      str(self.port), "--grpc-port", str(self.grpc_port)], stdout=subprocess.PIPE,
+                                      str(self.port), "--grpc-port", str(self.grpc_port), *flags],
+                                     stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         self.lines: list[str] = []
         deadline = time.monotonic() + 180

@@ -2,7 +2,8 @@
 with ``--otlp-endpoint`` add their spans under it (worker/tracing.py). Real prefill and decode worker processes and
 the router all export over OTLP/gRPC to a small collector this test serves on 127.0.0.1 (the OpenTelemetry proto
 package's ``TraceService``, which stores what it is sent): one disaggregated request is one trace holding the
-router's phases and the workers' prefill, KV transfer (bytes and backend), KV landing and decode."""
+router's phases and the workers' prefill, KV transfer (bytes and backend), KV landing and decode. ``tandem up
+--otlp-endpoint`` hands the flag to the workers the controller starts: the same trace comes from a real cluster."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tgr
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from test_tandem_up import Cluster
 
 from router.server import RouterConfig
 from router.tracing import RequestTracer
@@ -52,14 +54,27 @@ class Collector(tgrpc.TraceServiceServicer):
             return {s.name: (service, s) for service, s in self.spans}
 
 
-@pytest.fixture(scope="module")
-def traced(checkpoint: Callable[[str], Path]) -> Iterator[tuple[RouterThread, Collector]]:
-    collector = Collector()
+def _serve(collector: Collector) -> tuple[grpc.Server, str]:
     server = grpc.server(futures.ThreadPoolExecutor(2))
     tgrpc.add_TraceServiceServicer_to_server(collector, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    endpoint = f"127.0.0.1:{port}"
+    return server, f"127.0.0.1:{port}"
+
+
+def _wait_for(collector: Collector, names: set[str], timeout_s: float) -> dict[str, tuple[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while not names <= set(collector.named()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    spans = collector.named()
+    assert names <= set(spans), sorted(spans)
+    return spans
+
+
+@pytest.fixture(scope="module")
+def traced(checkpoint: Callable[[str], Path]) -> Iterator[tuple[RouterThread, Collector]]:
+    collector = Collector()
+    server, endpoint = _serve(collector)
     model = str(checkpoint("llama"))
     workers: list[WorkerProcess] = []
     rt = None
@@ -97,11 +112,7 @@ def test_one_disaggregated_request_is_one_trace_across_router_prefill_kv_transfe
             assert r.status_code == 200
             assert list(r.iter_lines())
     want = WORKER_SPANS | {"tandem.request", "prefill", "kv_transfer", "decode"}
-    deadline = time.monotonic() + 30
-    while not want <= set(collector.named()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    spans = collector.named()
-    assert want <= set(spans), sorted(spans)
+    spans = _wait_for(collector, want, 30)
     assert len({s.trace_id for _, s in collector.spans}) == 1  # one request, one trace
     _, root = spans["tandem.request"]
     assert not root.parent_span_id
@@ -121,3 +132,24 @@ def test_one_disaggregated_request_is_one_trace_across_router_prefill_kv_transfe
         assert s.end_time_unix_nano <= root.end_time_unix_nano + slack_ns, name
     prefill, transfer = spans["prefill_worker.prefill"][1], spans["prefill_worker.kv_transfer"][1]
     assert transfer.start_time_unix_nano <= prefill.end_time_unix_nano  # layer-wise: it starts during the prefill
+
+
+def test_tandem_up_hands_the_otlp_endpoint_to_its_workers(checkpoint: Callable[[str], Path], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    collector = Collector()
+    server, endpoint = _serve(collector)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # the router's and (through Ray) the workers' batches
+    cluster = Cluster(checkpoint("llama"), tmp_path / "home", ("--otlp-endpoint", endpoint))
+    try:
+        body = {"prompt": "a long shared context about serving " * 20, "max_tokens": 4, "ignore_eos": True}
+        with httpx.Client(base_url=cluster.url, timeout=60) as c:
+            model = c.get("/v1/models").json()["data"][0]["id"]
+            assert c.post("/v1/completions", json={**body, "model": model}).status_code == 200
+        spans = _wait_for(collector, WORKER_SPANS | {"tandem.request"}, 60)
+        root = spans["tandem.request"][1]
+        assert {a.key: a.value.string_value for a in root.attributes}["tandem.mode"] == "disaggregated"
+        for name in WORKER_SPANS:
+            assert spans[name][1].trace_id == root.trace_id and spans[name][1].parent_span_id == root.span_id, name
+    finally:
+        assert cluster.stop() == 0
+        server.stop(None)

@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="client gRPC API port (tandem.v1.Gateway; default: the HTTP port + 1; -1: not served)")
     up.add_argument("--redis", default=None, help="redis://... for the worker registry and KV events")
     up.add_argument("--config", default=None, help="JSON file with any of these settings")
+    for tier in ("prefill", "decode"):
+        up.add_argument(f"--{tier}-tp", type=int, default=None, help=f"tensor-parallel ranks of each {tier} replica "
+                        "(its worker's child processes, joined by gloo; colocated: --prefill 0)")
+    up.add_argument("--pp", type=int, default=None, help="pipeline stages of each replica")
+    up.add_argument("--ep", type=int, default=None, help="expert-parallel ranks of each replica (a MoE model)")
     up.add_argument("--kv-backend", default=None, choices=["auto", "nixl", "torch", "tcp"],
                     help="KV transfer between the tiers (default tcp, the fastest to start; auto: nixl where "
                          "installed, else tcp)")
@@ -357,7 +362,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
              "grpc_port": args.grpc_port, "redis": args.redis, "kv_backend": args.kv_backend, "host": args.host,
              "served_model_name": args.served_model_name, "api_key_file": args.api_key_file,
              "api_keys": tuple(args.api_key) if args.api_key else None, "vllm_metrics": args.vllm_metrics,
-             "otlp_endpoint": args.otlp_endpoint}
+             "otlp_endpoint": args.otlp_endpoint, "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
+             "pp": args.pp, "ep": args.ep}
     settings.update({k: v for k, v in flags.items() if v is not None})
     try:
         cfg = UpConfig(**settings)
@@ -368,7 +374,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     try:
         rc = run_up(cfg)
-    except (FileNotFoundError, PortInUseError) as e:
+    except (FileNotFoundError, PortInUseError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # Every worker, actor and Ray itself was stopped explicitly; do not wait for interpreter shutdown to join the

@@ -130,4 +130,23 @@ def router_frontend(cfg: UpConfig) -> FrontendFactory:
 def run(cfg: UpConfig) -> int:
     """``tandem up``: a bad ``--model`` fails here, before Ray starts; then the local cluster runs."""
     resolve_model(cfg.model)
+    check_parallel(cfg)
     return run_up(cfg, Prepare(cfg.model), router_frontend(cfg))
+
+
+def check_parallel(cfg: UpConfig) -> None:
+    """Each tier's split against the model (TP dividing the heads, PP within the layers, EP within the experts):
+    ValueError naming the constraint, before Ray or any worker starts."""
+    tiers = [t for t, n in (("prefill", cfg.prefill), ("decode", cfg.decode)) if n]
+    if all(cfg.ranks_of(t) == 1 for t in tiers):
+        return
+    from engine.model_config import ModelConfig
+    from engine.parallel.config import ParallelConfig
+
+    model = ModelConfig.from_dir(ensure_model(cfg.model))
+    for tier in tiers:
+        tp = cfg.prefill_tp if tier == "prefill" else cfg.decode_tp
+        try:
+            ParallelConfig(tp=tp, pp=cfg.pp, ep=cfg.ep).check_model(model)
+        except ValueError as e:
+            raise ValueError(f"{tier}: {e}") from None

@@ -69,6 +69,11 @@ class UpConfig:
     api_key_file: str | None = None
     vllm_metrics: bool = False  # also export vllm:* metric names (router/metric_catalogue.py)
     otlp_endpoint: str | None = None  # trace requests to this OTLP/gRPC collector (router/tracing.py)
+    # Each replica's ranks (its worker's --tp/--pp/--ep: child processes joined by gloo; engine/parallel/replica.py)
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    pp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         from worker.launcher import KV_BACKENDS
@@ -77,6 +82,12 @@ class UpConfig:
             raise ValueError(f"unknown kv_backend {self.kv_backend!r} (choose from {', '.join(KV_BACKENDS)})")
         if self.prefill < 0 or self.decode < 1:
             raise ValueError(f"need >= 0 prefill and >= 1 decode replicas, got {self.prefill}/{self.decode}")
+        for name in ("prefill_tp", "decode_tp", "pp", "ep"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.prefill and (self.prefill_tp, self.decode_tp, self.pp, self.ep) != (1, 1, 1):
+            raise ValueError("replicas with ranks (tp/pp/ep above 1) serve colocated only, with prefill = 0: KV "
+                             "transfer between the tiers moves one rank's heads today, not each rank's")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
         if self.grpc_port is not None and self.grpc_port >= 65536:
@@ -88,6 +99,12 @@ class UpConfig:
         from auth.api_keys import ApiKeys
 
         ApiKeys.load(self.api_keys, self.api_key_file)  # a bad key or key file fails here, before anything starts
+
+
+    def ranks_of(self, tier: str) -> int:
+        """A ``tier`` replica's ranks, one placement-group bundle each (engine/parallel/config.py's world size)."""
+        tp = self.prefill_tp if tier == "prefill" else self.decode_tp
+        return max(tp, self.ep) * self.pp
 
 
 def _process_start() -> float:
@@ -174,7 +191,9 @@ class LocalCluster:
             str(self.model), cfg.prefill, cfg.decode, self.kv_backend, cfg.cpus_per_replica,
             # the workers trace their part of each request to the router's collector (worker/tracing.py)
             worker_flags=(*cfg.worker_flags, *(("--otlp-endpoint", cfg.otlp_endpoint) if cfg.otlp_endpoint else ())),
-            redis=cfg.redis, drain_timeout_s=cfg.drain_timeout_s),
+            redis=cfg.redis, drain_timeout_s=cfg.drain_timeout_s,
+            prefill_ranks=cfg.ranks_of("prefill"), decode_ranks=cfg.ranks_of("decode"),
+            prefill_parallel=(cfg.prefill_tp, cfg.pp, cfg.ep), decode_parallel=(cfg.decode_tp, cfg.pp, cfg.ep)),
             on_change=self.write_state)
         controller.start()
         await controller.wait_converged(180.0)

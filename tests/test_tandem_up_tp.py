@@ -1,0 +1,93 @@
+"""``tandem up --prefill 0 --decode-tp 2``: a real local cluster (Ray, the controller, the router) whose decode
+replica is a worker with two rank processes (rank 1 its child, gloo on loopback), served to the official openai
+client: greedy completions equal transformers', chat streams, and SIGINT leaves no process behind, rank included.
+A split the model cannot take, or ranks with a prefill tier, are refused before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+from test_tandem_up import Cluster, _alive
+
+from engine.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(checkpoint("llama"), tmp_path_factory.mktemp("tandem-home"),
+                ("--prefill", "0", "--decode", "1", "--decode-tp", "2"))
+    yield c
+    c.stop()
+
+
+def test_decode_tp2_cluster_serves_the_openai_client_exactly_and_stops_leaving_nothing(
+        cluster: Cluster, checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]]) -> None:
+    workers = cluster.state["worker_pids"]
+    assert len(workers) == 1
+    ranks = [c.pid for c in psutil.Process(workers[0]).children()
+             if "resource_tracker" not in " ".join(c.cmdline())]
+    assert len(ranks) == 1, "the TP=2 replica's rank 1 is not a child of its worker"
+    assert "--tp 2" in " ".join(psutil.Process(workers[0]).cmdline())
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    tok = Tokenizer(checkpoint("llama"))
+    rng = random.Random(5)
+    for n in (5, 70):
+        prompt = [rng.randrange(2000) for _ in range(n)]
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == tok.decode(hf_greedy(checkpoint("llama"), prompt, 8)), f"{n}-token prompt"
+    full = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi"}],
+                                          max_tokens=10, temperature=0)
+    stream = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi"}],
+                                                 max_tokens=10, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == full.choices[0].message.content
+
+    pids = [cluster.proc.pid, *workers, *ranks]
+    assert cluster.stop() == 0
+    deadline = time.monotonic() + 30
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        time.sleep(0.2)
+    assert not alive, f"processes left behind: {alive}"
+    group = subprocess.run(["pgrep", "-g", str(cluster.proc.pid)], capture_output=True, text=True).stdout.split()
+    assert not group, f"processes left in tandem up's process group: {group}"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--prefill", "0", "--decode-tp", "3"], "decode: tensor parallel size 3"),
+    (["--prefill", "0", "--pp", "99"], "above the number of layers"),
+    (["--prefill", "0", "--ep", "2"], "needs a MoE model"),
+    (["--decode-tp", "2"], "prefill = 0"),
+    (["--prefill", "0", "--decode-tp", "0"], "decode_tp must be an int >= 1"),
+])
+def test_a_bad_split_is_refused_before_anything_starts(checkpoint: Callable[[str], Path], tmp_path: Path,
+                                                       flags: list[str], message: str) -> None:
+    env = {**os.environ, "TANDEM_HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"}
+    done = subprocess.run([sys.executable, "-m", "cli.main", "up", "--model", str(checkpoint("llama")), *flags],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stderr
+    assert "ray" not in done.stdout.lower() and not (tmp_path / "up.json").exists()
+
+
+def test_the_config_file_takes_the_same_settings_and_checks(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    cfg = tmp_path / "up.conf.json"
+    cfg.write_text('{"prefill": 0, "decode_tp": 3, "pp": 1}')
+    env = {**os.environ, "TANDEM_HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"}
+    done = subprocess.run([sys.executable, "-m", "cli.main", "up", "--model", str(checkpoint("llama")), "--config",
+                           str(cfg)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and "decode: tensor parallel size 3 must divide" in done.stderr, done.stderr

@@ -70,6 +70,8 @@ def _g(name: str, help: str, labels: tuple[str, ...] = (), vllm: str | None = No
     return MetricSpec(name, "gauge", help, labels, (), vllm)
 
 
+SPEC_WORKER = ("worker", "role")
+
 METRICS: tuple[MetricSpec, ...] = (
     # latency, as the client sees it (measured by the router)
     _h("tandem_ttft_seconds", "Time to first token, as the client sees it, by routing mode", LATENCY_BUCKETS,
@@ -128,6 +130,17 @@ METRICS: tuple[MetricSpec, ...] = (
        (*KV_WORKER, "outcome"), exporter="worker"),
     _h("tandem_kv_transfer_size_bytes", "Bytes one finished outgoing KV transfer moved, by prefill worker and "
        "backend", BYTE_BUCKETS, KV_WORKER, exporter="worker"),
+    # served by each speculating worker on its own /metrics (worker/metrics.py), read from its engine at scrape
+    MetricSpec("tandem_spec_decode_drafts", "counter", "Request-steps with speculative proposals verified",
+               SPEC_WORKER, exporter="worker"),
+    MetricSpec("tandem_spec_decode_draft_tokens", "counter", "Speculative tokens proposed and verified", SPEC_WORKER,
+               exporter="worker"),
+    MetricSpec("tandem_spec_decode_accepted_tokens", "counter", "Speculative tokens accepted", SPEC_WORKER,
+               exporter="worker"),
+    MetricSpec("tandem_spec_decode_acceptance_rate", "gauge", "Accepted over proposed speculative tokens, since start",
+               SPEC_WORKER, exporter="worker"),
+    MetricSpec("tandem_spec_decode_mean_accepted_length", "gauge", "Tokens emitted per speculated request-step (1 "
+               "plus the accepted proposals), since start", SPEC_WORKER, exporter="worker"),
     # tiers, from the controller's Status when one is attached (tandem up)
     _g("tandem_tier_replicas_desired", "Replicas the controller is asked to keep, by tier", ("tier",)),
     _g("tandem_tier_replicas_ready", "Replicas ready (lease in the registry), by tier", ("tier",)),

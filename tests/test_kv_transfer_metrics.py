@@ -38,7 +38,7 @@ def test_the_worker_renders_exactly_the_catalogues_worker_families_and_counts_a_
     fams = _samples(m)
     assert set(fams) == set(WORKER_METRICS)
     for name, f in fams.items():
-        assert f.documentation == WORKER_METRICS[name].help and f.type == "histogram", name
+        assert f.documentation == WORKER_METRICS[name].help and f.type == WORKER_METRICS[name].kind, name
     counts = {(s.labels.get("outcome"), s.name): s.value for f in fams.values() for s in f.samples
               if s.name.endswith(("_count", "_sum"))}
     assert counts[("ok", "tandem_kv_transfer_seconds_sum")] == pytest.approx(0.25)

@@ -1,5 +1,6 @@
-"""A prefill worker's own Prometheus ``/metrics`` (``tandem worker --metrics-port``): its KV transfers' latency and
-size as histograms, per backend and outcome.
+"""A worker's own Prometheus ``/metrics`` (``tandem worker --metrics-port``): a prefill worker's KV transfers' latency
+and size as histograms, per backend and outcome; a speculating worker's speculative decoding counters (proposed and
+accepted tokens) with its acceptance rate and mean accepted length, read from the engine at scrape time.
 
 Why on the worker: the router relays each worker's ``Load`` counters (transfers, failures, bytes per backend) as
 gauges and counters at scrape time, but a latency distribution is not a counter it can relay; the transfer ends on
@@ -11,15 +12,21 @@ in: one list of names, checked by tests/test_kv_transfer_metrics.py against what
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from prefill_worker.connector import PrefillConnector, TransferTiming
 
 TRANSFER_SECONDS = "tandem_kv_transfer_seconds"
 TRANSFER_SIZE = "tandem_kv_transfer_size_bytes"
+SPEC_COUNTERS = {"tandem_spec_decode_drafts": "num_drafts", "tandem_spec_decode_draft_tokens": "num_draft_tokens",
+                 "tandem_spec_decode_accepted_tokens": "num_accepted_tokens"}
+SPEC_GAUGES = {"tandem_spec_decode_acceptance_rate": "acceptance_rate",
+               "tandem_spec_decode_mean_accepted_length": "mean_accepted_length"}
 
 
 class FamilySpec(Protocol):
@@ -35,6 +42,25 @@ class FamilySpec(Protocol):
     def buckets(self) -> tuple[float, ...]: ...
 
 
+class SpecCollector(Collector):
+    """The engine's speculative decoding counters (``engine/spec/decoder.SpecStats``) as families at scrape time:
+    every family always, with a sample once a speculating engine is attached (plain ints read across threads)."""
+
+    def __init__(self, catalogue: Mapping[str, FamilySpec], worker_id: str, role: str) -> None:
+        self._specs = catalogue
+        self._labels = [worker_id, role]
+        self.stats: Any = None
+
+    def collect(self) -> Iterator[Metric]:
+        for names, family in ((SPEC_COUNTERS, CounterMetricFamily), (SPEC_GAUGES, GaugeMetricFamily)):
+            for name, attr in names.items():
+                s = self._specs[name]
+                m = family(s.name, s.help, labels=list(s.labels))
+                if self.stats is not None:
+                    m.add_metric(self._labels, float(getattr(self.stats, attr)))
+                yield m
+
+
 class WorkerMetrics:
     def __init__(self, catalogue: Mapping[str, FamilySpec], worker_id: str, role: str, backend: str) -> None:
         disable_created_metrics()  # no *_created series: only the catalogue's families (as the router renders)
@@ -47,6 +73,8 @@ class WorkerMetrics:
 
         self.seconds = histogram(TRANSFER_SECONDS)
         self.size = histogram(TRANSFER_SIZE)
+        self.spec = SpecCollector(catalogue, worker_id, role)
+        self.registry.register(self.spec)
         for outcome in ("ok", "failed"):  # every series from the first scrape, at 0: a rate sees the first transfer
             self.seconds.labels(outcome=outcome, **self._ids)
         self.size.labels(**self._ids)
@@ -62,6 +90,10 @@ class WorkerMetrics:
 
     def watch(self, connector: PrefillConnector) -> None:
         connector.on_transfer.append(self.transfer_ended)
+
+    def watch_spec(self, stats: Any) -> None:
+        """Report a speculating engine's ``SpecStats``."""
+        self.spec.stats = stats
 
     def serve(self, host: str, port: int) -> int:
         """Serve ``/metrics`` on ``host:port`` (0: a free port) from a daemon thread; returns the bound port."""

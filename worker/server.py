@@ -76,8 +76,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
                    help="record this worker's spans of traced requests, exported over OTLP/gRPC to this collector")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                   help="a prefill worker serves Prometheus /metrics (its KV transfers' latency and size histograms) "
-                        "on this port of --host (0: a free one)")
+                   help="serve Prometheus /metrics (a prefill worker's KV transfer latency and size histograms, a "
+                        "speculating worker's proposed and accepted tokens) on this port of --host (0: a free one)")
     p.add_argument("--lease-seconds", type=float, default=3.0)
     add_credential_args(p)  # --auth-token-file, --tls-cert/--tls-key/--tls-ca (auth/credentials.py)
     p.add_argument("--stream-stall-timeout", type=_positive, default=60.0, metavar="S",
@@ -246,6 +246,7 @@ def serve(args: argparse.Namespace, catalogue: Mapping[str, FamilySpec] | None =
         return 2
     try:
         parallel_config(args)  # a bad split fails here, naming its constraint, before any rank starts
+        speculative_config(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -257,9 +258,12 @@ def serve(args: argparse.Namespace, catalogue: Mapping[str, FamilySpec] | None =
 
         tracer = tracer_for(service, args.otlp_endpoint)
     metrics = None
-    if args.metrics_port is not None and isinstance(service, PrefillService) and catalogue is not None:
+    if args.metrics_port is not None and catalogue is not None:
         metrics = WorkerMetrics(catalogue, service.worker_id, service.role, service.kv_backend)
-        metrics.watch(service.connector)
+        if isinstance(service, PrefillService):
+            metrics.watch(service.connector)
+        if service.engine.spec is not None:
+            metrics.watch_spec(service.engine.spec.stats)
         log.info("metrics on http://%s:%d/metrics", args.host, metrics.serve(args.host, args.metrics_port))
     # grpc.aio (worker/aio_service.py): a stream holds no thread, and Health never waits behind streams.
     server = AioServerThread(AioWorker(service, args.max_unsent_tokens, tracer),

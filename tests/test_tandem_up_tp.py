@@ -6,12 +6,16 @@ A split the model cannot take, or ranks with a prefill tier, are refused before 
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -91,3 +95,69 @@ def test_the_config_file_takes_the_same_settings_and_checks(checkpoint: Callable
     done = subprocess.run([sys.executable, "-m", "cli.main", "up", "--model", str(checkpoint("llama")), "--config",
                            str(cfg)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2 and "decode: tensor parallel size 3 must divide" in done.stderr, done.stderr
+
+
+def test_sigkill_of_one_rank_under_load_replaces_its_replica_and_no_request_fails(
+        checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory,
+        hf_greedy: Callable[..., list[int]]) -> None:
+    """Two decode replicas of TP=2 (four rank processes on two cores, oversubscribed) under a bounded closed-loop
+    load (40 requests, 2 at a time, 240 s at most): rank 1 of one replica is killed with SIGKILL after the 5th
+    answer. Its worker exits, the controller replaces the replica as a whole, every request succeeds with
+    transformers' tokens (the router retries or migrates what was on the dead replica), and nothing is left."""
+    c = Cluster(checkpoint("llama"), tmp_path_factory.mktemp("tandem-home"),
+                ("--prefill", "0", "--decode", "2", "--decode-tp", "2"))
+    try:
+        workers = list(c.state["worker_pids"])
+        assert len(workers) == 2
+        ranks = {w: [p.pid for p in psutil.Process(w).children() if "resource_tracker" not in " ".join(p.cmdline())]
+                 for w in workers}
+        assert all(len(r) == 1 for r in ranks.values())
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        prompt = [7, 8, 9, 10, 11]
+        want = Tokenizer(checkpoint("llama")).decode(hf_greedy(checkpoint("llama"), prompt, 8))
+        done, failed, wrong = [], [], []
+        killed = threading.Event()
+        deadline = time.monotonic() + 240
+
+        def one(i: int) -> None:
+            if time.monotonic() > deadline:
+                failed.append(f"{i}: past the load's deadline")
+                return
+            try:
+                r = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                              extra_body={"ignore_eos": True})
+            except openai.APIError as e:
+                failed.append(f"{i}: {e}")
+                return
+            done.append(i)
+            if r.choices[0].text != want:
+                wrong.append(i)
+            if len(done) == 5 and not killed.is_set():
+                killed.set()
+                os.kill(ranks[workers[0]][0], signal.SIGKILL)
+
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(one, range(40)))
+        assert killed.is_set()
+        assert not failed, f"{len(failed)} of 40 failed: {failed[:3]}"
+        assert not wrong, f"answers differ from transformers': {wrong}"
+        replaced = time.monotonic() + 180
+        while True:
+            now = json.loads((c.home / "up.json").read_text())["worker_pids"]
+            if workers[0] not in now and len(now) == 2 and all(_alive(p) for p in now):
+                break
+            assert time.monotonic() < replaced, f"the replica was not replaced: {now}"
+            time.sleep(0.5)
+        assert not _alive(workers[0]) and not _alive(ranks[workers[0]][0])
+        new = next(w for w in now if w != workers[1])
+        pids = [c.proc.pid, *now, *ranks[workers[1]], *[p.pid for p in psutil.Process(new).children()]]
+    finally:
+        code = c.stop()
+    assert code == 0
+    stop_deadline = time.monotonic() + 30
+    alive = pids
+    while alive and time.monotonic() < stop_deadline:
+        alive = [p for p in pids if _alive(p)]
+        time.sleep(0.2)
+    assert not alive, f"processes left behind: {alive}"

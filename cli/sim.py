@@ -28,6 +28,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode replicas (colocated ones when --prefill 0)")
     p.add_argument("--autoscale", action="store_true", help="run the SLO planner (operators/planner)")
     p.add_argument("--gpu-budget", type=int, default=None, help="planner GPU budget (default: the starting fleet)")
+    p.add_argument("--target-utilisation", type=float, default=0.8,
+                   help="planner: plan each tier at this fraction of its capacity at the SLO")
     p.add_argument("--routing", default="kv", choices=["kv", "round_robin"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--mfu", type=float, default=0.5)
@@ -51,7 +53,8 @@ def run_sim(args: argparse.Namespace) -> int:
         scn = Scenario(model=args.model or DEFAULT_MODEL, gpu=args.gpu, tp=args.tp, prefill=args.prefill,
                        decode=args.decode, autoscale=args.autoscale, gpu_budget=args.gpu_budget, mfu=args.mfu,
                        mbu=args.mbu, startup_s=args.startup_s, block_size=args.block_size, routing=args.routing,
-                       ttft_slo_s=args.ttft_slo, itl_slo_s=args.itl_slo)
+                       ttft_slo_s=args.ttft_slo, itl_slo_s=args.itl_slo,
+                       target_utilisation=args.target_utilisation)
         scn.model_config()
         if args.trace:
             trace = load_mooncake(args.trace, args.speedup, args.duration, args.limit)

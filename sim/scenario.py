@@ -44,6 +44,7 @@ class Scenario:
     ttft_slo_s: float = 2.0
     itl_slo_s: float = 0.1
     planner_window_s: float = 30.0
+    target_utilisation: float = 0.8  # the planner's: each tier planned at this fraction of its capacity at the SLO
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -77,6 +78,7 @@ def build(scn: Scenario, trace: list[TraceRequest]) -> SimConfig:
                              cap.prefill_tokens_per_s if t.role is not Role.DECODE else 0.0,
                              cap.decode_tokens_per_s if t.role is not Role.PREFILL else 0.0) for t in tiers),
             gpu_budget=budget, ttft_slo_s=scn.ttft_slo_s, itl_slo_s=scn.itl_slo_s, lead_time_s=scn.startup_s,
+            target_utilisation=scn.target_utilisation,
             scale_up_cooldown_s=scn.planner_window_s, scale_down_cooldown_s=4 * scn.planner_window_s)
     return SimConfig(step, tiers, model_name=name, block_size=scn.block_size,
                      max_num_batched_tokens=scn.max_num_batched_tokens, max_num_seqs=scn.max_num_seqs,

@@ -29,7 +29,9 @@ once (:mod:`kvtransfer.nixl_agent`). The ring is a hint only: a lost datagram co
 
 Leases: both ends expire unfinished transfers and notify each other. A one-sided WRITE cannot be stopped by the
 target, so on expiry the sender stops posting and the receiver reports FAILED; the sender's deadline is the earlier
-of its own and the receiver's lease, so it does not post after the receiver gave up on time.
+of its own and the receiver's lease, so it does not post after the receiver gave up on time. A HELLO that reaches
+the receiver after its reservation is gone (decode released it before its watcher saw the HELLO, so it knew no
+sender to tell) is answered with FAIL, so the sender never waits out its lease for an ACK that cannot come.
 
 UCX stays on loopback here: ``TransferConfig.ucx_net_devices`` (default ``lo``) is written to ``UCX_NET_DEVICES``
 before the agent is created (UCX reads only its environment). UCX picks the transports unless
@@ -586,6 +588,8 @@ class NixlReceiver(LandingReceiver):
         payload = msg[HEADER_SIZE : HEADER_SIZE + frame.payload_len] if frame.kind != Kind.DATA else b""
         entry = self.landing.live(frame.transfer_id)
         if entry is None:
+            if frame.kind == Kind.HELLO:
+                self._refuse_stale_hello(frame.transfer_id, payload)
             return None
         if frame.kind == Kind.HELLO:
             try:
@@ -609,3 +613,17 @@ class NixlReceiver(LandingReceiver):
         elif frame.kind == Kind.FAIL:
             self.book.fail(entry, f"receiver: sender reported: {payload.decode(errors='replace')}")
         return frame.kind
+
+    def _refuse_stale_hello(self, tid: int, payload: bytes) -> None:
+        """A HELLO for a transfer with no live reservation (released, failed or expired before this watcher saw the
+        HELLO): answer FAIL, as tcp does, so that the sender frees its held blocks now instead of waiting for an ACK
+        until its own lease expires. Releasing before the HELLO is seen is the common case: decode aborts a request
+        while its HELLO is still queued, so the reservation had no peer to notify when it failed."""
+        try:
+            _, name, metadata = parse_hello(payload)
+            if name not in self._agent.known:
+                self._agent.add_remote(metadata)
+            self._agent.send(name, control(Kind.FAIL, tid, b"receiver: no live reservation for this transfer "
+                                           b"(released, failed or lease expired)"))
+        except Exception as e:  # best effort: the sender's lease is the backstop
+            log.debug("nixl receiver: could not refuse a stale HELLO for transfer %d: %s", tid, e)

@@ -94,6 +94,30 @@ def test_receiver_polls_notifications_only_while_a_reservation_is_open() -> None
         r.close()
 
 
+def test_sender_fails_at_once_when_decode_released_before_seeing_its_hello() -> None:
+    """Decode aborts a request (its reservation released) before its watcher saw the sender's HELLO, so the
+    receiver knew no sender to tell: the late HELLO is answered with FAIL and the sender, whose layers were all
+    handed over, ends FAILED within seconds instead of holding prefill's blocks until its 60 s lease expires."""
+    r, s = NixlReceiver(), NixlSender()
+    try:
+        r.register(make_caches(LAYOUT, 8, None), LAYOUT)
+        s.register(make_caches(LAYOUT, 8, 1), LAYOUT)
+        d = r.reserve("gone", [1, 2], 8, time.time() + 60)
+        r.release("gone")
+        s.start("gone", d, [3, 4], time.time() + 60)
+        for layer in range(LAYOUT.num_layers):
+            s.send_layer("gone", layer)
+        s.finish("gone")
+        end = time.monotonic() + 15
+        while not s.poll("gone").finished and time.monotonic() < end:
+            time.sleep(0.01)
+        st = s.poll("gone")
+        assert st.state == TransferState.FAILED and "no live reservation" in (st.error or ""), st
+    finally:
+        s.close()
+        r.close()
+
+
 def test_receiver_paces_its_polls_by_a_long_prefills_layers_and_still_catches_the_last_one_at_once() -> None:
     """A 16-layer prefill whose layers come 15 ms apart (as a long prompt's do) is polled a few dozen times, not
     every 2 ms tick plus every 250 us while its last layer is due (~160 polls before), because the watcher predicts

@@ -85,7 +85,7 @@ class UpConfig:
         for name in ("prefill_tp", "decode_tp", "pp", "ep"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        if self.prefill and (self.prefill_tp, self.decode_tp, self.pp, self.ep) != (1, 1, 1):
+        if self.prefill and max(self.prefill_tp, self.decode_tp, self.pp, self.ep) > 1:
             raise ValueError("replicas with ranks (tp/pp/ep above 1) serve colocated only, with prefill = 0: KV "
                              "transfer between the tiers moves one rank's heads today, not each rank's")
         if not 0 <= self.port < 65536:

@@ -6,9 +6,10 @@ CPU) and generating greedily in float32. Tandem runs the integers through its we
 INT4 grouped (group 16: the tiny MLP's 688 inputs admit no larger power of two), on Llama and Qwen2 (q/k/v bias, tied
 embeddings).
 
-GPTQ and AWQ: transformers loads those formats only through gptqmodel / autoawq, which are not installed here
-(CUDA-oriented builds with no CPU-only torch wheel path), so the same integers and scales are written in the GPTQ and
-AWQ layouts by ``--format gptq|awq`` and checked to load to the same dense weights and the same tokens as the
+GPTQ and AWQ: transformers (5.25) loads both formats, on CPU too, only through gptqmodel (plus optimum for GPTQ),
+which is not installable here: gptqmodel 7.7.0 is a source build that requires torch>=2.14.1, and Tandem runs the
+CPU build of torch 2.13 (installing it would replace torch). So the same integers and scales are written in the GPTQ
+and AWQ layouts by ``--format gptq|awq`` and checked to load to the same dense weights and the same tokens as the
 compressed-tensors checkpoint, whose reference is transformers as above.
 """
 

@@ -1,7 +1,8 @@
-"""``tandem up --prefill 0 --decode-tp 2``: a real local cluster (Ray, the controller, the router) whose decode
-replica is a worker with two rank processes (rank 1 its child, gloo on loopback), served to the official openai
-client: greedy completions equal transformers', chat streams, and SIGINT leaves no process behind, rank included.
-A split the model cannot take, or ranks with a prefill tier, are refused before anything starts.
+"""``tandem up --prefill 0 --decode 2 --decode-tp 2``: a real local cluster (Ray, the controller, the router) whose
+decode replicas are workers with two rank processes each (rank 1 the worker's child, gloo on loopback), served to
+the official openai client exactly; a rank killed under load has its replica replaced with no request failing, and
+SIGINT leaves no process behind, ranks included. A split the model cannot take, or ranks with a prefill tier, are
+refused before anything starts (flags and --config).
 """
 
 from __future__ import annotations
@@ -14,61 +15,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import psutil
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from test_tandem_up import Cluster, _alive
 
 from engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def cluster(checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(checkpoint("llama"), tmp_path_factory.mktemp("tandem-home"),
-                ("--prefill", "0", "--decode", "1", "--decode-tp", "2"))
-    yield c
-    c.stop()
-
-
-def test_decode_tp2_cluster_serves_the_openai_client_exactly_and_stops_leaving_nothing(
-        cluster: Cluster, checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]]) -> None:
-    workers = cluster.state["worker_pids"]
-    assert len(workers) == 1
-    ranks = [c.pid for c in psutil.Process(workers[0]).children()
-             if "resource_tracker" not in " ".join(c.cmdline())]
-    assert len(ranks) == 1, "the TP=2 replica's rank 1 is not a child of its worker"
-    assert "--tp 2" in " ".join(psutil.Process(workers[0]).cmdline())
-    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    model = client.models.list().data[0].id
-    tok = Tokenizer(checkpoint("llama"))
-    rng = random.Random(5)
-    for n in (5, 70):
-        prompt = [rng.randrange(2000) for _ in range(n)]
-        r = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
-                                      extra_body={"ignore_eos": True})
-        assert r.choices[0].text == tok.decode(hf_greedy(checkpoint("llama"), prompt, 8)), f"{n}-token prompt"
-    full = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi"}],
-                                          max_tokens=10, temperature=0)
-    stream = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi"}],
-                                                 max_tokens=10, temperature=0, stream=True))
-    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == full.choices[0].message.content
-
-    pids = [cluster.proc.pid, *workers, *ranks]
-    assert cluster.stop() == 0
-    deadline = time.monotonic() + 30
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
-        time.sleep(0.2)
-    assert not alive, f"processes left behind: {alive}"
-    group = subprocess.run(["pgrep", "-g", str(cluster.proc.pid)], capture_output=True, text=True).stdout.split()
-    assert not group, f"processes left in tandem up's process group: {group}"
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -97,10 +56,11 @@ def test_the_config_file_takes_the_same_settings_and_checks(checkpoint: Callable
     assert done.returncode == 2 and "decode: tensor parallel size 3 must divide" in done.stderr, done.stderr
 
 
-def test_sigkill_of_one_rank_under_load_replaces_its_replica_and_no_request_fails(
+def test_tp2_replicas_serve_openai_exactly_and_a_rank_killed_under_load_fails_no_request(
         checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory,
         hf_greedy: Callable[..., list[int]]) -> None:
-    """Two decode replicas of TP=2 (four rank processes on two cores, oversubscribed) under a bounded closed-loop
+    """Two decode replicas of TP=2 (four rank processes on two cores, oversubscribed) serve the openai client
+    (completions equal transformers', chat streamed equals unstreamed); then, under a bounded closed-loop
     load (40 requests, 2 at a time, 240 s at most): rank 1 of one replica is killed with SIGKILL after the 5th
     answer. Its worker exits, the controller replaces the replica as a whole, every request succeeds with
     transformers' tokens (the router retries or migrates what was on the dead replica), and nothing is left."""
@@ -111,11 +71,22 @@ def test_sigkill_of_one_rank_under_load_replaces_its_replica_and_no_request_fail
         assert len(workers) == 2
         ranks = {w: [p.pid for p in psutil.Process(w).children() if "resource_tracker" not in " ".join(p.cmdline())]
                  for w in workers}
-        assert all(len(r) == 1 for r in ranks.values())
+        assert all(len(r) == 1 for r in ranks.values()), "a TP=2 replica's rank 1 is not a child of its worker"
+        assert all("--tp 2" in " ".join(psutil.Process(w).cmdline()) for w in workers)
         client = openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
+        tok = Tokenizer(checkpoint("llama"))
+        long = [random.Random(5).randrange(2000) for _ in range(70)]
+        r = client.completions.create(model=model, prompt=long, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == tok.decode(hf_greedy(checkpoint("llama"), long, 8))
+        chat: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hi"}]
+        full = client.chat.completions.create(model=model, messages=chat, max_tokens=10, temperature=0)
+        stream = list(client.chat.completions.create(model=model, messages=chat, max_tokens=10, temperature=0,
+                                                     stream=True))
+        assert "".join(x.choices[0].delta.content or "" for x in stream if x.choices) == full.choices[0].message.content
         prompt = [7, 8, 9, 10, 11]
-        want = Tokenizer(checkpoint("llama")).decode(hf_greedy(checkpoint("llama"), prompt, 8))
+        want = tok.decode(hf_greedy(checkpoint("llama"), prompt, 8))
         done, failed, wrong = [], [], []
         killed = threading.Event()
         deadline = time.monotonic() + 240

@@ -1,5 +1,5 @@
 """CPU weight-only INT8 and INT4 matmuls: the native kernels of ``wlinear.c``, built on first use like the engine's
-other kernels (:func:`engine.kernels.compile_shared`).
+other kernels (:func:`native.build.compile_shared`).
 
 Why our own kernels: torch's packed kernels (``torch._weight_int8pack_mm``, ``torch._weight_int4pack_mm_for_cpu``)
 are exact enough (fp32 accumulation, within 1e-4 of dequantize-then-matmul) but, measured on the small model's
@@ -10,9 +10,10 @@ stream from memory), no faster than oneDNN's packed bf16 matmul at one row (INT8
 bytes are read once per call: with bf16 inputs the rows widen exactly to bf16 and AVX512-BF16's ``vdpbf16ps`` does
 the products (exact in fp32) and fp32 sums; with fp32 inputs (and where the CPU lacks BF16, or a group is not a
 multiple of 32) rows widen to fp32 and FMA. On the small model's 64 projection weights, one thread, best of 12
-(interleaved with a loaded machine, so ratios are the figure to read): at one row INT8 2.3-2.8x and INT4 2.0-2.4x
-faster than packed bf16; at 4 rows about even; at 16-32 rows 0.55-0.9x (the widening is amortised but the dot is not
-blocked over inputs as oneDNN's GEMM is).
+(interleaved with a loaded machine, so ratios are the figure to read): at one row INT8 and INT4 2-7x faster
+than packed bf16 (the spread is the load); at 4 rows about even; at 16-32 rows 0.55-0.9x (the widening is amortised
+but the dot is not blocked over inputs as oneDNN's GEMM is). INT4 rows widen with integer operations only (see
+``widen_u4_bf16``), which brought INT4 level with INT8 per row on this shared CPU.
 
 :class:`QuantLinear` is what :func:`engine.models.layers.linear` calls for a weight that carries one (``weight.quant``):
 up to ``MAX_KERNEL_ROWS`` rows (decode batches) the kernel; more rows (prefill) dequantize the weight to the
@@ -24,8 +25,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.quant.weights import QuantizedMatrix
-from native.build import compile_shared, enabled
+from native.build import compile_shared, compiler, enabled
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ _i = ctypes.c_int64
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    cc = compiler()
     if not enabled() or cc is None:
         log.info("native kernels disabled or no C compiler: quantized weights run dequantized")
         return None

@@ -81,6 +81,9 @@ class ControllerConfig:
     # group of that tier advertises once per rank (operators/render_ray.py): a tier's replicas land only on its own
     # pods. Off for a local Ray (``tandem up``), which advertises no such resource.
     tier_resources: bool = False
+    # Each worker's own /metrics (tandem worker --metrics-port): None: not served; 0: a free port (tandem up, on
+    # loopback; advertised as Replica.metrics_address); a fixed port in a pod, where Prometheus finds it by name.
+    worker_metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         from worker.launcher import KV_BACKENDS
@@ -100,6 +103,8 @@ class ControllerConfig:
                 raise ValueError(f"{tier} replicas must be in [0, {self.max_replicas}], got {n}")
         if self.cpus_per_replica <= 0 or self.ranks < 1:
             raise ValueError(f"need cpus_per_replica > 0 and ranks >= 1, got {self.cpus_per_replica}/{self.ranks}")
+        if self.worker_metrics_port is not None and not 0 <= self.worker_metrics_port < 65536:
+            raise ValueError(f"worker_metrics_port {self.worker_metrics_port} out of range")
         if min(self.drain_timeout_s, self.start_timeout_s, self.reconcile_interval_s) <= 0:
             raise ValueError("drain_timeout_s, start_timeout_s and reconcile_interval_s must be > 0")
 
@@ -318,6 +323,7 @@ class Controller:
             deadline = time.monotonic() + self.cfg.start_timeout_s
             r.address = await _ray(r.actor.start.remote(), self.cfg.start_timeout_s)
             r.pid = await _ray(r.actor.pid.remote(), 30.0)
+            r.metrics_address = await _ray(r.actor.metrics_address.remote(), 30.0)
             await self._wait_serving(r, deadline)
             if self.cfg.redis:
                 from controlplane.registry import wait_registered
@@ -340,6 +346,8 @@ class Controller:
         flags = self.cfg.worker_flags
         if self.cfg.redis and "--redis" not in flags:
             flags = (*flags, "--redis", self.cfg.redis)
+        if self.cfg.worker_metrics_port is not None and "--metrics-port" not in flags:
+            flags = (*flags, "--metrics-port", str(self.cfg.worker_metrics_port))
         return flags
 
     async def _wait_serving(self, r: Replica, deadline: float) -> None:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from controlplane.paths import STATE_FILE, token_file_for
+from controlplane.prometheus_targets import prometheus_targets_for, write_prometheus_targets
 
 if TYPE_CHECKING:
     from controlplane.controller import Controller
@@ -160,6 +161,7 @@ def run_up(cfg: UpConfig, prepare: Preparation, frontend: FrontendFactory) -> in
         ray.shutdown()
         STATE_FILE.unlink(missing_ok=True)
         token_file_for(STATE_FILE).unlink(missing_ok=True)
+        prometheus_targets_for(STATE_FILE).unlink(missing_ok=True)
         say("stopped")
 
 
@@ -193,7 +195,8 @@ class LocalCluster:
             worker_flags=(*cfg.worker_flags, *(("--otlp-endpoint", cfg.otlp_endpoint) if cfg.otlp_endpoint else ())),
             redis=cfg.redis, drain_timeout_s=cfg.drain_timeout_s,
             prefill_ranks=cfg.ranks_of("prefill"), decode_ranks=cfg.ranks_of("decode"),
-            prefill_parallel=(cfg.prefill_tp, cfg.pp, cfg.ep), decode_parallel=(cfg.decode_tp, cfg.pp, cfg.ep)),
+            prefill_parallel=(cfg.prefill_tp, cfg.pp, cfg.ep), decode_parallel=(cfg.decode_tp, cfg.pp, cfg.ep),
+            worker_metrics_port=0),  # each worker's /metrics on a free port, listed in the Prometheus targets file
             on_change=self.write_state)
         controller.start()
         await controller.wait_converged(180.0)
@@ -228,6 +231,9 @@ class LocalCluster:
              f"stop; `tandem scale TIER N` to scale)")
 
     def write_state(self) -> None:
+        """The state file, and beside it the Prometheus targets file (controlplane/prometheus_targets.py)."""
+        from controlplane.replica_state import ReplicaState
+
         if self.state_file is None or self.controller is None:
             return
         pids = [r.pid for r in self.controller.replicas.values() if r.pid > 0]
@@ -235,8 +241,12 @@ class LocalCluster:
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"pid": os.getpid(), "port": self.cfg.port,
                                    "control": f"{self.cfg.host}:{self.control_port}", "worker_pids": pids,
-                                   "token_file": str(token_file_for(self.state_file))}))
+                                   "token_file": str(token_file_for(self.state_file)),
+                                   "prometheus_targets": str(prometheus_targets_for(self.state_file))}))
         tmp.replace(self.state_file)
+        write_prometheus_targets(prometheus_targets_for(self.state_file), f"{self.cfg.host}:{self.cfg.port}",
+                                 {r.metrics_address: r.tier for r in self.controller.replicas.values()
+                                  if r.metrics_address and r.state != ReplicaState.FAILED})
 
     async def close(self) -> None:
         for server in self._servers:

@@ -53,6 +53,10 @@ class WorkerReplica:
         self.proc = start_worker(self.spec.role, self.spec.model, self.spec.kv_backend, flags)
         return f"{self.host}:{self.proc.port}"
 
+    def metrics_address(self) -> str:
+        """Where the worker serves its own ``/metrics`` (``--metrics-port``), for a Prometheus; "" if it does not."""
+        return f"{self.host}:{self.proc.metrics_port}" if self.proc is not None and self.proc.metrics_port else ""
+
     def alive(self) -> bool:
         """Whether the worker process is still running."""
         return self.proc is not None and self.proc.proc.poll() is None

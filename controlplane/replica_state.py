@@ -43,6 +43,7 @@ class Replica:
     ranks: int
     state: ReplicaState = ReplicaState.STARTING
     address: str = ""
+    metrics_address: str = ""  # its worker's own /metrics (host:port) for a Prometheus; "": not served
     pid: int = -1
     placement_group: Any = None
     actor: Any = None

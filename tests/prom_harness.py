@@ -1,5 +1,6 @@
 """A real ``prometheus`` server (the apt package) on loopback for the observability tests: it scrapes the given
-targets every second and answers PromQL over its HTTP API; stopped by PID. Grafana's variables are substituted
+targets every second (static ones, or those of a file_sd file such as ``tandem up``'s) and answers PromQL over its
+HTTP API; stopped by PID. Grafana's variables are substituted
 the way Grafana would before a query is sent."""
 
 from __future__ import annotations
@@ -33,14 +34,19 @@ def grafana_expr(expr: str, variables: dict[str, str], rate_interval: str = "5m"
 
 
 class Prometheus:
-    def __init__(self, targets: list[str], home: Path) -> None:
+    def __init__(self, targets: list[str], home: Path, file_sd: Path | None = None) -> None:
         exe = shutil.which("prometheus")
         if exe is None:
             pytest.fail("prometheus is not installed (.ci/run installs it)")
         config = home / "prometheus.yml"
+        job: dict[str, Any] = {"job_name": "tandem"}
+        if targets:
+            job["static_configs"] = [{"targets": targets}]
+        if file_sd is not None:
+            job["file_sd_configs"] = [{"files": [str(file_sd)], "refresh_interval": "1s"}]
         config.write_text(json.dumps({  # JSON is YAML
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [{"job_name": "tandem", "static_configs": [{"targets": targets}]}],
+            "scrape_configs": [job],
         }))
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log = home / "prometheus.log"

@@ -23,6 +23,7 @@ class WorkerProcess:
     proc: subprocess.Popen[str]
     port: int
     log: list[str] = field(default_factory=list)
+    metrics_port: int = 0  # its /metrics (``--metrics-port``, printed as ``METRICS PORT`` before READY); 0: none
 
     @property
     def address(self) -> str:
@@ -85,7 +86,7 @@ def start_worker(role: str, model: str, kv_backend: str = "tcp", extra: list[str
     threading.Thread(target=drain_stderr, daemon=True).start()
     deadline = time.monotonic() + timeout_s
     assert proc.stdout is not None
-    port = 0
+    port = metrics_port = 0
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
@@ -93,6 +94,8 @@ def start_worker(role: str, model: str, kv_backend: str = "tcp", extra: list[str
                 raise RuntimeError(f"{role} worker exited with {proc.returncode}:\n{''.join(log[-40:])}")
             time.sleep(0.01)
             continue
+        if line.startswith("METRICS "):
+            metrics_port = int(line.split()[1])
         if line.startswith("READY "):
             port = int(line.split()[1])
             break
@@ -100,4 +103,4 @@ def start_worker(role: str, model: str, kv_backend: str = "tcp", extra: list[str
         proc.kill()
         raise TimeoutError(f"{role} worker not ready within {timeout_s}s:\n{''.join(log[-40:])}")
     threading.Thread(target=lambda: proc.stdout.read() if proc.stdout else None, daemon=True).start()
-    return WorkerProcess(role, proc, port, log)
+    return WorkerProcess(role, proc, port, log, metrics_port)

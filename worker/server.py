@@ -264,7 +264,9 @@ def serve(args: argparse.Namespace, catalogue: Mapping[str, FamilySpec] | None =
             metrics.watch(service.connector)
         if service.engine.spec is not None:
             metrics.watch_spec(service.engine.spec.stats)
-        log.info("metrics on http://%s:%d/metrics", args.host, metrics.serve(args.host, args.metrics_port))
+        metrics_port = metrics.serve(args.host, args.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", args.host, metrics_port)
+        print(f"METRICS {metrics_port}", flush=True)  # before READY: the launcher advertises it (a free port here)
     # grpc.aio (worker/aio_service.py): a stream holds no thread, and Health never waits behind streams.
     server = AioServerThread(AioWorker(service, args.max_unsent_tokens, tracer),
                              options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],

@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
                       choices=["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"])
     init.add_argument("--size", default="tiny", choices=["tiny", "small"])
     init.add_argument("--seed", type=int, default=0)
+    lora = model.add_parser("init-lora", help="write a random PEFT LoRA adapter for a checkpoint")
+    lora.add_argument("base")
+    lora.add_argument("out_dir")
+    lora.add_argument("--rank", type=int, default=8)
+    lora.add_argument("--targets", default="q_proj,v_proj", help="comma-separated projections, e.g. q_proj,v_proj")
+    lora.add_argument("--alpha", type=float, default=None, help="lora_alpha (default: the rank)")
+    lora.add_argument("--seed", type=int, default=0)
     from cli.quantize import add_quantize_args
 
     add_quantize_args(model.add_parser("quantize", help="write an HF checkpoint quantized (compressed-tensors W8A16 "
@@ -196,6 +203,19 @@ def _cmd_init_tiny(args: argparse.Namespace) -> int:
     from tinymodel.checkpoint import write_tiny_checkpoint
 
     path = write_tiny_checkpoint(args.out_dir, arch=args.arch, size=args.size, seed=args.seed)
+    print(path)
+    return 0
+
+
+def _cmd_init_lora(args: argparse.Namespace) -> int:
+    from engine.lora.init_random import write_random_adapter
+
+    try:
+        path = write_random_adapter(args.base, args.out_dir, args.rank, tuple(t for t in args.targets.split(",") if t),
+                                    args.alpha, args.seed)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(path)
     return 0
 
@@ -391,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from cli.quantize import run_quantize
 
             return run_quantize(args)
+        if args.model_command == "init-lora":
+            return _cmd_init_lora(args)
         return _cmd_init_tiny(args)
     if args.command == "generate":
         return _cmd_generate(args)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.lora.config import LoRAConfig
 from engine.spec.config import SpeculativeConfig
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -76,6 +77,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # speculative decoding (engine/spec); None: off
+    lora: LoRAConfig | None = None  # servable LoRA adapters (engine/lora); None: base model only
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -29,6 +29,8 @@ from engine.kv_cache import allocate_kv_cache, num_blocks_for
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import EngineKV, FinishedTransfers, KVConnector, LoadDone
 from engine.loader import load_model
+from engine.lora.config import LoRAConfig
+from engine.lora.manager import LoRAManager, UnknownAdapterError
 from engine.model_runner import ModelRunner
 from engine.models.decoder import AllReduce, Attention, Pipe, ShardSpec, _identity
 from engine.request import Request, RequestStatus, TokenLogprobs
@@ -117,6 +119,9 @@ class LLMEngine:
             self.spec = self._spec_decoder(config)
         self.eos_token_ids = _eos_ids(model_dir, cfg.eos_token_ids, self.tokenizer.eos_token_id)
         self.extra_keys = extra_keys_for(model=model_dir.name)
+        self.lora: LoRAManager | None = None
+        if config.lora is not None and config.lora.adapters:
+            self.lora = self._lora_manager(config.lora, shard)
         self._grammars: GrammarCompiler | None = None
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -141,10 +146,25 @@ class LLMEngine:
         return SpecDecoder(spec, build_proposer(spec, draft), self.kv, self.max_model_len,
                            config.scheduler.max_num_batched_tokens)
 
+    def _lora_manager(self, config: LoRAConfig, shard: ShardSpec | None) -> LoRAManager:
+        if shard is not None and (shard.tp_size > 1 or shard.pp_size > 1 or shard.ep_size > 1):
+            raise ValueError("LoRA adapters run on a single-rank engine only (no --tp/--pp/--ep)")
+        manager = LoRAManager(config, self.model_config, self.config.torch_dtype)
+        manager.attach(self.model.layers)
+        self.runner.lora = manager
+        return manager
+
     # ---- requests ------------------------------------------------------------------------------------------
 
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                     stream_text: bool = False) -> Request:
+                     stream_text: bool = False, lora: str | None = None) -> Request:
+        """``lora``: the name of a configured adapter to run the request under (None: the base model)."""
+        extra_keys = self.extra_keys
+        if lora is not None:
+            if self.lora is None:
+                raise UnknownAdapterError(f"unknown LoRA adapter {lora!r}; this engine serves none")
+            self.lora.check(lora)
+            extra_keys = extra_keys_for(model=Path(self.config.model).name, lora=lora)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -161,8 +181,8 @@ class LLMEngine:
         if bad:
             raise ValueError(f"logit_bias token ids out of range [0, {vocab}): {bad[:5]}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, extra_keys=self.extra_keys,
-                      block_size=self.block_size)
+        req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, extra_keys=extra_keys,
+                      block_size=self.block_size, lora=lora)
         if params.structured is not None:
             n = params.structured.num_replay_tokens
             if n >= len(ids):
@@ -191,8 +211,8 @@ class LLMEngine:
                                               self.kv.block_ids))
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    stream_text: bool = False) -> str:
-        req = self.make_request(prompt, params, request_id, stream_text)
+                    stream_text: bool = False, lora: str | None = None) -> str:
+        req = self.make_request(prompt, params, request_id, stream_text, lora)
         if not self.add(req):
             raise ValueError(f"request {req.request_id!r}: not enough free KV blocks for its remote KV")
         return req.request_id

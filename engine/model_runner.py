@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, build_metadata, native_attention_supported
+from engine.lora.manager import LoRAManager
 from engine.models.decoder import Attention, CausalLM
 from engine.prompt_logprobs import add_prompt_logprobs
 from engine.request import Request
@@ -58,6 +59,7 @@ class ModelRunner:
         self._native = native_attention_supported(attn.heads, attn.kv_heads, attn.head_dim, model.dtype, device)
         self._native_prefill = model.dtype == torch.float32  # bf16 prefills and lone decodes stay on SDPA
         self.micro_batches = 1
+        self.lora: LoRAManager | None = None  # set by the engine when LoRA adapters are configured
 
     def prepare(self, out: SchedulerOutput, drafts: dict[str, list[int]] | None = None) -> StepInputs:
         """``drafts``: proposed tokens of decoding requests (``engine/spec``): such a request's rows are its last
@@ -152,6 +154,9 @@ class ModelRunner:
         ``1 + len(drafts)`` rows for verification (``engine/spec``)."""
         inputs = self.prepare(out, drafts)
         self.sampler.prefetch(inputs.sample_requests)  # grammar masks fill on their thread during the forward
+        if self.lora is not None:
+            self.lora.begin_step(out.requests, [1 + len(drafts[r.request_id]) if drafts and drafts.get(r.request_id)
+                                                else n for r, n in zip(out.requests, out.num_new_tokens, strict=True)])
         if self.micro_batches > 1 and inputs.sample_rows is None and len(out.requests) > 1:
             hidden = self._forward_micro_batches(out, inputs, after_layer)
         else:

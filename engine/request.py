@@ -77,6 +77,7 @@ class Request:
     generator: torch.Generator | None = None
     first_token_time: float | None = None
     matcher: Any = None  # the llguidance matcher of a constrained request (params.structured), advanced per token
+    lora: str | None = None  # the LoRA adapter this request runs under (engine/lora); None: the base model
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -127,6 +127,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.rotary = rotary
         self.tp_rank = shard.tp_rank
+        self.lora: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None  # engine/lora, when configured
 
     def forward(
         self,
@@ -137,7 +138,10 @@ class Attention(nn.Module):
         all_reduce: AllReduce,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = linear(x, self.qkv_proj, self.qkv_bias).view(t, self.heads + 2 * self.kv_heads, self.head_dim)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)
+        if self.lora is not None:
+            self.lora("qkv", x, qkv)
+        qkv = qkv.view(t, self.heads + 2 * self.kv_heads, self.head_dim)
         qk, v = qkv.split((self.heads + self.kv_heads, self.kv_heads), dim=1)
         assert meta.cos is not None and meta.sin is not None
         if self.q_norm is not None and self.k_norm is not None:
@@ -148,6 +152,8 @@ class Attention(nn.Module):
         write_kv(kv[0], kv[1], k, v, meta)
         o = paged_attention(q, kv[0], kv[1], meta, self.scale)
         out = linear(o, self.o_proj)
+        if self.lora is not None:
+            self.lora("o", o, out)
         out = all_reduce(out)
         if self.o_bias is not None:
             out = out + self.o_bias

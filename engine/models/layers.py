@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -210,9 +211,17 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate, hidden, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(hidden, intermediate, dtype=dtype), requires_grad=False)
+        self.lora: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None  # engine/lora, when configured
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(silu_mul(linear(x, self.gate_up_proj), self.intermediate), self.down_proj)
+        if self.lora is None:
+            return linear(silu_mul(linear(x, self.gate_up_proj), self.intermediate), self.down_proj)
+        gu = linear(x, self.gate_up_proj)
+        self.lora("gate_up", x, gu)
+        h = silu_mul(gu, self.intermediate)
+        out = linear(h, self.down_proj)
+        self.lora("down", h, out)
+        return out
 
 
 def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:

@@ -54,6 +54,9 @@ def add_controller_args(p: argparse.ArgumentParser) -> None:
                         "chart's NetworkPolicies expect; else a free port)")
     p.add_argument("--worker-session-port", type=int, default=None,
                    help="each worker's plain-TCP Session port (default: 7101 with --worker-host node, else free)")
+    p.add_argument("--worker-metrics-port", type=int, default=None,
+                   help="each worker's own /metrics port (default: 7102 with --worker-host node, where the "
+                        "operator's PodMonitor scrapes it by the name 'metrics'; else a free port)")
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster to join ('auto' in a Ray head pod); default $RAY_ADDRESS, else start one")
     p.add_argument("--otlp-endpoint", default=None, metavar="HOST:PORT",
@@ -96,7 +99,14 @@ def controller_config(args: argparse.Namespace, creds: Credentials) -> Controlle
         prefill_kv_backend=args.prefill_kv_backend, decode_kv_backend=args.decode_kv_backend,
         prefill_parallel=(args.prefill_tp, args.prefill_pp, args.prefill_ep),
         decode_parallel=(args.decode_tp, args.decode_pp, args.decode_ep),
-        tier_resources=args.tier_resources)
+        tier_resources=args.tier_resources, worker_metrics_port=_metrics_port(args))
+
+
+def _metrics_port(args: argparse.Namespace) -> int:
+    """Each worker's ``--metrics-port``: the Kubernetes contract's fixed port on a node's own IP, else a free one."""
+    if args.worker_metrics_port is not None:
+        return int(args.worker_metrics_port)
+    return 7102 if args.worker_host == "node" else 0
 
 
 def cmd_controller(args: argparse.Namespace) -> int:

@@ -10,8 +10,8 @@ manifest dicts), ``apply`` (create, patch to the fields the operator owns, prune
 ``planner/`` is the SLO planner, a pure function the operator, ``tandem up`` and the simulator share.
 
 What it touches (the chart's RBAC grants exactly this): TandemDeployments (watch, patch, status), TandemTiers,
-RayClusters, Deployments, Services, PodDisruptionBudgets, NetworkPolicies and ServiceMonitors (watch, create,
-patch, delete), Events (create), and CRDs (list and watch: kopf learns from them which APIs exist).
+RayClusters, Deployments, Services, PodDisruptionBudgets, NetworkPolicies, ServiceMonitors and PodMonitors (watch,
+create, patch, delete), Events (create), and CRDs (list and watch: kopf learns from them which APIs exist).
 
 It imports neither torch nor ray (a test checks ``sys.modules``): the operator pod is small and starts in seconds.
 """

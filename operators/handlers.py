@@ -53,8 +53,9 @@ from operators.status import (
 TD_PLURAL = "tandemdeployments"
 TT_PLURAL = "tandemtiers"
 MONITORING_GROUP = "monitoring.coreos.com"
+MONITORING_VERSION = f"{MONITORING_GROUP}/v1"  # ServiceMonitor, PodMonitor: rendered only where that API exists
 OWNED = [KINDS[k] for k in ("RayCluster", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy",
-                            "ServiceMonitor")]
+                            "ServiceMonitor", "PodMonitor")]
 _MEMO_KEY = "tandem"
 
 
@@ -146,7 +147,7 @@ async def _reconcile(cfg: OperatorConfig, rt: Runtime, body: kopf.Body, namespac
     rt.invalid.pop(key, None)
     uid = body.get("metadata", {}).get("uid")
     if uid:
-        kinds = [KINDS["TandemTier"], *(k for k in OWNED if monitoring or k.kind != "ServiceMonitor")]
+        kinds = [KINDS["TandemTier"], *(k for k in OWNED if monitoring or k.api_version != MONITORING_VERSION)]
         try:
             for gone in await prune(rt.kube, objs, kinds, namespace, key[1], uid):
                 metrics.WRITES.labels(gone.split("/")[0], "deleted").inc()

@@ -50,6 +50,7 @@ KINDS = {k.kind: k for k in (
     Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
     Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
     Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors"),
+    Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors"),
 )}
 
 

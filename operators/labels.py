@@ -16,6 +16,7 @@ ROUTER_GRPC_PORT = 8001
 ROUTER_METRICS_PORT = 9090  # the router's --metrics-port and its metrics Service's port
 WORKER_GRPC_PORT = 7100
 WORKER_SESSION_PORT = 7101
+WORKER_METRICS_PORT = 7102  # each worker's own /metrics (tandem controller --worker-metrics-port's default in a pod)
 WORKER_KV_PORT = 7200
 REDIS_PORT = 6379
 
@@ -28,6 +29,12 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 def selector(td: str, component: str) -> dict[str, str]:
     """The immutable subset of ``labels`` that selects one component's pods."""
     return {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": td, LABEL_COMPONENT: component}
+
+
+def pods_of(td: str, *components: str) -> dict[str, object]:
+    """A label selector for the pods of several components of one TandemDeployment."""
+    return {"matchLabels": {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": td},
+            "matchExpressions": [{"key": LABEL_COMPONENT, "operator": "In", "values": list(components)}]}
 
 
 def labels(td: str, component: str) -> dict[str, str]:

@@ -3,8 +3,9 @@
 Pure: the same TandemDeployment gives the same list, in the same order, whether the reconcile applies it or
 ``tandem operator render`` prints it. A bad spec raises ``spec.SpecError``.
 
-Order: TandemTiers, the RayCluster, Redis, the router and its Services (and ServiceMonitor when ``monitoring``:
-the reconcile passes whether the monitoring.coreos.com API exists), disruption budgets, network policies.
+Order: TandemTiers, the RayCluster, Redis, the router and its Services (and its ServiceMonitor and the workers'
+PodMonitor when ``monitoring``: the reconcile passes whether the monitoring.coreos.com API exists), disruption
+budgets, network policies.
 
 Each object carries an ownerReference to the TandemDeployment (``kopf.adopt``: controller, blockOwnerDeletion),
 so deleting the TandemDeployment garbage-collects everything. A TandemDeployment read from a file has no uid yet

@@ -13,6 +13,9 @@ on: a group's ``replicas`` is the tier's initial count when the RayCluster is cr
 owns it after that (``apply`` never asserts it over a live value): the controller creates placement groups, the
 autoscaler adds pods for the pending ones and removes idle pods after the drain.
 
+The worker container declares the worker's own ``/metrics`` port by the name ``metrics``, which the tiers'
+PodMonitor (operators/render_router.py) scrapes.
+
 Ray's own ports are pinned so the tier NetworkPolicy can open exactly them between the cluster's pods.
 """
 
@@ -26,6 +29,7 @@ from operators.config import CONTROL_PORT
 from operators.labels import (
     WORKER_GRPC_PORT,
     WORKER_KV_PORT,
+    WORKER_METRICS_PORT,
     WORKER_SESSION_PORT,
     labels,
     metadata,
@@ -120,7 +124,8 @@ def _worker_group(spec: DeploymentSpec, tier: TierSpec) -> dict[str, Any]:
             "name": "ray-worker", "image": spec.image.ref, "imagePullPolicy": spec.image.pull_policy,
             "ports": [{"name": "grpc", "containerPort": WORKER_GRPC_PORT},
                       {"name": "session", "containerPort": WORKER_SESSION_PORT},
-                      {"name": "kv", "containerPort": WORKER_KV_PORT}],
+                      {"name": "kv", "containerPort": WORKER_KV_PORT},
+                      {"name": "metrics", "containerPort": WORKER_METRICS_PORT}],
             **_env(spec),
             **({"resources": tier.pod_resources()} if tier.pod_resources() else {}),
             "volumeMounts": [_RAY_TMP_MOUNT, *pods.volume_mounts(spec)],

@@ -1,5 +1,6 @@
 """The router tier: its Deployment, the client Service (HTTP 8000, gRPC 8001), the metrics Service (9090: the
-router's ``--metrics-port``, outside the API keys) and, when the Prometheus operator's API exists, a ServiceMonitor.
+router's ``--metrics-port``, outside the API keys) and, when the Prometheus operator's API exists, a ServiceMonitor,
+with a PodMonitor for the tiers' workers' own ``/metrics`` (the container port ``metrics``: operators/render_ray.py).
 
 API keys: the Secret's one key is mounted as a file for ``--api-key-file`` (never an environment variable).
 
@@ -17,6 +18,7 @@ from operators.labels import (
     ROUTER_METRICS_PORT,
     labels,
     metadata,
+    pods_of,
     selector,
 )
 from operators.spec import DeploymentSpec
@@ -81,5 +83,12 @@ def render_router(spec: DeploymentSpec, namespace: str, monitoring: bool) -> lis
             "metadata": metadata(td, namespace, td, "router"),
             "spec": {"selector": {"matchLabels": sel}, "namespaceSelector": {"matchNames": [namespace]},
                      "endpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}]},
+        })
+        out.append({  # the tiers' workers' own /metrics: each pod is one replica, its port named "metrics"
+            "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+            "metadata": metadata(td, namespace, f"{td}-workers", spec.tiers[-1].name),
+            "spec": {"selector": pods_of(td, *(t.name for t in spec.tiers)),
+                     "namespaceSelector": {"matchNames": [namespace]},
+                     "podMetricsEndpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}]},
         })
     return out

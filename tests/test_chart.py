@@ -153,7 +153,8 @@ EXPECTED_RULES = {
     ("tandem.dev", "tandemtiers/scale"): {"get", "patch", "update"},
     **{(group, resource): {"get", "list", "watch", "create", "patch", "update", "delete"} for group, resource in [
         ("ray.io", "rayclusters"), ("apps", "deployments"), ("", "services"), ("policy", "poddisruptionbudgets"),
-        ("networking.k8s.io", "networkpolicies"), ("monitoring.coreos.com", "servicemonitors")]},
+        ("networking.k8s.io", "networkpolicies"), ("monitoring.coreos.com", "servicemonitors"),
+        ("monitoring.coreos.com", "podmonitors")]},
     ("", "configmaps"): {"get"},
     ("", "secrets"): {"get"},
     ("", "events"): {"create"},

@@ -76,6 +76,7 @@ _RESOURCES = [  # (group/version/plural, kind, namespaced, subresources)
     ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, set()),
     ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True, set()),
     ("monitoring.coreos.com/v1/servicemonitors", "ServiceMonitor", True, set()),
+    ("monitoring.coreos.com/v1/podmonitors", "PodMonitor", True, set()),
     ("v1/events", "Event", True, set()),
     ("v1/secrets", "Secret", True, set()),
     ("v1/namespaces", "Namespace", False, set()),
@@ -252,6 +253,7 @@ EXPECTED = {  # (kind, name) the fixture TandemDeployment becomes (monitoring on
     ("TandemTier", "llama-prefill"), ("TandemTier", "llama-decode"), ("RayCluster", "llama"),
     ("Deployment", "llama-redis"), ("Service", "llama-redis"), ("Deployment", "llama-router"),
     ("Service", "llama-router"), ("Service", "llama-router-metrics"), ("ServiceMonitor", "llama"),
+    ("PodMonitor", "llama-workers"),
     ("PodDisruptionBudget", "llama-router"), ("PodDisruptionBudget", "llama-prefill"),
     ("PodDisruptionBudget", "llama-decode"), ("NetworkPolicy", "llama-workers"), ("NetworkPolicy", "llama-head"),
     ("NetworkPolicy", "llama-redis"),
@@ -482,7 +484,8 @@ def test_reconciling_twice_changes_nothing() -> None:
     async def scenario() -> None:
         async with running_operator(interval_s=0.3) as c:
             await c.create_td(td_manifest())
-            await until(lambda: _kinds(c.objects()) >= EXPECTED - {("ServiceMonitor", "llama")}, what="objects")
+            monitors = {("ServiceMonitor", "llama"), ("PodMonitor", "llama-workers")}
+            await until(lambda: _kinds(c.objects()) >= EXPECTED - monitors, what="objects")
             await until(lambda: (c.obj("tandemtiers", "llama-decode") or {}).get("status", {}).get("readyReplicas"),
                         what="settled status")
             await c.ticks(2)

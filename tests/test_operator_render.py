@@ -67,7 +67,7 @@ def test_render_names_labels_and_ports_follow_the_contract() -> None:
     assert decode["metadata"]["labels"]["tandem.dev/tier"] == "decode"
     worker = decode["spec"]["containers"][0]
     assert [(p["name"], p["containerPort"]) for p in worker["ports"]] == [("grpc", 7100), ("session", 7101),
-                                                                          ("kv", 7200)]
+                                                                          ("kv", 7200), ("metrics", 7102)]
     # One pod per replica: tp=2 ranks, each rank's resources doubled ("500m" * 2 == "1", as the API server says).
     assert worker["resources"] == {"requests": {"cpu": "1", "memory": "32Gi"}, "limits": {"nvidia.com/gpu": "2"}}
     assert (groups["decode"]["minReplicas"], groups["decode"]["maxReplicas"]) == (1, 4)
@@ -89,6 +89,35 @@ def test_network_policy_lets_only_the_router_reach_worker_ports_and_only_workers
              for r in policy["ingress"][:2]}
     assert rules == {(7100, 7101): ["router", "controller"], (7200,): ["prefill", "decode"]}
     assert policy["podSelector"]["matchExpressions"][0]["values"] == ["prefill", "decode"]
+    # the workers' own /metrics from anywhere (a Prometheus in its own namespace), and nothing else that way
+    assert [r for r in policy["ingress"] if "from" not in r] == [{"ports": [{"protocol": "TCP", "port": 7102}]}]
+
+
+def test_monitoring_scrapes_each_tier_pod_on_the_port_the_worker_serves_its_metrics_on() -> None:
+    """The PodMonitor selects exactly the tier pods, by the container port's name, and that port is the one the
+    controller's real parser hands every worker as --metrics-port."""
+    import argparse
+
+    from auth.credentials import Credentials
+    from cli.controller import add_controller_args, controller_config
+
+    objs = _by_name(render(_td(), "serving", monitoring=True))
+    monitor = objs[("PodMonitor", "llama-workers")]["spec"]
+    assert monitor["selector"]["matchExpressions"] == [
+        {"key": "app.kubernetes.io/component", "operator": "In", "values": ["prefill", "decode"]}]
+    assert monitor["namespaceSelector"] == {"matchNames": ["serving"]}
+    assert [e["port"] for e in monitor["podMetricsEndpoints"]] == ["metrics"]
+    for group in objs[("RayCluster", "llama")]["spec"]["workerGroupSpecs"]:
+        labels = group["template"]["metadata"]["labels"]
+        assert all(labels[k] == v for k, v in monitor["selector"]["matchLabels"].items())
+        ports = {p["name"]: p["containerPort"] for p in group["template"]["spec"]["containers"][0]["ports"]}
+        assert ports["metrics"] == 7102
+    head = objs[("RayCluster", "llama")]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][1]
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_controller_args(p)
+    cfg = controller_config(p.parse_args(head["args"][1:]), Credentials(None))
+    assert cfg.worker_metrics_port == 7102
+    assert ("PodMonitor", "llama-workers") not in _by_name(render(_td(), "serving", monitoring=False))
 
 
 def test_colocated_in_cluster_redis_and_monitoring_switch_their_objects() -> None:
@@ -199,7 +228,8 @@ def _examples() -> list[dict[str, Any]]:
 
 def test_rendered_examples_validate_for_kubernetes_1_30_and_1_35_and_the_tier_crd() -> None:
     """Core kinds with kubernetes-validate --strict; TandemTiers with the chart's CRD schema and CEL rules; the
-    RayCluster and ServiceMonitor schemas (KubeRay's, the Prometheus operator's) are not available offline."""
+    RayCluster, ServiceMonitor and PodMonitor schemas (KubeRay's, the Prometheus operator's) are not available
+    offline."""
     import kubernetes_validate
     from crd_check import cel_failures, load_crds, schema_errors
 
@@ -212,13 +242,13 @@ def test_rendered_examples_validate_for_kubernetes_1_30_and_1_35_and_the_tier_cr
             seen.add(doc["kind"])
             if doc["kind"] == "TandemTier":
                 assert schema_errors(tier_crd, doc) == [] and cel_failures(tier_crd, doc) == []
-            elif doc["kind"] in ("RayCluster", "ServiceMonitor"):
+            elif doc["kind"] in ("RayCluster", "ServiceMonitor", "PodMonitor"):
                 assert doc["apiVersion"] in ("ray.io/v1", "monitoring.coreos.com/v1")
             else:
                 for version in ("1.30", "1.35"):
                     kubernetes_validate.validate(doc, version, strict=True)
-    assert seen == {"TandemTier", "RayCluster", "Deployment", "Service", "ServiceMonitor", "PodDisruptionBudget",
-                    "NetworkPolicy"}
+    assert seen == {"TandemTier", "RayCluster", "Deployment", "Service", "ServiceMonitor", "PodMonitor",
+                    "PodDisruptionBudget", "NetworkPolicy"}
 
 
 def test_absent_fields_take_the_crd_defaults() -> None:

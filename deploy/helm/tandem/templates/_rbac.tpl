@@ -1,7 +1,7 @@
 {{/*
 The rules for what the operator touches in a namespace it watches, and nothing else: its own resources, what it
 reconciles a TandemDeployment into (RayCluster, the router's Deployment and Services, the in-cluster Redis,
-PodDisruptionBudgets, NetworkPolicies, ServiceMonitor), reading a named Secret or ConfigMap (the cluster-token and mTLS
+PodDisruptionBudgets, NetworkPolicies, ServiceMonitor, the workers' PodMonitor), reading a named Secret or ConfigMap (the cluster-token and mTLS
 Secrets a TandemDeployment names, for its calls to the controller), and Events for a bad spec.
 */}}
 {{- define "tandem.namespacedRules" -}}
@@ -37,7 +37,7 @@ Secrets a TandemDeployment names, for its calls to the controller), and Events f
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
 - apiGroups: ["monitoring.coreos.com"]
-  resources: ["servicemonitors"]
+  resources: ["servicemonitors", "podmonitors"]
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
 # Named Secrets and ConfigMaps only (get: no list or watch, which would read every Secret in the namespace).
 - apiGroups: [""]

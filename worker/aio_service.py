@@ -161,11 +161,12 @@ class AioWorker(pb_grpc.WorkerServicer):
         rid = request.request_id or uuid.uuid4().hex
         sink = self._sink(rid)
         prompt = list(request.prompt_token_ids)
+        lora = request.lora or None
 
         def add(eng: LLMEngine) -> None:
             svc.loop.attach(rid, sink)
             try:
-                eng.add_request(prompt, params, rid, stream_text=True)
+                eng.add_request(prompt, params, rid, stream_text=True, lora=lora)
             except ValueError:
                 svc.loop.detach(rid)
                 raise

@@ -30,6 +30,7 @@ from auth.credentials import add_args as add_credential_args
 if TYPE_CHECKING:
     from auth.tls import TLSFiles
     from engine.llm_engine import LLMEngine
+    from engine.lora.config import LoRAConfig
     from engine.parallel.config import ParallelConfig
     from engine.spec.config import SpeculativeConfig
     from kvtransfer.config import TransferConfig
@@ -62,6 +63,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding (engine/spec): n-gram prompt lookup, or a draft model sharing the "
                         "tokenizer; a prefill worker ignores it (it never decodes)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="tokens proposed per step")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   help="serve a PEFT LoRA adapter under NAME (repeatable; engine/lora): a Generate names it in lora")
+    p.add_argument("--max-loras", type=int, default=4, help="LoRA adapters kept loaded (least recently used swapped)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: rank 0 is this process, the others its "
                    "child processes, joined by torch.distributed (gloo on CPU)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, each a contiguous range of layers")
@@ -138,6 +142,17 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     return spec
 
 
+def lora_config(args: argparse.Namespace) -> LoRAConfig | None:
+    """``--lora NAME=DIR`` (repeatable) and ``--max-loras``; None without adapters. ValueError for a bad value."""
+    from engine.lora.config import LoRAConfig, parse_lora_flag
+
+    if not args.lora:
+        return None
+    if args.role != "both":
+        raise ValueError("--lora needs --role both: prefill and decode workers do not apply adapters yet")
+    return LoRAConfig(tuple(parse_lora_flag(v) for v in args.lora), max_loras=args.max_loras)
+
+
 def model_key(engine: LLMEngine) -> str:
     """Names the model on the Redis bus: workers of one model share a registry and an event stream."""
     return Path(engine.config.model).name
@@ -159,7 +174,7 @@ def build_service(args: argparse.Namespace, transfer: TransferConfig | None = No
                           memory_budget_bytes=args.kv_memory_mb << 20,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
-        speculative=speculative_config(args),
+        speculative=speculative_config(args), lora=lora_config(args),
     )
     parallel = parallel_config(args)
     replica = None
@@ -247,6 +262,7 @@ def serve(args: argparse.Namespace, catalogue: Mapping[str, FamilySpec] | None =
     try:
         parallel_config(args)  # a bad split fails here, naming its constraint, before any rank starts
         speculative_config(args)
+        lora_config(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

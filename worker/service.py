@@ -100,7 +100,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         def add(eng: LLMEngine) -> queue.SimpleQueue[RequestOutput | None]:
             q = self.loop.open_stream(rid)
             try:
-                eng.add_request(list(request.prompt_token_ids), params, rid, stream_text=True)
+                eng.add_request(list(request.prompt_token_ids), params, rid, stream_text=True,
+                                lora=request.lora or None)
             except ValueError:
                 self.loop.close_stream(rid)
                 raise

@@ -144,6 +144,7 @@ class WorkerSession:
     def _submit(self, reqs: Iterable[pb.GenerateRequest]) -> None:
         svc = self.service
         accepted: list[tuple[str, list[int], Any]] = []
+        loras: dict[str, str] = {}  # request id -> its LoRA adapter (engine/lora), for those that name one
         for g in reqs:
             rid = g.request_id
             if not rid:
@@ -173,6 +174,8 @@ class WorkerSession:
                                          ends=False)))
                 continue
             accepted.append((rid, list(g.prompt_token_ids), params))
+            if g.lora:
+                loras[rid] = g.lora
         if not accepted:
             return
 
@@ -180,7 +183,7 @@ class WorkerSession:
             for rid, prompt, params in accepted:
                 svc.loop.attach(rid, _Route(rid, self.q))
                 try:
-                    eng.add_request(prompt, params, rid, stream_text=True)
+                    eng.add_request(prompt, params, rid, stream_text=True, lora=loras.get(rid))
                 except ValueError as e:
                     svc.loop.detach(rid)
                     self.q.put((rid, _Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e))))

@@ -50,6 +50,7 @@ class Landing:
     num_blocks: int
     first_token: int | None = None
     first_logprob: TokenLogprobs | None = None
+    reserved_at: float = 0.0  # time.monotonic() when the blocks were reserved (the landing wait's start)
 
 
 class Prealloc:
@@ -111,6 +112,8 @@ class DecodeConnector(KVConnector):
         self.failed: OrderedDict[str, str] = OrderedDict()
         self._wake = wake
         self.on_landed: list[Callable[[str, bool], object]] = []  # (request, landed or failed): traces
+        # (landed or failed, seconds since its blocks were reserved): worker/metrics.py's landing histogram
+        self.on_landing: list[Callable[[bool, float], object]] = []
         receiver.set_on_done(self._on_done)
 
     def _on_done(self, _request_id: str) -> None:
@@ -166,7 +169,7 @@ class DecodeConnector(KVConnector):
         rid = request.request_id
         deadline = self.prealloc.deadlines.pop(rid)
         dest = self.receiver.reserve(rid, block_ids, request.num_prompt_tokens, deadline)
-        self.transfer.entries[rid] = Landing(deadline, dest, len(block_ids))
+        self.transfer.entries[rid] = Landing(deadline, dest, len(block_ids), reserved_at=time.monotonic())
 
     def get_finished(self) -> FinishedTransfers:
         done = FinishedTransfers()
@@ -174,6 +177,12 @@ class DecodeConnector(KVConnector):
             return done
         now = time.time()
         landed, failed = self.transfer.poll(self.receiver, now)
+        if self.on_landing:
+            waited = time.monotonic()
+            for ok, rids in ((True, landed), (False, [f.request_id for f in failed])):
+                for rid in rids:
+                    for landing_hook in self.on_landing:
+                        landing_hook(ok, waited - self.transfer.entries[rid].reserved_at)
         for rid in landed:
             self.waiting.entries[rid] = self.transfer.entries.pop(rid)
             self.receiver.release(rid)

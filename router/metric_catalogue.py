@@ -130,6 +130,10 @@ METRICS: tuple[MetricSpec, ...] = (
        (*KV_WORKER, "outcome"), exporter="worker"),
     _h("tandem_kv_transfer_size_bytes", "Bytes one finished outgoing KV transfer moved, by prefill worker and "
        "backend", BYTE_BUCKETS, KV_WORKER, exporter="worker"),
+    # served by each decode worker on its own /metrics (worker/metrics.py)
+    _h("tandem_kv_landing_seconds", "Incoming KV wait, blocks reserved for a remote prefill until its last layer "
+       "landed or the transfer failed, by decode worker, backend and outcome", KV_TRANSFER_BUCKETS,
+       (*KV_WORKER, "outcome"), exporter="worker"),
     # served by each speculating worker on its own /metrics (worker/metrics.py), read from its engine at scrape
     MetricSpec("tandem_spec_decode_drafts", "counter", "Request-steps with speculative proposals verified",
                SPEC_WORKER, exporter="worker"),

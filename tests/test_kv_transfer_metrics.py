@@ -1,8 +1,9 @@
-"""The prefill worker's own ``/metrics`` (worker/metrics.py): its KV transfers' latency and size histograms, per
-backend and outcome, named by the catalogue (router/metric_catalogue.py, ``exporter="worker"``). The families it
-renders are exactly the catalogue's worker entries, help and type included; and every dashboard panel that queries
-them returns a finite sample from a real Prometheus scraping a real prefill worker process after one disaggregated
-request through a router (real decode worker, tcp backend)."""
+"""The workers' own ``/metrics`` (worker/metrics.py): a prefill worker's KV transfers' latency and size histograms
+and a decode worker's incoming KV wait (reservation until landed), per backend and outcome, named by the catalogue
+(router/metric_catalogue.py, ``exporter="worker"``). The families it renders are exactly the catalogue's worker
+entries, help and type included; and every dashboard panel that queries them returns a finite sample from a real
+Prometheus scraping a real prefill and a real decode worker process after one disaggregated request through a
+router (tcp backend)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def test_the_worker_renders_exactly_the_catalogues_worker_families_and_counts_a_
     m.transfer_ended(TransferTiming("a", compute_done=1.0, transfer_done=1.25, ok=True, started=1.0,
                                     bytes_sent=1 << 20))
     m.transfer_ended(TransferTiming("b", compute_done=2.0, transfer_done=7.0, ok=False, started=2.0))
+    m.landing_ended(True, 0.5)  # a decode worker's incoming KV wait (the same class serves either role)
+    m.landing_ended(False, 3.0)
     fams = _samples(m)
     assert set(fams) == set(WORKER_METRICS)
     for name, f in fams.items():
@@ -45,6 +48,8 @@ def test_the_worker_renders_exactly_the_catalogues_worker_families_and_counts_a_
     assert counts[("failed", "tandem_kv_transfer_seconds_sum")] == pytest.approx(5.0)
     assert counts[(None, "tandem_kv_transfer_size_bytes_count")] == 1  # a failed send moved no whole KV
     assert counts[(None, "tandem_kv_transfer_size_bytes_sum")] == 1 << 20
+    assert counts[("ok", "tandem_kv_landing_seconds_sum")] == pytest.approx(0.5)
+    assert counts[("failed", "tandem_kv_landing_seconds_sum")] == pytest.approx(3.0)
 
 
 def _worker_panels() -> list[tuple[str, str, str]]:
@@ -60,19 +65,21 @@ def _worker_panels() -> list[tuple[str, str, str]]:
 
 
 @pytest.mark.slow
-def test_kv_transfer_panels_return_data_from_prometheus_scraping_a_prefill_worker(
+def test_kv_transfer_panels_return_data_from_prometheus_scraping_a_prefill_and_a_decode_worker(
         checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
     panels = _worker_panels()
     assert panels, "no dashboard panel queries the workers' KV transfer histograms"
     model = str(checkpoint("llama"))
-    port = free_port()
+    port, decode_port = free_port(), free_port()
     workers: list[WorkerProcess] = []
     rt = prom = None
     try:
         workers = [start_worker("prefill", model, "tcp", [*WORKER_FLAGS, "--worker-id", "km-prefill",
                                                           "--metrics-port", str(port)]),
-                   start_worker("decode", model, "tcp", [*WORKER_FLAGS, "--worker-id", "km-decode"])]
-        prom = Prometheus([f"127.0.0.1:{port}"], tmp_path)
+                   start_worker("decode", model, "tcp", [*WORKER_FLAGS, "--worker-id", "km-decode",
+                                                     "--metrics-port", str(decode_port)])]
+        assert [w.metrics_port for w in workers] == [port, decode_port]  # advertised to the launcher
+        prom = Prometheus([f"127.0.0.1:{port}", f"127.0.0.1:{decode_port}"], tmp_path)
         prom.wait_for('tandem_kv_transfer_seconds_count{outcome="ok",worker="km-prefill"} == 0')  # scraped at 0
         rt = RouterThread(RouterConfig(model=model, workers=tuple(w.address for w in workers), min_uncached_tokens=32))
         with httpx.Client(base_url=rt.url, timeout=60) as c:
@@ -81,6 +88,7 @@ def test_kv_transfer_panels_return_data_from_prometheus_scraping_a_prefill_worke
                                                 "prompt": "a long prompt that goes through prefill first " * 8})
             assert r.status_code == 200, r.text
         prom.wait_for('tandem_kv_transfer_seconds_count{backend="tcp",outcome="ok",worker="km-prefill"} == 1')
+        prom.wait_for('tandem_kv_landing_seconds_count{backend="tcp",outcome="ok",worker="km-decode"} == 1')
         for dash, title, q in panels:
             result = prom.wait_for(q, timeout_s=30)
             assert {s["metric"].get("backend") for s in result} == {"tcp"}, (dash, title, result)

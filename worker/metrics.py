@@ -1,6 +1,7 @@
 """A worker's own Prometheus ``/metrics`` (``tandem worker --metrics-port``): a prefill worker's KV transfers' latency
-and size as histograms, per backend and outcome; a speculating worker's speculative decoding counters (proposed and
-accepted tokens) with its acceptance rate and mean accepted length, read from the engine at scrape time.
+and size as histograms, per backend and outcome; a decode worker's incoming KV wait (reservation until landed or
+failed) likewise; a speculating worker's speculative decoding counters (proposed and accepted tokens) with its
+acceptance rate and mean accepted length, read from the engine at scrape time.
 
 Why on the worker: the router relays each worker's ``Load`` counters (transfers, failures, bytes per backend) as
 gauges and counters at scrape time, but a latency distribution is not a counter it can relay; the transfer ends on
@@ -19,10 +20,12 @@ from prometheus_client import CollectorRegistry, Histogram, disable_created_metr
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from decode_worker.connector import DecodeConnector
 from prefill_worker.connector import PrefillConnector, TransferTiming
 
 TRANSFER_SECONDS = "tandem_kv_transfer_seconds"
 TRANSFER_SIZE = "tandem_kv_transfer_size_bytes"
+LANDING_SECONDS = "tandem_kv_landing_seconds"
 SPEC_COUNTERS = {"tandem_spec_decode_drafts": "num_drafts", "tandem_spec_decode_draft_tokens": "num_draft_tokens",
                  "tandem_spec_decode_accepted_tokens": "num_accepted_tokens"}
 SPEC_GAUGES = {"tandem_spec_decode_acceptance_rate": "acceptance_rate",
@@ -73,10 +76,12 @@ class WorkerMetrics:
 
         self.seconds = histogram(TRANSFER_SECONDS)
         self.size = histogram(TRANSFER_SIZE)
+        self.landing = histogram(LANDING_SECONDS)
         self.spec = SpecCollector(catalogue, worker_id, role)
         self.registry.register(self.spec)
         for outcome in ("ok", "failed"):  # every series from the first scrape, at 0: a rate sees the first transfer
             self.seconds.labels(outcome=outcome, **self._ids)
+            self.landing.labels(outcome=outcome, **self._ids)
         self.size.labels(**self._ids)
         self._server: Any = None
 
@@ -90,6 +95,13 @@ class WorkerMetrics:
 
     def watch(self, connector: PrefillConnector) -> None:
         connector.on_transfer.append(self.transfer_ended)
+
+    def landing_ended(self, ok: bool, seconds: float) -> None:
+        """Observe one incoming KV wait (decode engine loop thread): reservation until landed or failed."""
+        self.landing.labels(outcome="ok" if ok else "failed", **self._ids).observe(max(0.0, seconds))
+
+    def watch_decode(self, connector: DecodeConnector) -> None:
+        connector.on_landing.append(self.landing_ended)
 
     def watch_spec(self, stats: Any) -> None:
         """Report a speculating engine's ``SpecStats``."""

@@ -234,6 +234,7 @@ def serve(args: argparse.Namespace, catalogue: Mapping[str, FamilySpec] | None =
     from auth.grpc_server import AioAdminGuard, add_port
     from worker.aio_server import AioServerThread
     from worker.aio_service import AioWorker
+    from worker.decode_service import DecodeService
     from worker.metrics import WorkerMetrics
     from worker.prefill_service import PrefillService
 
@@ -278,6 +279,8 @@ def serve(args: argparse.Namespace, catalogue: Mapping[str, FamilySpec] | None =
         metrics = WorkerMetrics(catalogue, service.worker_id, service.role, service.kv_backend)
         if isinstance(service, PrefillService):
             metrics.watch(service.connector)
+        elif isinstance(service, DecodeService) and service.connector is not None:
+            metrics.watch_decode(service.connector)
         if service.engine.spec is not None:
             metrics.watch_spec(service.engine.spec.stats)
         metrics_port = metrics.serve(args.host, args.metrics_port)

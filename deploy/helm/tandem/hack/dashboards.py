@@ -96,6 +96,10 @@ KV_TRANSFER = (
           "and p99 per backend (each prefill worker's own /metrics)",
           tuple((f"{{{{backend}}}} p{q[2:]}", f"histogram_quantile({q}, sum by (le, backend) "
                  f"(rate(tandem_kv_transfer_seconds_bucket{W}{RATE})))") for q in ("0.50", "0.99")), "s"),
+    Panel("KV landing wait", "Incoming KV wait, blocks reserved on a decode worker until the last layer landed, p50 "
+          "and p99 per backend (each decode worker's own /metrics)",
+          tuple((f"{{{{backend}}}} p{q[2:]}", f"histogram_quantile({q}, sum by (le, backend) "
+                 f"(rate(tandem_kv_landing_seconds_bucket{W}{RATE})))") for q in ("0.50", "0.99")), "s"),
     Panel("KV transfer failures", "Failed transfers (error or lease expired), per backend",
           (("{{backend}}", f"sum by (backend) (increase(tandem_kv_transfer_failures_total{RATE}))"),)),
     Panel("Transfers in flight", "KV transfers in flight per worker",

@@ -123,6 +123,23 @@ def test_the_controllers_otlp_endpoint_reaches_every_worker_as_its_flag() -> Non
     assert "--otlp-endpoint" not in controller_config(_controller_args(), Credentials(None)).worker_flags
 
 
+def test_every_worker_gets_a_metrics_port_fixed_in_a_pod_and_free_on_loopback() -> None:
+    """``tandem controller``: 7102 (the pods' ``metrics`` port the PodMonitor scrapes) on a node IP, a free port on
+    loopback, or the one asked for; the controller hands it to each worker as ``--metrics-port``, once."""
+    from cli.controller import controller_config
+
+    def port(*flags: str) -> int | None:
+        return controller_config(_controller_args(*flags), Credentials(None)).worker_metrics_port
+
+    assert (port(), port("--worker-host", "127.0.0.1"), port("--worker-metrics-port", "9100")) == (7102, 0, 9100)
+    worker_flags = Controller(ControllerConfig("/m", worker_metrics_port=0))._flags()
+    assert worker_flags[worker_flags.index("--metrics-port") + 1] == "0"
+    assert worker_flags.count("--metrics-port") == 1
+    assert "--metrics-port" not in Controller(ControllerConfig("/m"))._flags()
+    with pytest.raises(ValueError):
+        ControllerConfig("/m", worker_metrics_port=70000)
+
+
 def test_bundles_ask_for_the_tiers_ray_resource_once_per_rank_only_with_tier_resources() -> None:
     from controlplane.controller import tier_resource
     from operators.render_ray import ray_resource

@@ -86,8 +86,8 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
                  "random": make_prompts(args.num_prompts, args.input_len, vocab, seed=1)}
     results: dict[str, Any] = {}
     for name, prompts in workloads.items():
-        _timed(off, prompts[:1], 8)  # warm both (first-call allocations, kernel builds)
-        _timed(on, prompts[:1], 8)
+        _timed(off, prompts, 16)  # warm both on every prompt (first-call allocations and shapes, kernel builds)
+        _timed(on, prompts, 16)
         stats = on.engine.spec.stats  # type: ignore[union-attr]
         before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
         runs_off, runs_on = [], []

@@ -1,14 +1,15 @@
 """The n-gram (prompt lookup) proposer: no model, just the request's own tokens.
 
-For n from ``ngram_max`` down to ``ngram_min``, find the latest earlier occurrence of the sequence's last n tokens
-within the lookback window and propose the (up to) K tokens that followed it. Text that quotes or edits its
-prompt (code edits, summaries with quotes) repeats long spans, which is where this wins.
+Find the longest earlier match (up to ``ngram_max`` tokens, at least ``ngram_min``) of the sequence's tail within
+the lookback window, the latest of equal length, and propose the (up to) K tokens that followed it. Text that
+quotes or edits its prompt (code edits, summaries with quotes) repeats long spans, which is where this wins.
+
+It runs every step for every decoding request, so it costs what ``list.index`` costs: each earlier occurrence of
+the last token is found in C, and only those are extended backwards in Python (on text that does not repeat,
+usually none).
 """
 
 from __future__ import annotations
-
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.spec.config import SpeculativeConfig
 
@@ -21,16 +22,24 @@ class NgramProposer:
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens guessed to follow ``token_ids`` (empty when no n-gram recurs)."""
-        if k <= 0 or len(token_ids) < self.min_n + 1:
+        total = len(token_ids)
+        if k <= 0 or total < self.min_n + 1:
             return []
-        seq = np.asarray(token_ids[-self.lookback:], dtype=np.int64)
-        total = len(seq)
-        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
-            tail = seq[total - n:]
-            # windows starting at 0 .. total-n-1: every earlier occurrence, the tail itself excluded
-            windows = sliding_window_view(seq[:total - 1], n)
-            hits = np.flatnonzero((windows == tail).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return seq[start:start + k].tolist()
-        return []
+        lo = max(0, total - self.lookback)
+        last = token_ids[-1]
+        best_n, best_end = 0, -1
+        pos = lo
+        while True:
+            try:
+                j = token_ids.index(last, pos, total - 1)  # an earlier occurrence, the tail's own excluded
+            except ValueError:
+                break
+            n = 1
+            while n < self.max_n and j - n >= lo and token_ids[j - n] == token_ids[total - 1 - n]:
+                n += 1
+            if n >= best_n:  # the latest of the longest
+                best_n, best_end = n, j
+            pos = j + 1
+        if best_n < self.min_n:
+            return []
+        return token_ids[best_end + 1 : best_end + 1 + k]

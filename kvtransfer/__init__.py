@@ -1,10 +1,7 @@
 """kvtransfer: move KV cache blocks from a prefill engine into blocks a decode engine reserved, layer by layer.
 
-Public surface: :class:`KVLayout`, :class:`DestinationInfo`, :class:`KVSender` / :class:`KVReceiver`,
-:class:`TransferState` / :class:`TransferStatus`, :class:`TransferConfig` and :func:`get_backend`, which looks a
-backend up by name. Backend modules are imported on first use, so a missing optional dependency (NIXL) only fails
-the backend that needs it, with an error that says what to install. The package knows nothing about models or
-routing and does not import ``engine``.
+:func:`get_backend` imports a backend on first use, so a missing optional dependency (NIXL) fails only that
+backend. The package does not import ``engine``.
 """
 
 import importlib

@@ -1,23 +1,11 @@
 """The two interfaces every transport implements, and the typed hand-off from decode to prefill.
 
-Lifecycle of one request (queues as states; ``TransferState`` is ordered so "finished" is ``state >= DONE``)::
-
     decode:  reserve → PENDING → (first bytes) IN_FLIGHT → (every layer landed) DONE | FAILED → release
     prefill: start → IN_FLIGHT → send_layer × L → finish → (receiver acknowledged) DONE | FAILED → release
 
-Failures are never silent: peer death, compatibility mismatch and lease expiry each produce FAILED with a message,
-visible through ``poll`` and, if given, the ``on_failed(request_id, message)`` callback (called from a background
-thread, outside any lock). kvtransfer never frees engine blocks itself; the owner frees them when it sees FAILED or
-DONE and then calls ``release``.
-
-Deadlines (``deadline_s``) are absolute wall-clock times. A lease that has not reached DONE by its deadline turns
-FAILED on that side ("lease expired") and, best effort, the peer is told so it fails too instead of waiting.
-
-:class:`DestinationInfo` is where the reserved blocks are and how to reach them. It travels through the router,
-i.e. through processes that are not the receiver, so it is encoded as JSON (bytes base64) and decoded with strict
-type checks; pickle is never used for anything that crosses a process boundary (unpickling peer bytes runs
-arbitrary code). ``compat_hash`` is recomputed from the embedded layout on decode, so a corrupted or hand-edited
-blob is refused at the handshake rather than discovered as garbage KV.
+Failures are never silent (peer death, mismatch and lease expiry each give FAILED with a message, and tell the
+peer); kvtransfer never frees engine blocks, its owner does. :class:`DestinationInfo` crosses processes, so it is
+JSON with strict type checks, never pickle, and its ``compat_hash`` is recomputed from the embedded layout.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
-"""Per-side request ledger with leases: the transfer states, and state, counters, deadline and failure fan-out for
-every transfer.
+"""Per-side request ledger with leases: the transfer states and, per transfer, state, counters and deadline.
 
-Every backend keeps its requests in one :class:`TransferBook`. The book owns the only lease logic in the package:
-
-- a deadline is given as wall-clock ``time.time()`` and converted once to this process's monotonic clock;
-- a small reaper thread turns every unfinished entry past its deadline into FAILED ("lease expired ..."). It
-  sleeps until the earliest deadline, woken early by a failure to deliver or by a new entry due before it would
-  wake anyway, so an idle or steady book costs no periodic wake-ups (on a decode worker those would come out of
-  the decode loop's CPU), and a request with a normal lease (seconds) wakes nothing when it starts;
-- every transition to FAILED is queued, and the reaper delivers it outside the lock: first to the backend's
-  ``notify_peer`` hook (when the failure was decided locally, so the peer fails fast instead of waiting out its own
-  lease), then to the user's ``on_failed(request_id, message)``;
-- every transition to DONE calls ``on_done(request_id)`` at once, on the thread that saw it (possibly under the
-  book's lock, so it must only signal: set an event, queue a call). An owner that would otherwise find out at its
-  next poll tick (an engine loop idling 5 ms) is woken instead.
-
-The book never frees blocks: it only reports. ``poll`` also checks deadlines, so a caller that polls sees expiry
-even between reaper ticks.
+One reaper thread per book fails entries past their deadline (sleeping until the earliest one, so an idle book
+costs no wake-ups) and delivers every failure outside the lock: to the peer when it was decided here, then to the
+owner's ``on_failed``. ``on_done`` is called at once on the thread that saw DONE, so it must only signal.
 """
 
 from __future__ import annotations
@@ -59,11 +45,6 @@ class TransferStatus:
     @property
     def finished(self) -> bool:
         return self.state >= TransferState.DONE
-
-
-def mono_deadline(deadline_s: float) -> float:
-    """Convert an absolute wall-clock deadline into this process's monotonic clock."""
-    return time.monotonic() + (deadline_s - time.time())
 
 
 @dataclass(slots=True)
@@ -117,7 +98,7 @@ class TransferBook:
             old = self._entries.get(request_id)
             if old is not None:
                 raise ValueError(f"{self.side}: request {request_id!r} is already registered (release it first)")
-            entry = Entry(request_id, mono_deadline(deadline_s), ctx)
+            entry = Entry(request_id, time.monotonic() + (deadline_s - time.time()), ctx)  # to this process's clock
             self._entries[request_id] = entry
         if entry.deadline < self._wake_at:  # due before the reaper's next look (or it is looking now): wake it
             self._kick.set()

@@ -1,9 +1,5 @@
-"""In-process fake backend for unit tests: the sender copies tensors straight into the receiver's blocks.
-
-It goes through the same :class:`~kvtransfer.landing.Landing` validation and :class:`~kvtransfer.book.TransferBook`
-leases as the real backends, so tests of callers exercise real state transitions. :class:`FakeBehaviour` injects
-the two failure shapes that matter: a loud peer failure at a given layer, and a silent stall (only the lease can
-catch it). Receivers are found by endpoint in a process-local table, so both ends must live in one process.
+"""In-process fake backend for unit tests: the sender copies straight into the receiver's blocks through the same
+landing checks and leases as the real backends; :class:`FakeBehaviour` injects a loud failure or a silent stall.
 """
 
 from __future__ import annotations

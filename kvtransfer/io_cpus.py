@@ -1,16 +1,8 @@
 """Which CPUs the KV transport's own threads run on (``TransferConfig.io_cpus``).
 
-On a CPU host the engine's compute owns its cores, and whatever thread copies a landing transfer's bytes into the
-KV cache spends CPU there: tcp's ``recv_into`` runs in the receiver's thread, gloo's reads in its device loop thread.
-Sharing decode's core, that copy is time taken from the forward pass (docs/benchmarks.md §2 measures the ITL cost).
-NIXL's shared-memory path escapes it because the *sender* copies. Naming spare cores here moves every thread the
-transport starts onto them, so decode keeps its cores and the bytes are still copied as they arrive.
-
-Linux semantics this relies on: ``sched_setaffinity(0, ...)`` sets the *calling thread's* mask, and a new thread
-starts with its creator's. Python threads pin themselves as they start (:func:`start_io_thread`); threads that C++
-libraries create (gloo's device loop and work threads, NIXL's progress thread, UCX's) are created inside
-:func:`io_affinity`, which pins the creating thread for the duration and restores its mask after. An empty set
-leaves every thread where the process put it.
+Whatever thread copies landing bytes spends CPU; on decode's cores that is time taken from the forward pass.
+Python threads pin themselves as they start (:func:`start_io_thread`); threads that C++ libraries create (gloo,
+NIXL, UCX) are created inside :func:`io_affinity`, since a new Linux thread starts with its creator's mask.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Receiver-side bookkeeping shared by every backend: reservations, validation of incoming pieces, completion.
 
-Every backend receiver is a :class:`LandingReceiver`, which composes one :class:`Landing`. Incoming DATA is
-checked against the reservation *before* a single byte is written: the layer, K/V selector, head slice and every
-block id must lie inside what was reserved, and the length must match. Bytes for an unknown, released, failed or
-expired request are discarded, never written, because by then the engine may have handed those blocks to someone
-else.
-
-A layer counts as landed when its K and V bytes for every reserved block (all local heads) have arrived, possibly
-from several source ranks when prefill TP > decode TP. The request is DONE when every layer has landed. A FINISH
-from every expected source rank with bytes still missing is a failure, not a wait.
-
-``release`` fails the lease and then waits for any write in progress on the receiver's own threads (tcp, torch)
-to end before forgetting the request: nothing is written into blocks after release. (NIXL writes one-sidedly and
-the fake copies synchronously, so for them there is no such write to wait for.)
+Incoming DATA is checked against the reservation before a byte is written; bytes for an unknown, released, failed
+or expired request are discarded, since the engine may have reused those blocks. A request is DONE when every layer
+landed (possibly from several source ranks); a FINISH from every source with bytes missing is a failure.
+``release`` waits for a write in progress on the receiver's own threads, so nothing is written after it.
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ from kvtransfer.base import DestinationInfo, KVCaches, KVReceiver, TransferState
 from kvtransfer.book import Entry, OnFailed, TransferBook
 from kvtransfer.config import TransferConfig
 from kvtransfer.layout import KVLayout, flat_bytes, validate_caches
-from kvtransfer.plan import blocks_for_tokens, expected_layer_bytes, tp_head_map
+from kvtransfer.plan import tp_head_map
 from kvtransfer.wire import Frame, Kind, parse_hello
 
 
@@ -78,10 +69,10 @@ class Landing:
             raise ValueError(f"reserve {request_id!r}: duplicate block ids")
         if any(not 0 <= b < self.num_blocks for b in ids):
             raise ValueError(f"reserve {request_id!r}: block id outside [0, {self.num_blocks})")
-        if blocks_for_tokens(num_tokens, layout.block_size) != len(ids):
+        if -(-num_tokens // layout.block_size) != len(ids):
             raise ValueError(f"reserve {request_id!r}: {num_tokens} tokens do not fill {len(ids)} blocks")
         tid = next(self._tids)
-        res = Reservation(tid, frozenset(ids), expected_layer_bytes(layout, len(ids)), [0] * layout.num_layers)
+        res = Reservation(tid, frozenset(ids), 2 * len(ids) * layout.block_bytes, [0] * layout.num_layers)
         dest = DestinationInfo(
             backend=self.backend, request_id=request_id, transfer_id=tid, layout=layout, dst_block_ids=ids,
             num_tokens=num_tokens, deadline_s=deadline_s, compat_hash=layout.compat_hash(), **dest_fields,
@@ -105,11 +96,6 @@ class Landing:
             if entry is None or entry.state >= TransferState.DONE:
                 return None
             return entry
-
-    def has_reservations(self) -> bool:
-        """Whether some reservation may still receive bytes (not yet DONE, FAILED or forgotten)."""
-        with self.book.lock:
-            return any(e.state < TransferState.DONE for e in self._by_tid.values())
 
     def in_flight(self) -> list[Entry]:
         """The reservations that may still receive bytes (not yet DONE, FAILED or forgotten)."""

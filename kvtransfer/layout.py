@@ -1,13 +1,8 @@
-"""The KV layout contract shared by both ends of a transfer, and the block-run helper.
+"""The KV layout contract both ends compare at the handshake, and the block-run helpers.
 
-Per layer the engine keeps K and V as two contiguous tensors ``[num_blocks, block_size, num_kv_heads_local,
-head_dim]`` (tag ``"NBHD"``). A request's blocks for one layer are therefore a few contiguous byte ranges, one per
-run of consecutive block ids, which is what lets a layer be described and sent as soon as it is computed.
-
-:class:`KVLayout` is what the two ends compare at the handshake. Everything that changes the meaning of a byte
-(model, dtype, block size, head geometry, layer count, layout tag) must match, and :meth:`KVLayout.compat_hash`
-covers exactly those fields. Tensor parallelism is deliberately *not* in the hash: a prefill replica with TP=2 may
-feed a decode replica with TP=4, and :mod:`kvtransfer.plan` maps heads rank to rank.
+Per layer K and V are contiguous ``[num_blocks, block_size, local_kv_heads, head_dim]`` tensors (``"NBHD"``), so a
+request's blocks are a few byte ranges. :meth:`KVLayout.compat_hash` covers every field that changes a byte's
+meaning; TP is left out so that ranks of different TP can exchange (:mod:`kvtransfer.plan`).
 """
 
 from __future__ import annotations

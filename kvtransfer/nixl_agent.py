@@ -1,18 +1,7 @@
-"""NIXL plumbing shared by both ends: agent creation (UCX pinned to the configured devices), the DATA notification's
-timing stamp, the descriptor offsets of a plan, the UDP doorbell and the adaptive poll pace. Design:
+"""NIXL plumbing shared by both ends: the agent, the DATA notification's timing stamp, a plan's descriptor offsets,
+the UDP doorbell and the poll backoff. The doorbell wakes the receiver's notification watcher (NIXL has no blocking
+wait); a datagram carries no data and is never trusted, so a lost one costs latency only. Design:
 :mod:`kvtransfer.nixl_backend`.
-
-The doorbell lets a sender wake the receiver's notification watcher instead of waiting out its sleep: NIXL has no
-blocking wait for notifications, so the receiver polls ``get_new_notifs`` on a schedule that keeps decode's CPU
-free, and a short transfer can land entirely inside one of those sleeps. When the sender has seen its last layer's
-WRITE complete, it rings; the watcher sleeps in ``select`` on the bell, so it wakes at once and polls. The bell is
-only a hint: a datagram carries no data and is never trusted (anyone who can reach the port can at most cause an
-early poll, and the watcher drains a bounded number per wake). A lost or late datagram costs nothing but the
-latency it would have saved; correctness stays with the NIXL notifications and the leases.
-
-Pollers that must poll (NIXL notifications and transfer states) pace themselves with :class:`Backoff`: right after
-activity a short sleep so per-layer latency stays low, doubling on each idle tick up to ``poll_interval_s`` so
-idle threads cost next to nothing.
 """
 
 from __future__ import annotations
@@ -42,14 +31,9 @@ _MAX_DRAIN = 64  # doorbell datagrams read per wake: a flood cannot hold the wat
 
 
 def ucx_environment(config: TransferConfig) -> dict[str, str]:
-    """The UCX variables an agent of ``config`` is created under (UCX reads only its environment).
-
-    ``UCX_TLS`` is set only when the config names transports. By default UCX chooses: between two processes on one
-    host that is shared memory (cma/posix), where the *initiator* performs a WRITE's copy, so a decode worker
-    that receives KV spends no CPU on the bytes at all, as with RDMA across hosts; over ``tcp,self`` the receive
-    path would run on decode's CPU (docs/benchmarks.md §2 has the measured ITL cost). With CUDA, UCX's choice
-    (cuda_ipc, RDMA) is the fast path anyway.
-    """
+    """The UCX variables an agent of ``config`` is created under (UCX reads only its environment). ``UCX_TLS`` is
+    left to UCX unless configured: on one host it picks shared memory, where the *sender* copies, so decode spends
+    no CPU on the bytes."""
     env = {}
     if config.ucx_net_devices:
         env["UCX_NET_DEVICES"] = config.ucx_net_devices
@@ -126,13 +110,8 @@ class Agent:
 
 
 def import_nixl_api() -> Any:
-    """``nixl._api``, with NIXL's Python logger moved off stdout.
-
-    NIXL configures its ``nixl`` logger at import to print INFO lines ("Backend UCX was instantiated", one per
-    agent) on stdout, which corrupts anything a Tandem process prints there (``tandem bench kv --json``, a worker's
-    READY line). Its handler is dropped and the logger propagates to the process's own logging (stderr) at WARNING,
-    unless ``NIXL_LOG_LEVEL`` asks for another level.
-    """
+    """``nixl._api``, with NIXL's INFO lines moved off stdout (they would corrupt a worker's READY line or
+    ``--json`` output) to the process's logging at WARNING, unless ``NIXL_LOG_LEVEL`` says otherwise."""
     try:
         import nixl._api as nixl_api
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -148,12 +127,8 @@ def import_nixl_api() -> Any:
 
 
 def _with_progress_delay(nixl_api: Any, delay_us: int, build: Callable[[], Any]) -> Any:
-    """Run ``build`` (which creates a ``nixl_agent``) so that the agent's progress thread sleeps ``delay_us``.
-
-    ``nixl_agent.__init__`` fills a ``nixlAgentConfig`` binding object and sets ``pthrDelay = 0`` with no way to
-    pass another value. For the duration of ``build`` the binding class is replaced by a subclass whose
-    ``pthrDelay`` setter stores ``delay_us`` instead; everything else about the config is NIXL's own.
-    """
+    """Run ``build`` (which creates a ``nixl_agent``) so that the agent's progress thread sleeps ``delay_us``:
+    ``nixl_agent`` hard-codes ``pthrDelay = 0``, so while ``build`` runs its config class stores ``delay_us``."""
     base = nixl_api.nixlBind.nixlAgentConfig
 
     class _DelayedConfig(base):  # type: ignore[misc, valid-type]
@@ -181,8 +156,7 @@ _HANDED = struct.Struct("!Q")
 
 def data_notif(header: bytes, handed_after_hello_s: float) -> bytes:
     """A layer's DATA notification: its frame header, then (8 bytes, microseconds) how long after the leg's HELLO
-    the sender was handed the layer, i.e. when that layer's compute ended, on the sender's own clock. Offsets from
-    one clock need no clock sync; the receiver learns the prefill's layer pace from them (:func:`handed_after`)."""
+    that layer's compute ended, on the sender's clock (:func:`handed_after` reads it)."""
     return header + _HANDED.pack(max(0, round(handed_after_hello_s * 1e6)))
 
 
@@ -311,7 +285,3 @@ class Backoff:
         cur = self._cur if cap_s is None else min(self._cur, cap_s)
         self._cur = min(cur * 2, self.max_s)
         return cur
-
-    def wait(self, event: threading.Event, cap_s: float | None = None) -> bool:
-        """Sleep one tick, ended early when ``event`` is set; returns whether it was set."""
-        return event.wait(self.next_timeout(cap_s))

@@ -1,45 +1,12 @@
-"""NIXL backend: one-sided RDMA-style WRITE from prefill into decode's reserved blocks, one transfer per layer.
+"""NIXL backend: one-sided WRITE from prefill into decode's reserved blocks, one transfer per layer.
 
-Why WRITE, layer by layer: the prefill side knows when a layer is ready, so it pushes that layer the moment
-``send_layer`` is called and the transfer overlaps the remaining layers' compute. Decode's CPU is not involved in
-moving bytes at all; it only watches notifications. A READ from decode would need a per-layer "ready" signal first
-and add a round trip per layer.
-
-Handshake: the receiver registers its K/V tensors with its agent once; ``reserve`` puts the agent metadata, the
-agent name and every layer's (K, V) base address into :class:`DestinationInfo` (JSON, no pickle: NIXL's own
-``get_serialized_descs`` pickles, so it is not used). ``start`` adds the receiver as a remote agent and sends a
-HELLO notification carrying the sender's own metadata, so that the receiver can answer ACK/FAIL notifications.
-
-Per layer the sender posts one WRITE over that layer's block-run descriptors (one per contiguous run for K and for
-V; per token row when TP differs and only a head slice moves), with a DATA notification that NIXL delivers only
-after the layer's bytes are in place. Every layer's WRITE is prepared (``prep_xfer_dlist`` once per leg,
-``make_prepped_xfer`` per layer) when the first layer is posted, so a later layer costs one ``transfer`` call
-(``transfer`` releases the GIL and has to win it back from the forward pass, so the fewer calls the better).
-``send_layer`` only queues the layer and wakes the progress thread, which posts it at once; the last layer of a
-DRAM transfer is posted by the caller itself (it is on the critical path, and nothing computes after it). Between
-layers, with nothing in flight, that thread backs off instead of polling (and taking the GIL) every few tens of
-microseconds.
-The receiver counts landed bytes per layer from those notifications and is DONE when every layer landed; it then
-sends ACK, which makes the sender DONE.
-
-Waking the receiver: NIXL has no blocking wait for notifications, so the receiver's watcher polls on a schedule
-that spares decode's CPU (sleeps of up to 20 ms). The receiver's endpoint is a UDP doorbell (``host:port``); the
-sender rings it once a leg's last WRITE is complete (and after a FAIL), so the watcher wakes from its sleep at
-once (:mod:`kvtransfer.nixl_agent`). The ring is a hint only: a lost datagram costs latency, never correctness.
-
-Leases: both ends expire unfinished transfers and notify each other. A one-sided WRITE cannot be stopped by the
-target, so on expiry the sender stops posting and the receiver reports FAILED; the sender's deadline is the earlier
-of its own and the receiver's lease, so it does not post after the receiver gave up on time. A HELLO that reaches
-the receiver after its reservation is gone (decode released it before its watcher saw the HELLO, so it knew no
-sender to tell) is answered with FAIL, so the sender never waits out its lease for an ACK that cannot come.
-
-UCX stays on loopback here: ``TransferConfig.ucx_net_devices`` (default ``lo``) is written to ``UCX_NET_DEVICES``
-before the agent is created (UCX reads only its environment). UCX picks the transports unless
-``TransferConfig.ucx_tls`` names them: on one host, shared memory, where the sender's process performs the copy
-and the receiver's CPU is not involved (see :func:`kvtransfer.nixl_agent.ucx_environment`).
-
-CUDA tensors register as VRAM; the sender waits on an event recorded at ``send_layer`` before posting,
-from its progress thread, so the forward pass never blocks.
+WRITE, layer by layer, because prefill knows when a layer is ready: each layer is pushed as soon as it is computed
+and decode's CPU never moves a byte, it only watches notifications. Every layer's WRITE is prepared when the first
+is posted, so a later layer costs one ``transfer`` call; the last layer of a DRAM transfer is posted by the forward
+thread itself (it is on the critical path). The receiver counts landed bytes from the DATA notifications NIXL sends
+after each WRITE, answers ACK when every layer landed, and polls on a schedule predicted from the prefill's layer
+pace, woken early by a UDP doorbell the sender rings (a hint only). A HELLO for a reservation that is gone is
+answered with FAIL, so the sender frees its blocks at once. UCX settings: :func:`kvtransfer.nixl_agent.ucx_environment`.
 """
 
 from __future__ import annotations
@@ -178,14 +145,9 @@ class NixlSender(KVSender):
         self._wake.set()  # the progress thread posts it now (UCX may copy DRAM inside the post call)
 
     def _post_last_now(self, entry: Entry, layer: int, handed: float) -> bool:
-        """Post the last layer of a DRAM transfer on the calling (forward) thread; False to leave it to the progress
-        thread (a leg not prepared yet, e.g. a one-layer model, whose preparation that thread owns).
-
-        Nothing computes after the last layer except the logits, and over shared memory UCX copies inside the
-        post anyway, so posting here takes the progress thread's wake-up off the request's critical path. The
-        WRITE's completion is checked here as well, because NIXL sends the layer's DATA notification only when a
-        state check finds it complete.
-        """
+        """Post the last layer of a DRAM transfer on the forward thread (it is on the critical path), and check its
+        completion here too (NIXL sends the DATA notification only then); False to leave it to the progress thread
+        (a leg not prepared yet)."""
         with self.book.lock:
             if any(leg.peer is None or leg.peer.dlists is None for leg in entry.ctx.legs):
                 return False
@@ -330,14 +292,8 @@ class NixlSender(KVSender):
 
     @staticmethod
     def _urgent(entry: Entry, leg: Leg) -> bool:
-        """Whether ``leg`` waits on something this thread must notice at once: a layer not yet posted, a WRITE in
-        flight (NIXL sends its DATA notification only once a state check finds it complete) or, once every layer
-        was given, the ACK.
-
-        Between two layers of a long prefill a leg has nothing in flight; the thread then backs off to
-        ``poll_interval_s`` (``send_layer`` still wakes it at once) instead of taking the GIL from the forward pass
-        every few tens of microseconds.
-        """
+        """Whether ``leg`` waits on something to notice at once (a layer to post, a WRITE in flight, the ACK);
+        otherwise the thread backs off between layers instead of taking the GIL from the forward pass."""
         lp: _LegPlan | None = leg.peer
         return lp is not None and bool(lp.pending or lp.waiting or (entry.ctx.finish_requested and not leg.acked))
 
@@ -415,17 +371,9 @@ class NixlSender(KVSender):
 
 @dataclass(slots=True)
 class _Pace:
-    """What the watcher knows of one transfer's timing, for predicting when its last layer lands.
-
-    Each DATA notification says when the sender was handed that layer, i.e. when its compute ended, as an offset
-    from the leg's HELLO on the sender's clock (:func:`kvtransfer.nixl_agent.data_notif`). Two of them give the
-    prefill's layer time, so the last layer is due ``offset(last) = offset(j) + (last - j) * layer_time`` after
-    the HELLO. The HELLO arrived after the poll before the one that saw it (and after the reservation was made):
-    ``hello_lo``, so ``hello_lo + offset(last)`` is an early estimate of the last layer's arrival, which also
-    carries its copy and notification. Offsets, not arrival times: the progress thread that posts the earlier
-    layers may post them late (it waits for the forward pass to release the GIL), while the last layer is posted
-    by the forward thread itself, so arrival times would predict the end too late.
-    """
+    """One transfer's timing, to predict when its last layer lands. Each DATA notification carries when its layer's
+    compute ended, as an offset from the leg's HELLO on the sender's clock (no clock sync needed); two give the layer
+    time. Offsets, not arrival times, because the progress thread may post earlier layers late."""
 
     hello_lo: float
     hello_seen: float
@@ -497,31 +445,17 @@ class NixlReceiver(LandingReceiver):
             self._agent.send(peer, control(Kind.FAIL, entry.ctx.transfer_id, message.encode()))
 
     def _watch(self) -> None:
-        """Poll the agent's notifications, as rarely as the critical path allows: every wake-up is taken from the
-        decode loop's CPU and GIL (this thread was the receiver's largest cost per transfer, from waking every
-        50 us - 2 ms whether or not anything was due). Only a transfer's *last* DATA notification is on the
-        critical path (it lets decode start); earlier layers land while prefill computes later ones.
+        """Poll the agent's notifications as rarely as the critical path allows (each wake-up takes decode's CPU and
+        GIL); only a transfer's last DATA notification is on that path.
 
-        - No reservation: no polling; ``reserve`` wakes the thread (``IDLE_POLL_S`` as a backstop, which also
-          drains stray notifications of finished transfers).
-        - A reservation without its HELLO: every ``poll_interval_s``.
-        - For ``HELLO_WINDOW_S`` after a HELLO (until two layers have landed) the tick starts at 50 us and doubles
-          up to ``ACTIVE_POLL_S``: a short prompt's layers all land within about a millisecond of its HELLO.
-        - Then, per transfer (the nearest wins): half the time left until its predicted last layer (see
-          :class:`_Pace`) less ``DUE_EARLY`` layer times, between ``ACTIVE_POLL_S`` and ``MAX_SLEEP_S``; from
-          there to ``DUE_LATE`` layer times past the prediction, ``ACTIVE_POLL_S``. So a long prefill is polled
-          every tick only around its last layer, not for its whole length, and that layer is still seen within
-          ``ACTIVE_POLL_S``. Before two layers are reported, the sleep doubles from ``poll_interval_s``
-          (``ACTIVE_POLL_S`` if only the last is missing). Past the window: ``ACTIVE_POLL_S`` while layers keep
-          landing (the compute is done and the copies trail it, as when a short prompt's layers all come at
-          once), else ``poll_interval_s`` (a stalled sender; its lease bounds the wait).
-
-        Every sleep is a ``select`` on the doorbell, which a sender rings when a leg's last layer is written: the
-        schedule above bounds how late a transfer is seen when no ring arrives.
+        No reservation: no polling (``reserve`` wakes it). No HELLO yet: every ``poll_interval_s``. Right after a
+        HELLO: a doubling tick up to ``ACTIVE_POLL_S``. Then half the time left until the predicted last layer
+        (:class:`_Pace`), and ``ACTIVE_POLL_S`` from ``DUE_EARLY`` layer times before it to ``DUE_LATE`` after it or
+        while layers keep landing. Every sleep is a ``select`` on the doorbell, which cuts it short.
         """
         pace = Backoff(self.config.poll_interval_s)
         while not self._stop.is_set():
-            if not self.landing.has_reservations():  # a reserve racing this check sets _reserved: no lost wake-up
+            if not self.landing.in_flight():  # a reserve racing this check sets _reserved: no lost wake-up
                 self._reserved.wait(IDLE_POLL_S)
                 self._reserved.clear()
             # Not an Event wait: a timed Event.wait costs about twice the CPU of a plain sleep or a select. Only a
@@ -615,10 +549,8 @@ class NixlReceiver(LandingReceiver):
         return frame.kind
 
     def _refuse_stale_hello(self, tid: int, payload: bytes) -> None:
-        """A HELLO for a transfer with no live reservation (released, failed or expired before this watcher saw the
-        HELLO): answer FAIL, as tcp does, so that the sender frees its held blocks now instead of waiting for an ACK
-        until its own lease expires. Releasing before the HELLO is seen is the common case: decode aborts a request
-        while its HELLO is still queued, so the reservation had no peer to notify when it failed."""
+        """Answer a HELLO for a reservation that is gone with FAIL, so the sender frees its blocks now instead of at
+        its lease (decode often aborts while the HELLO is still queued, so no peer was told)."""
         try:
             _, name, metadata = parse_hello(payload)
             if name not in self._agent.known:

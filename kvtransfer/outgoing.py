@@ -1,17 +1,9 @@
 """The sender-side halves every backend shares: legs, plans and per-layer progress (:class:`Outbound`), and the
-request side of the senders that hand layers to one background worker thread (:class:`QueuedSender`: tcp, torch).
+senders that hand layers to one background worker thread (:class:`QueuedSender`: tcp, torch).
 
-One request may have several legs when the source rank's heads are spread over several destination ranks. Each leg
-is planned once at ``start`` (compatibility is checked there, before any byte moves). ``layers_done`` counts the
-layers every leg has handed to its transport; the request is DONE only when every leg's receiver acknowledged.
-
-A queued sender puts ``("control", peer, frame_bytes)``, ``("layer", (request_id, layer), ready_event)`` and
-``("finish", request_id, None)`` items on a queue for its worker thread, which takes everything already queued in
-one batch and gathers it per peer (:class:`PeerWrites`), so a layer of many pieces, or a short request's HELLO,
-layers and FINISH, go out in a few writes; how the bytes then travel is the subclass's business. A peer is the
-subclass's connection to one receiver: what it reads back goes through :meth:`QueuedSender._on_reply`, and a peer
-that breaks fails every request it carried (:meth:`QueuedSender._drop`). ``send_layer`` records a CUDA event when
-the KV lives on a GPU, so the worker thread waits for that layer's kernels, not for the whole stream.
+A request has one leg per destination rank its heads go to, planned at ``start``; it is DONE when every leg's
+receiver acknowledged. The worker takes everything already queued and gathers it per peer (:class:`PeerWrites`),
+so a layer of many pieces, or a short request whole, goes out in a few writes.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Transfer plans: which block runs and head slices move from a source rank into a destination rank.
 
-KV heads are split contiguously across tensor-parallel ranks: rank ``r`` of ``tp`` holds global heads
-``[r*H/tp, (r+1)*H/tp)``, so a prefill replica of one TP degree can feed a decode replica of another. A transfer is
-planned per (source rank, destination rank) leg as the overlap of their head ranges (:class:`HeadSlice`), every
-piece of which is a contiguous slice of heads on both sides (local indices differ). With equal TP each rank talks
-to its twin and the slice is the whole head dimension, so a block run stays one contiguous byte range.
-
-Refused, with a clear error, instead of silently guessed: a head count that does not divide by either TP degree
-(that would need uneven shards) and TP larger than the head count (that needs KV-head replication, which the
-engine does not do).
-
-A leg's plan is a list of :class:`Piece`. The same pieces apply to every layer and to both K and V, so a plan is
-computed once at ``start`` and reused for each ``send_layer``. A piece is consecutive on both sides (the
-intersection of the source's and the destination's block runs) and carries the head slice.
+KV heads are split contiguously across TP ranks, so a leg moves the overlap of the two ranks' head ranges; uneven
+splits and TP above the head count are refused. A plan is a list of :class:`Piece` (runs consecutive on both
+sides), computed once at ``start`` and reused for every layer and for K and V.
 """
 
 from __future__ import annotations
@@ -51,20 +41,12 @@ def _check(num_kv_heads: int, tp: int, side: str) -> int:
     return num_kv_heads // tp
 
 
-def heads_of(num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
-    """Global head range ``[lo, hi)`` held by ``rank`` of ``tp``."""
-    per = _check(num_kv_heads, tp, "rank's")
-    if not 0 <= rank < tp:
-        raise ValueError(f"rank {rank} outside tp={tp}")
-    return rank * per, (rank + 1) * per
-
-
 def slice_between(num_kv_heads: int, src_tp: int, src_rank: int, dst_tp: int, dst_rank: int) -> HeadSlice | None:
     """The heads ``src_rank`` sends to ``dst_rank``, or ``None`` when their ranges do not overlap."""
-    _check(num_kv_heads, src_tp, "source")
-    _check(num_kv_heads, dst_tp, "destination")
-    s_lo, s_hi = heads_of(num_kv_heads, src_tp, src_rank)
-    d_lo, d_hi = heads_of(num_kv_heads, dst_tp, dst_rank)
+    s_per, d_per = _check(num_kv_heads, src_tp, "source"), _check(num_kv_heads, dst_tp, "destination")
+    if not (0 <= src_rank < src_tp and 0 <= dst_rank < dst_tp):
+        raise ValueError(f"rank {src_rank} or {dst_rank} outside tp={src_tp} or {dst_tp}")
+    s_lo, s_hi, d_lo, d_hi = src_rank * s_per, (src_rank + 1) * s_per, dst_rank * d_per, (dst_rank + 1) * d_per
     lo, hi = max(s_lo, d_lo), min(s_hi, d_hi)
     if lo >= hi:
         return None
@@ -126,11 +108,3 @@ def plan_leg(src: KVLayout, dst: KVLayout, src_ids: Sequence[int], dst_ids: Sequ
         Piece(s, d, n, hs.src_heads, hs.dst_heads, n * per_block) for s, d, n in paired_runs(src_ids, dst_ids)
     ]
 
-
-def expected_layer_bytes(dst: KVLayout, num_blocks: int) -> int:
-    """Bytes that must land in one layer (K and V) of a destination rank for ``num_blocks`` blocks."""
-    return 2 * num_blocks * dst.block_bytes
-
-
-def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)

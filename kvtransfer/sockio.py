@@ -1,8 +1,5 @@
-"""Socket and buffer helpers for the TCP backend: exact reads straight into tensor memory, bounded writes.
-
-No byte is touched by Python code: payloads go through ``recv_into(..., MSG_WAITALL)`` and gathered ``sendmsg`` on
-memoryviews of the tensors' storage, one syscall per payload received and one per batch of frames sent. Every wait is
-bounded: writes by the request's deadline, blocking reads by a watchdog or ``close()`` that shuts the socket down.
+"""Socket helpers for tcp and torch: exact reads straight into tensor memory (``MSG_WAITALL``), gathered bounded
+writes (``sendmsg``) and non-blocking control replies.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
-"""torch.distributed backend: a 2-rank process group per (sender, receiver) pair, point-to-point sends of block runs.
+"""torch.distributed backend: a 2-rank process group (gloo on CPU, NCCL on CUDA) per (sender, receiver) pair.
 
-Handshake: the receiver hosts a ``TCPStore`` (its ``host:port`` is the endpoint in :class:`DestinationInfo`) and a
-control listener whose address it publishes in that store. The first ``start`` towards a receiver claims a pair
-index with ``store.add``, opens a control connection whose first message is that index, and both sides build a
-2-rank group (gloo on CPU, NCCL on CUDA) over a ``PrefixStore`` for that pair; later requests reuse both.
-
-Control goes through the control connection, payloads through the group. For everything queued when its worker
-wakes (a layer; or a short request's HELLO, layers and FINISH together) the sender writes one control message of
-wire frames per pair, then ``send``s each DATA frame's piece as a contiguous ``uint8`` view of the source blocks.
-The receiver handles a message's frames in order: it validates each run of DATA headers against the reservation
-and ``recv``s those payloads together, straight into the reserved blocks (head-sliced pieces through a staging
-tensor). ACK/FAIL come back on the same connection. A connection whose first message names a pair index not
-claimed in the store, or one already connected, is cut.
-
-Why a socket for control and not a standing ``recv`` for headers: a gloo ``wait`` that times out closes the pair,
-and a blocked ``wait`` cannot be interrupted, so a thread parked on an idle ``recv`` could never be stopped by
-``close()``; a socket read ends when ``close()`` shuts the socket down. Why not the store: a store queue is
-polled, and each message would cost a check, a get and a delete on top of the poll's sleep. Payload ``recv``s are
-only posted when bytes are known to be coming.
-
-On CPU this backend is gloo over loopback TCP, so it cannot beat the tcp backend there; it is kept for NCCL, the
-carrier between GPUs.
-
-Failures: a peer killed mid-payload surfaces as a gloo error at once; a killed peer's kernel closes its control
-connection, so either side sees EOF at once, between layers too; a sender alive but stalled is caught by the lease.
+The receiver hosts a ``TCPStore`` (its endpoint) and a control listener published in it; a sender claims a pair
+index with ``store.add``, connects to the listener naming that index, and both build the group over a
+``PrefixStore``. Wire frames travel on the control connection, payloads as ``send``/``recv`` on the group, straight
+into the reserved blocks. Control is a socket, not a standing ``recv``, because a blocked gloo ``wait`` cannot be
+interrupted by ``close()`` and a timed-out one closes the pair. On CPU this is slower than tcp; it is kept for NCCL.
 """
 
 from __future__ import annotations
@@ -64,22 +45,18 @@ def make_group(store: Any, rank: int, cuda: bool, timeout_s: float, io_cpus: tup
     library threads it starts (gloo's device loop, which reads every received byte, and its work threads) run on
     ``io_cpus``."""
     with io_affinity(io_cpus):
-        return _make_group(store, rank, cuda, timeout_s)
+        if cuda:  # pragma: no cover - needs a GPU
+            from torch.distributed import ProcessGroupNCCL
 
+            opts = ProcessGroupNCCL.Options()
+            opts._timeout = timedelta_s(timeout_s)
+            return ProcessGroupNCCL(store, rank, 2, opts)
+        from torch.distributed import ProcessGroupGloo
 
-def _make_group(store: Any, rank: int, cuda: bool, timeout_s: float) -> Any:
-    if cuda:  # pragma: no cover - needs a GPU
-        from torch.distributed import ProcessGroupNCCL
-
-        opts = ProcessGroupNCCL.Options()
-        opts._timeout = timedelta_s(timeout_s)
-        return ProcessGroupNCCL(store, rank, 2, opts)
-    from torch.distributed import ProcessGroupGloo
-
-    opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    opts._timeout = timedelta_s(timeout_s)
-    return ProcessGroupGloo(store, rank, 2, opts)
+        gopts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        gopts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        gopts._timeout = timedelta_s(timeout_s)
+        return ProcessGroupGloo(store, rank, 2, gopts)
 
 
 def split_frames(blob: bytes) -> list[tuple[Frame, bytes]]:

@@ -1,9 +1,6 @@
-"""Fixed binary frames shared by the TCP, torch.distributed and NIXL-notification paths.
-
-A frame is a 40-byte big-endian header, optionally followed by ``payload_len`` bytes. DATA payloads are raw KV
-bytes of one piece of one layer, for K (``kv=0``) or V (``kv=1``); they are received straight into the reserved
-blocks. HELLO carries the sender's layout (and NIXL agent) as JSON, FAIL a UTF-8 message. Nothing here is
-pickled: a peer can at worst send a malformed header, which is refused.
+"""Fixed binary frames shared by the tcp, torch and NIXL-notification paths: a 40-byte big-endian header, then
+``payload_len`` bytes (DATA: raw KV of one piece, K or V; HELLO: the sender's layout as JSON; FAIL: a reason).
+Nothing is pickled.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.landing import LandingReceiver
 from kvtransfer.layout import KVLayout
 from kvtransfer.outgoing import Leg, Outbound, Outgoing
-from kvtransfer.wire import Frame, Kind, hello_payload
+from kvtransfer.wire import HEADER_SIZE, Frame, Kind, hello_payload, unpack
 
 _RECEIVERS: weakref.WeakValueDictionary[str, FakeReceiver] = weakref.WeakValueDictionary()
 _NEXT = itertools.count()
@@ -66,13 +66,10 @@ class FakeReceiver(LandingReceiver):
             self.book.fail(entry, f"receiver: refused DATA: {e}", notify_peer=True)
             return
         view.copy_(src)  # type: ignore[arg-type]
-        if self.landing.landed(entry, frame.layer, frame.payload_len):
-            for peer in entry.ctx.peers:
-                peer[0].acked(peer[1], peer[2])
+        self._landed(entry, frame)
 
-    def _notify_peer(self, entry: Entry, message: str) -> None:
-        for peer in list(entry.ctx.peers):
-            peer[0].peer_failed(peer[1], message)
+    def _send(self, peer: tuple[FakeSender, Entry, Leg], data: bytes) -> None:
+        peer[0].reply(peer[1], peer[2], data)
 
 
 class FakeSender(KVSender):
@@ -149,11 +146,12 @@ class FakeSender(KVSender):
         self.book.stop(self.config.close_timeout_s)
 
     # ---- called by FakeReceiver
-    def acked(self, entry: Entry, leg: Leg) -> None:
-        self.out.leg_acked(entry, leg)
-
-    def peer_failed(self, entry: Entry, message: str) -> None:
-        self.book.fail(entry, f"sender: receiver reported: {message}")
+    def reply(self, entry: Entry, leg: Leg, data: bytes) -> None:
+        frame = unpack(data)
+        if frame.kind == Kind.ACK:
+            self.out.leg_acked(entry, leg)
+        elif frame.kind == Kind.FAIL:
+            self.book.fail(entry, f"sender: receiver reported: {data[HEADER_SIZE:].decode(errors='replace')}")
 
     def _notify_peer(self, entry: Entry, message: str) -> None:
         for leg in entry.ctx.legs:

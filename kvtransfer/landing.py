@@ -8,6 +8,7 @@ landed (possibly from several source ranks); a FINISH from every source with byt
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
@@ -22,7 +23,7 @@ from kvtransfer.book import Entry, OnFailed, TransferBook
 from kvtransfer.config import TransferConfig
 from kvtransfer.layout import KVLayout, flat_bytes, validate_caches
 from kvtransfer.plan import tp_head_map
-from kvtransfer.wire import Frame, Kind, parse_hello
+from kvtransfer.wire import Frame, Kind, control, parse_hello
 
 
 @dataclass(slots=True)
@@ -203,6 +204,33 @@ class LandingReceiver(KVReceiver):
             self.book.fail(entry, "receiver: released before completion", notify_peer=True, tell_owner=False)
             self.book.wait_idle(entry, self.config.close_timeout_s)
         self.landing.forget(request_id)
+
+    def _send(self, peer: Any, data: bytes) -> None:
+        """Send ``peer`` a small control frame (ACK, FAIL) without blocking."""
+        peer.send_control(data)
+
+    def _notify_peer(self, entry: Entry, message: str) -> None:
+        for peer in list(entry.ctx.peers):
+            with contextlib.suppress(OSError):
+                self._send(peer, control(Kind.FAIL, entry.ctx.transfer_id, message.encode()))
+
+    def _landed(self, entry: Entry, frame: Frame) -> None:
+        """Account a DATA frame's bytes; when that made the request DONE, ACK every sender."""
+        if self.landing.landed(entry, frame.layer, frame.payload_len):
+            for peer in list(entry.ctx.peers):
+                with contextlib.suppress(OSError):
+                    self._send(peer, control(Kind.ACK, frame.transfer_id))
+
+    def _control_frame(self, frame: Frame, payload: bytes, peer: Any) -> None:
+        """A control frame from ``peer``; a HELLO for no live reservation is answered with FAIL at once, so the
+        sender does not wait out its lease."""
+        entry = self.landing.live(frame.transfer_id)
+        if entry is not None:
+            self._control(entry, frame, payload, peer)
+        elif frame.kind == Kind.HELLO:
+            with contextlib.suppress(OSError):
+                self._send(peer, control(Kind.FAIL, frame.transfer_id, b"receiver: no live reservation for this "
+                                         b"transfer (released or lease expired)"))
 
     def _refuse_hello(self, entry: Entry, peer: Any, error: ValueError) -> None:
         """A HELLO that does not fit the reservation: fail it, and tell ``peer`` (which sent it) why."""

@@ -440,9 +440,8 @@ class NixlReceiver(LandingReceiver):
         self._bell.close()
         self._agent.close()
 
-    def _notify_peer(self, entry: Entry, message: str) -> None:
-        for peer in list(entry.ctx.peers):
-            self._agent.send(peer, control(Kind.FAIL, entry.ctx.transfer_id, message.encode()))
+    def _send(self, peer: str, data: bytes) -> None:
+        self._agent.send(peer, data)
 
     def _watch(self) -> None:
         """Poll the agent's notifications as rarely as the critical path allows (each wake-up takes decode's CPU and
@@ -539,9 +538,7 @@ class NixlReceiver(LandingReceiver):
             pace, offset = self._pace.get(frame.transfer_id), handed_after(msg)
             if pace is not None and offset is not None:
                 pace.note(frame.layer, offset, self._poll_now)
-            if self.landing.landed(entry, frame.layer, frame.payload_len):
-                for peer in list(entry.ctx.peers):
-                    self._agent.send(peer, control(Kind.ACK, frame.transfer_id))
+            self._landed(entry, frame)
         elif frame.kind == Kind.FINISH:
             self.landing.on_finish(entry)
         elif frame.kind == Kind.FAIL:

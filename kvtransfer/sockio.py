@@ -1,5 +1,6 @@
 """Socket helpers for tcp and torch: exact reads straight into tensor memory (``MSG_WAITALL``), gathered bounded
-writes (``sendmsg``) and non-blocking control replies.
+writes (``sendmsg``), non-blocking control replies, and the receiver that serves each accepted connection on a
+thread of its own.
 """
 
 from __future__ import annotations
@@ -8,7 +9,11 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvtransfer.io_cpus import start_io_thread
+from kvtransfer.landing import LandingReceiver
 
 
 class PeerClosed(ConnectionError):
@@ -108,3 +113,66 @@ def close_socket(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.close()
 
+
+
+class ListeningReceiver(LandingReceiver):
+    """Accepts connections and serves each on a thread of its own (tcp, torch). A subclass calls :meth:`_listen` and
+    supplies ``_connection`` and ``_serve``; a connection has ``peer``, ``close()`` and ``send_control(data)``."""
+
+    def _listen(self, host: str, port: int) -> int:
+        """Start accepting on ``host:port`` (0: ephemeral); returns the port."""
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: set[Any] = set()
+        self._threads: list[threading.Thread] = []
+        self._listener = socket.create_server((host, port))
+        self._listener.settimeout(self.config.io_timeout_s)
+        self._spawn(self._accept_loop, f"kv-{self.backend_name}-accept")
+        return int(self._listener.getsockname()[1])
+
+    def _spawn(self, target: Callable[..., object], name: str, *args: object) -> None:
+        with self._lock:
+            self._threads = [x for x in self._threads if x.is_alive()]
+            self._threads.append(start_io_thread(self.config.io_cpus, target, name, *args))
+
+    def _connection(self, sock: socket.socket, peer: str) -> Any:
+        raise NotImplementedError
+
+    def _serve(self, conn: Any) -> None:
+        raise NotImplementedError
+
+    def _watchdog(self) -> None:
+        """Called between accepts (every ``io_timeout_s`` at most)."""
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            self._watchdog()
+            try:
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed
+                return
+            conn = self._connection(sock, f"{addr[0]}:{addr[1]}")
+            with self._lock:
+                self._conns.add(conn)
+            self._spawn(self._serve, f"kv-{self.backend_name}-recv-{conn.peer}", conn)
+
+    def _closed(self, conn: Any, message: str) -> None:
+        """``conn`` ended: close it and fail every request it carried with ``message``."""
+        conn.close()
+        with self._lock:
+            self._conns.discard(conn)
+        for entry in self.book.entries():
+            if conn in entry.ctx.peers:
+                self.book.fail(entry, message)
+
+    def close(self) -> None:
+        self._stop.set()
+        close_socket(self._listener)
+        with self._lock:
+            conns, threads = list(self._conns), list(self._threads)
+        for c in conns:
+            c.close()
+        join_all(threads, self.config.close_timeout_s)
+        self.book.stop(self.config.close_timeout_s / 4)

@@ -14,7 +14,6 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
 
@@ -23,12 +22,19 @@ import torch
 from auth.tls_socket import DuplexTLS
 from kvtransfer.book import Entry, OnFailed
 from kvtransfer.config import TransferConfig
-from kvtransfer.io_cpus import start_io_thread
-from kvtransfer.landing import LandingReceiver
 from kvtransfer.layout import flat_bytes
 from kvtransfer.outgoing import Leg, PeerWrites, QueuedSender, writes_for
-from kvtransfer.sockio import PeerClosed, close_socket, discard, join_all, recv_exact, send_nowait, send_vectored, tune
-from kvtransfer.wire import HEADER_SIZE, Frame, Kind, control, unpack
+from kvtransfer.sockio import (
+    ListeningReceiver,
+    PeerClosed,
+    close_socket,
+    discard,
+    recv_exact,
+    send_nowait,
+    send_vectored,
+    tune,
+)
+from kvtransfer.wire import HEADER_SIZE, Frame, Kind, unpack
 
 log = logging.getLogger(__name__)
 _SCRATCH = 1 << 20
@@ -142,53 +148,21 @@ class _Inbound:
                     self.sock.shutdown(socket.SHUT_RDWR)
                 raise ConnectionError(f"control frame to {self.peer} would block; connection cut")
 
+    def close(self) -> None:
+        close_socket(self.sock)
 
-class TcpReceiver(LandingReceiver):
+
+class TcpReceiver(ListeningReceiver):
     backend_name: ClassVar[str] = "tcp"
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
         super().__init__(config, on_failed)
-        cfg = self.config
-        self._stop = threading.Event()
-        self._listener = socket.create_server((cfg.host, cfg.port))
-        self._listener.settimeout(cfg.io_timeout_s)
-        self.endpoint = f"{cfg.host}:{self._listener.getsockname()[1]}"
-        self._conns: set[_Inbound] = set()
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._spawn(self._accept_loop, "kv-tcp-accept")
-        self.book.start(cfg)
+        self.endpoint = f"{self.config.host}:{self._listen(self.config.host, self.config.port)}"
+        self.book.start(self.config)
 
-    def _spawn(self, target: Callable[..., object], name: str, *args: object) -> None:
-        with self._lock:
-            self._threads = [x for x in self._threads if x.is_alive()]
-            self._threads.append(start_io_thread(self.config.io_cpus, target, name, *args))
-
-    def close(self) -> None:
-        self._stop.set()
-        close_socket(self._listener)
-        with self._lock:
-            conns, threads = list(self._conns), list(self._threads)
-        for c in conns:
-            close_socket(c.sock)
-        join_all(threads, self.config.close_timeout_s)
-        self.book.stop(self.config.close_timeout_s / 4)
-
-    # ---- threads
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            self._watchdog()
-            try:
-                sock, addr = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            tune(sock, None)
-            conn = _Inbound(sock, f"{addr[0]}:{addr[1]}")
-            with self._lock:
-                self._conns.add(conn)
-            self._spawn(self._serve, f"kv-tcp-recv-{conn.peer}", conn)
+    def _connection(self, sock: socket.socket, peer: str) -> _Inbound:
+        tune(sock, None)
+        return _Inbound(sock, peer)
 
     def _watchdog(self) -> None:
         """A sender stalled mid-payload past the lease: cut its connection so the blocked read ends."""
@@ -212,9 +186,7 @@ class TcpReceiver(LandingReceiver):
                 conn.sock = cast(socket.socket, DuplexTLS.accept(conn.sock, tls, self.config.connect_timeout_s))
             except OSError as e:  # ssl.SSLError included: no client certificate, or one from another CA
                 log.warning("kv tcp receiver: TLS handshake with %s refused: %s", conn.peer, e)
-                close_socket(conn.sock)
-                with self._lock:
-                    self._conns.discard(conn)
+                self._closed(conn, "")
                 return
         try:
             while not self._stop.is_set():
@@ -227,12 +199,7 @@ class TcpReceiver(LandingReceiver):
         except (OSError, ValueError) as e:
             reason = f"sender connection broken: {e}"
         finally:
-            close_socket(conn.sock)
-            with self._lock:
-                self._conns.discard(conn)
-            for entry in self.book.entries():
-                if conn in entry.ctx.peers:
-                    self.book.fail(entry, f"receiver: {reason} from {conn.peer}")
+            self._closed(conn, f"receiver: {reason} from {conn.peer}")
 
     def _dispatch(self, conn: _Inbound, frame: Frame, scratch: memoryview) -> None:
         if frame.kind == Kind.DATA:
@@ -241,13 +208,7 @@ class TcpReceiver(LandingReceiver):
         payload = bytearray(frame.payload_len)
         if frame.payload_len:
             recv_exact(conn.sock, memoryview(payload), self._stop)
-        entry = self.landing.live(frame.transfer_id)
-        if entry is None:
-            if frame.kind == Kind.HELLO:  # unknown or expired lease: say so instead of letting the sender wait
-                conn.send_control(control(Kind.FAIL, frame.transfer_id, b"receiver: no live reservation for this "
-                                          b"transfer (released or lease expired)"))
-            return
-        self._control(entry, frame, bytes(payload), conn)
+        self._control_frame(frame, bytes(payload), conn)
 
     def _data(self, conn: _Inbound, frame: Frame, scratch: memoryview) -> None:
         entry = self.landing.live(frame.transfer_id)
@@ -273,12 +234,4 @@ class TcpReceiver(LandingReceiver):
         finally:
             conn.writing = None
             self.book.end_write(entry)
-        if self.landing.landed(entry, frame.layer, frame.payload_len):
-            for peer in list(entry.ctx.peers):
-                with contextlib.suppress(OSError):
-                    peer.send_control(control(Kind.ACK, frame.transfer_id))
-
-    def _notify_peer(self, entry: Entry, message: str) -> None:
-        for peer in list(entry.ctx.peers):
-            with contextlib.suppress(OSError):
-                peer.send_control(control(Kind.FAIL, entry.ctx.transfer_id, message.encode()))
+        self._landed(entry, frame)

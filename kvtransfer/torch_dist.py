@@ -9,7 +9,6 @@ interrupted by ``close()`` and a timed-out one closes the pair. On CPU this is s
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import socket
 import struct
@@ -24,12 +23,11 @@ from torch.distributed import PrefixStore, TCPStore
 from kvtransfer.base import KVCaches
 from kvtransfer.book import Entry, OnFailed
 from kvtransfer.config import TransferConfig
-from kvtransfer.io_cpus import io_affinity, start_io_thread
-from kvtransfer.landing import LandingReceiver
+from kvtransfer.io_cpus import io_affinity
 from kvtransfer.layout import KVLayout
 from kvtransfer.outgoing import Leg, PeerWrites, QueuedSender, writes_for
-from kvtransfer.sockio import close_socket, join_all, recv_exact, send_nowait, send_vectored, tune
-from kvtransfer.wire import HEADER_SIZE, Frame, Kind, control, unpack
+from kvtransfer.sockio import ListeningReceiver, close_socket, recv_exact, send_nowait, send_vectored, tune
+from kvtransfer.wire import HEADER_SIZE, Frame, Kind, unpack
 
 PAIRS_KEY = "tandem/pairs"
 CONTROL_KEY = "tandem/control"  # the receiver's control listener, host:port
@@ -106,7 +104,7 @@ class ControlLink:
                 self.close()
                 raise
 
-    def put_nowait(self, blob: bytes) -> None:
+    def send_control(self, blob: bytes) -> None:
         """A small reply (ACK/FAIL) from a thread that must never block (the receiver, its lease reaper)."""
         data = _LEN.pack(len(blob)) + blob
         with self._send_lock:
@@ -232,14 +230,7 @@ class TorchSender(QueuedSender):
                 self.out.leg_sent_layer(entry, leg, nbytes)
 
 
-@dataclass(eq=False)
-class _InPair:
-    index: int
-    link: ControlLink
-    alive: bool = True
-
-
-class TorchReceiver(LandingReceiver):
+class TorchReceiver(ListeningReceiver):
     """Hosts the store and a control listener, forms a group per sender, ``recv``s payloads into the reserved
     blocks."""
 
@@ -252,16 +243,9 @@ class TorchReceiver(LandingReceiver):
             self._store: Any = TCPStore(cfg.host, cfg.port, None, True, timedelta_s(cfg.connect_timeout_s),
                                         wait_for_workers=False)
         self.endpoint = f"{cfg.host}:{self._store.port}"
-        self._listener = socket.create_server((cfg.host, 0))
-        self._listener.settimeout(cfg.io_timeout_s)
-        self._store.set(CONTROL_KEY, f"{cfg.host}:{self._listener.getsockname()[1]}")
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._links: set[ControlLink] = set()
         self._served: set[int] = set()  # pair indices that connected: each is served once
-        self._threads: list[threading.Thread] = []
         self._cuda = False
-        self._accepter = start_io_thread(cfg.io_cpus, self._accept, "kv-torch-accept")
+        self._store.set(CONTROL_KEY, f"{cfg.host}:{self._listen(cfg.host, 0)}")
         self.book.start(cfg)
 
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
@@ -269,34 +253,16 @@ class TorchReceiver(LandingReceiver):
         self._cuda = kv_caches[0][0].is_cuda
 
     def close(self) -> None:
-        self._stop.set()
-        close_socket(self._listener)
-        with self._lock:
-            links, threads = list(self._links), [self._accepter, *self._threads]
-        for link in links:
-            link.close()
-        join_all(threads, self.config.close_timeout_s)
-        self.book.stop(self.config.close_timeout_s / 4)
+        super().close()
         self._store = None  # the last reference to the master: its server shuts down
 
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sock, addr = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:  # closed
-                return
-            link = ControlLink(sock, f"{addr[0]}:{addr[1]}")
-            with self._lock:
-                self._links.add(link)
-                t = start_io_thread(self.config.io_cpus, self._serve, f"kv-torch-pair-{link.peer}", link)
-                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+    def _connection(self, sock: socket.socket, peer: str) -> ControlLink:
+        return ControlLink(sock, peer)
 
     def _serve(self, link: ControlLink) -> None:
         """One sender: its first message names the pair it claimed in the store; then its layers, in order."""
         cfg = self.config
-        pair: _InPair | None = None
+        index = -1
         reason = "sender gone"
         try:
             first = link.get(self._stop)
@@ -306,7 +272,6 @@ class TorchReceiver(LandingReceiver):
                     raise ValueError(f"{link.peer} named no pair it claimed, or one already connected "
                                      f"({first[:16]!r})")
                 self._served.add(index)
-            pair = _InPair(index, link)
             # The group gets a store client of its own: TCPStore clients are not safe for concurrent use.
             group_store = PrefixStore(f"tandem/pair/{index}", store_client(self.endpoint, cfg.connect_timeout_s))
             group = make_group(group_store, 0, self._cuda, cfg.connect_timeout_s, cfg.io_cpus)
@@ -317,37 +282,20 @@ class TorchReceiver(LandingReceiver):
                         data.append(frame)
                         continue
                     if data:
-                        self._data(pair, group, data)
+                        self._data(group, data)
                         data = []
-                    self._dispatch(pair, frame, payload)
+                    self._control_frame(frame, payload, link)
                 if data:
-                    self._data(pair, group, data)
+                    self._data(group, data)
             reason = "receiver closed"
         except InterruptedError:
             reason = "receiver closed"
         except Exception as e:  # PeerClosed (a killed sender's kernel closes its socket), gloo errors, bad frames
             reason = f"sender connection lost (peer closed or killed): {e}".splitlines()[0]
         finally:
-            link.close()
-            with self._lock:
-                self._links.discard(link)
-            if pair is not None:
-                pair.alive = False
-                for entry in self.book.entries():
-                    if pair in entry.ctx.peers:
-                        self.book.fail(entry, f"receiver: {reason} (pair {pair.index})")
+            self._closed(link, f"receiver: {reason} (pair {index})")
 
-    def _dispatch(self, pair: _InPair, frame: Frame, payload: bytes) -> None:
-        entry = self.landing.live(frame.transfer_id)
-        if entry is None:
-            if frame.kind == Kind.HELLO:
-                with contextlib.suppress(OSError):
-                    pair.link.put_nowait(control(Kind.FAIL, frame.transfer_id,
-                                                 b"receiver: no live reservation (released or lease expired)"))
-            return
-        self._control(entry, frame, payload, pair)
-
-    def _data(self, pair: _InPair, group: Any, frames: list[Frame]) -> None:
+    def _data(self, group: Any, frames: list[Frame]) -> None:
         """Receive one layer message's payloads: all ``recv``s posted first, then waited on together.
 
         The sender sends every payload it announced no matter what, so each is received; it is written into the
@@ -386,13 +334,5 @@ class TorchReceiver(LandingReceiver):
                 if entry is not None:
                     self.book.end_write(entry)
         for frame, entry, _, _ in slots:
-            if entry is not None and self.landing.landed(entry, frame.layer, frame.payload_len):
-                for peer in list(entry.ctx.peers):
-                    with contextlib.suppress(OSError):
-                        peer.link.put_nowait(control(Kind.ACK, frame.transfer_id))
-
-    def _notify_peer(self, entry: Entry, message: str) -> None:
-        for peer in list(entry.ctx.peers):
-            if peer.alive:
-                with contextlib.suppress(OSError):
-                    peer.link.put_nowait(control(Kind.FAIL, entry.ctx.transfer_id, message.encode()))
+            if entry is not None:
+                self._landed(entry, frame)

@@ -65,18 +65,6 @@ def check_cpus(cpus: tuple[int, ...]) -> None:
                          "are they outside its cgroup cpuset?")
 
 
-def pin_current_thread(cpus: tuple[int, ...]) -> None:
-    """Pin the calling thread to ``cpus``. A refusal (the CPUs were taken out of the cpuset after start-up) is
-    logged and the thread runs where it is: a transport thread that did not start would stall every transfer."""
-    if not cpus:
-        return
-    try:
-        os.sched_setaffinity(0, cpus)
-    except OSError as e:
-        log.warning("kv I/O thread %s could not be pinned to CPUs %s (%s); running unpinned",
-                    threading.current_thread().name, list(cpus), e.strerror)
-
-
 @contextlib.contextmanager
 def io_affinity(cpus: tuple[int, ...]) -> Iterator[None]:
     """Run the body on ``cpus``, so any thread it creates (in Python or C++) starts there; then restore."""
@@ -91,23 +79,23 @@ def io_affinity(cpus: tuple[int, ...]) -> Iterator[None]:
         os.sched_setaffinity(0, saved)
 
 
-def name_os_thread(name: str) -> None:
-    """Give the calling thread ``name`` (first 15 bytes) in the OS as well, where ``top -H``, ``ps -L`` and
-    ``/proc/PID/task/TID/comm`` show it; Python's own thread names stay inside Python. Best effort, Linux only."""
-    if _LIBC is None:
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        _LIBC.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
-
-
 def start_io_thread(cpus: tuple[int, ...], target: Callable[..., object], name: str,
                     *args: object) -> threading.Thread:
     """Start a daemon thread running ``target(*args)`` on ``cpus`` (where its creator runs when empty), named
-    ``name`` in the OS too."""
+    ``name`` in the OS too (``top -H``, ``ps -L``; first 15 bytes, best effort). A refused pin (the CPUs left the
+    cpuset after start-up) is logged and the thread runs unpinned: a transport thread that did not start would
+    stall every transfer."""
 
     def run() -> None:
-        name_os_thread(name)
-        pin_current_thread(cpus)
+        if _LIBC is not None:
+            with contextlib.suppress(OSError, AttributeError):
+                _LIBC.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+        if cpus:
+            try:
+                os.sched_setaffinity(0, cpus)
+            except OSError as e:
+                log.warning("kv I/O thread %s could not be pinned to CPUs %s (%s); running unpinned", name,
+                            list(cpus), e.strerror)
         target(*args)
 
     t = threading.Thread(target=run, name=name, daemon=True)

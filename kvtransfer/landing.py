@@ -21,7 +21,7 @@ import torch
 from kvtransfer.base import DestinationInfo, KVCaches, KVReceiver, TransferState
 from kvtransfer.book import Entry, OnFailed, TransferBook
 from kvtransfer.config import TransferConfig
-from kvtransfer.layout import KVLayout, flat_bytes, validate_caches
+from kvtransfer.layout import KVLayout, RegisteredKV
 from kvtransfer.plan import tp_head_map
 from kvtransfer.wire import Frame, Kind, control, parse_hello
 
@@ -37,24 +37,15 @@ class Reservation:
     peers: list[Any] = field(default_factory=list)  # backend handles to answer ACK/FAIL on
 
 
-class Landing:
+class Landing(RegisteredKV):
     def __init__(self, book: TransferBook, backend: str) -> None:
+        super().__init__()
         self.book = book
         self.backend = backend
-        self.layout: KVLayout | None = None
-        self.kv_caches: KVCaches = ()
-        self.num_blocks = 0
         self._by_tid: dict[int, Entry] = {}
         # Transfer ids are unique per receiver and hard to guess across receivers (a stale sender of a previous
         # process incarnation cannot hit a live reservation by accident).
         self._tids = itertools.count(random.Random(os.urandom(8)).getrandbits(40) << 20)
-
-    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
-        self.num_blocks = validate_caches(kv_caches, layout)
-        self.kv_caches = list(kv_caches)
-        self.layout = layout
-        # Flat byte views of each CPU tensor, made once: a full-head piece is then a plain memoryview slice.
-        self.flat = [tuple(flat_bytes(t) for t in pair) for pair in kv_caches] if not kv_caches[0][0].is_cuda else []
 
     def require_layout(self) -> KVLayout:
         if self.layout is None:
@@ -141,14 +132,6 @@ class Landing:
         want = frame.num_blocks * layout.block_size * heads * layout.head_dim * layout.element_size
         if frame.payload_len != want:
             raise ValueError(f"DATA payload {frame.payload_len} bytes, expected {want}")
-
-    def byte_range(self, frame: Frame) -> memoryview | None:
-        """The destination bytes of an already validated full-head DATA frame on CPU, else None."""
-        layout = self.layout
-        if not self.flat or layout is None or frame.head_hi - frame.head_lo != layout.local_heads:
-            return None
-        start = frame.dst_start * layout.block_bytes
-        return self.flat[frame.layer][frame.kv][start : start + frame.payload_len]
 
     def landed(self, entry: Entry, layer: int, nbytes: int) -> bool:
         """Account ``nbytes`` landed in ``layer``; True when this made the request DONE."""

@@ -174,3 +174,28 @@ def flat_bytes(t: torch.Tensor) -> memoryview:
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("flat_bytes needs a contiguous CPU tensor")
     return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+
+
+class RegisteredKV:
+    """One rank's registered KV tensors (either end), with a flat byte view of each CPU tensor, made once, so that a
+    full-head block run is a plain memoryview slice."""
+
+    def __init__(self) -> None:
+        self.layout: KVLayout | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        self.flat: list[tuple[memoryview, ...]] = []
+
+    def register(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout) -> None:
+        self.num_blocks = validate_caches(kv_caches, layout)
+        self.kv_caches = list(kv_caches)
+        self.layout = layout
+        self.flat = [tuple(flat_bytes(t) for t in pair) for pair in kv_caches] if not kv_caches[0][0].is_cuda else []
+
+    def run_bytes(self, layer: int, kv: int, block: int, heads: int, nbytes: int) -> memoryview | None:
+        """``nbytes`` of ``layer``'s K or V from ``block`` on, when ``heads`` are all local heads on CPU; else None."""
+        layout = self.layout
+        if not self.flat or layout is None or heads != layout.local_heads:
+            return None
+        start = block * layout.block_bytes
+        return self.flat[layer][kv][start : start + nbytes]

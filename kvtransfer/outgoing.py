@@ -22,7 +22,7 @@ from kvtransfer.base import DestinationInfo, KVCaches, KVSender, TransferState
 from kvtransfer.book import Entry, OnFailed, TransferBook
 from kvtransfer.config import TransferConfig
 from kvtransfer.io_cpus import start_io_thread
-from kvtransfer.layout import KVLayout, flat_bytes, validate_caches
+from kvtransfer.layout import KVLayout, RegisteredKV
 from kvtransfer.plan import Piece, plan_leg
 from kvtransfer.sockio import join_all
 from kvtransfer.wire import Frame, Kind, control, hello_payload
@@ -47,29 +47,13 @@ class Outgoing:
     finish_requested: bool = False
 
 
-class Outbound:
+class Outbound(RegisteredKV):
     """Composed by every sender: registration, start-time planning and progress accounting."""
 
     def __init__(self, book: TransferBook, backend: str) -> None:
+        super().__init__()
         self.book = book
         self.backend = backend
-        self.layout: KVLayout | None = None
-        self.kv_caches: KVCaches = ()
-        self.num_blocks = 0
-
-    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
-        self.num_blocks = validate_caches(kv_caches, layout)
-        self.kv_caches = list(kv_caches)
-        self.layout = layout
-        self.flat = [tuple(flat_bytes(t) for t in pair) for pair in kv_caches] if not kv_caches[0][0].is_cuda else []
-
-    def source_bytes(self, layer: int, kv: int, piece: Piece) -> memoryview | None:
-        """The source bytes of a full-head piece on CPU (a memoryview slice, no tensor ops), else None."""
-        layout = self.layout
-        if not self.flat or layout is None or piece.src_heads[1] - piece.src_heads[0] != layout.local_heads:
-            return None
-        start = piece.src_start * layout.block_bytes
-        return self.flat[layer][kv][start : start + piece.nbytes]
 
     def open(
         self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_ids: Sequence[int],
@@ -146,7 +130,7 @@ def writes_for(writes: dict[Any, PeerWrites], peer: Any, deadline: float) -> Pee
 
 
 class QueuedSender(KVSender):
-    """A subclass supplies ``_peer`` (connect), ``_gather_layer`` and ``_flush``; its peers have ``endpoint``,
+    """A subclass supplies ``_peer`` (connect), ``_payload`` and ``_flush``; its peers have ``endpoint``,
     ``alive``, ``legs`` (transfer id -> the entry and leg it carries) and ``close()``."""
 
     cannot_reach: ClassVar[str] = "cannot reach receiver"  # how a failed ``_peer`` is reported, per transport
@@ -169,8 +153,23 @@ class QueuedSender(KVSender):
         """The live connection to the receiver at ``endpoint``, made if needed; raises if it cannot be made."""
         raise NotImplementedError
 
-    def _gather_layer(self, writes: dict[Any, PeerWrites], request_id: str, layer: int) -> None:
+    def _payload(self, w: PeerWrites, layer: int, kv: int, piece: Piece, t: torch.Tensor) -> None:
+        """Add ``piece``'s K (``kv=0``) or V bytes of ``layer`` to ``w``, after its DATA header."""
         raise NotImplementedError
+
+    def _gather_layer(self, writes: dict[Any, PeerWrites], request_id: str, layer: int) -> None:
+        entry = self.out.live(request_id)
+        if entry is None:
+            return
+        k, v = self.out.kv_caches[layer]
+        for leg in entry.ctx.legs:
+            w = writes_for(writes, leg.peer, entry.deadline)
+            for p in leg.pieces:
+                for kv, t in enumerate((k, v)):
+                    w.frames.append(Frame(Kind.DATA, leg.dest.transfer_id, layer, kv, p.dst_start, p.num_blocks,
+                                          p.dst_heads[0], p.dst_heads[1], p.nbytes).pack())
+                    self._payload(w, layer, kv, p, t)
+            w.layers.append((entry, leg, 2 * sum(p.nbytes for p in leg.pieces)))
 
     def _flush(self, writes: dict[Any, PeerWrites]) -> None:
         raise NotImplementedError

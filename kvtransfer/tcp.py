@@ -23,7 +23,8 @@ from auth.tls_socket import DuplexTLS
 from kvtransfer.book import Entry, OnFailed
 from kvtransfer.config import TransferConfig
 from kvtransfer.layout import flat_bytes
-from kvtransfer.outgoing import Leg, PeerWrites, QueuedSender, writes_for
+from kvtransfer.outgoing import Leg, PeerWrites, QueuedSender
+from kvtransfer.plan import Piece
 from kvtransfer.sockio import (
     ListeningReceiver,
     PeerClosed,
@@ -112,24 +113,11 @@ class TcpSender(QueuedSender):
             for entry, leg, nbytes in w.layers:
                 self.out.leg_sent_layer(entry, leg, nbytes)
 
-    def _gather_layer(self, writes: dict[Any, PeerWrites], request_id: str, layer: int) -> None:
-        """Each piece's DATA header, then its payload: a memoryview of the source blocks (no copy for full-head
-        pieces on CPU), side by side in one iovec list."""
-        entry = self.out.live(request_id)
-        if entry is None:
-            return
-        k, v = self.out.kv_caches[layer]
-        for leg in entry.ctx.legs:
-            w = writes_for(writes, leg.peer, entry.deadline)
-            nbytes = 0
-            for p in leg.pieces:
-                for kv, t in enumerate((k, v)):
-                    w.frames.append(Frame(Kind.DATA, leg.dest.transfer_id, layer, kv, p.dst_start, p.num_blocks,
-                                          p.dst_heads[0], p.dst_heads[1], p.nbytes).pack())
-                    src = self.out.source_bytes(layer, kv, p)
-                    w.frames.append(src if src is not None else flat_bytes(staged(p.src_view(t))))
-                    nbytes += p.nbytes
-            w.layers.append((entry, leg, nbytes))
+    def _payload(self, w: PeerWrites, layer: int, kv: int, piece: Piece, t: torch.Tensor) -> None:
+        """Right after its header, in one iovec list: a memoryview of the source blocks (no copy for full-head
+        pieces on CPU)."""
+        src = self.out.run_bytes(layer, kv, piece.src_start, piece.src_heads[1] - piece.src_heads[0], piece.nbytes)
+        w.frames.append(src if src is not None else flat_bytes(staged(piece.src_view(t))))
 
 
 @dataclass(eq=False)
@@ -223,7 +211,8 @@ class TcpReceiver(ListeningReceiver):
                 discard(conn.sock, frame.payload_len, self._stop, scratch)
                 return
             conn.writing = entry
-            direct = self.landing.byte_range(frame)
+            direct = self.landing.run_bytes(frame.layer, frame.kv, frame.dst_start, frame.head_hi - frame.head_lo,
+                                            frame.payload_len)
             if direct is not None:
                 recv_exact(conn.sock, direct, self._stop)
             else:

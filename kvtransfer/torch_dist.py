@@ -25,7 +25,8 @@ from kvtransfer.book import Entry, OnFailed
 from kvtransfer.config import TransferConfig
 from kvtransfer.io_cpus import io_affinity
 from kvtransfer.layout import KVLayout
-from kvtransfer.outgoing import Leg, PeerWrites, QueuedSender, writes_for
+from kvtransfer.outgoing import Leg, PeerWrites, QueuedSender
+from kvtransfer.plan import Piece
 from kvtransfer.sockio import ListeningReceiver, close_socket, recv_exact, send_nowait, send_vectored, tune
 from kvtransfer.wire import HEADER_SIZE, Frame, Kind, unpack
 
@@ -188,20 +189,9 @@ class TorchSender(QueuedSender):
     def _idle(self) -> None:
         self._complete()  # nothing queued behind: wait for the layers in flight
 
-    def _gather_layer(self, writes: dict[Any, PeerWrites], request_id: str, layer: int) -> None:
-        entry = self.out.live(request_id)
-        if entry is None:
-            return
-        k, v = self.out.kv_caches[layer]
-        for leg in entry.ctx.legs:
-            w = writes_for(writes, leg.peer, entry.deadline)
-            for p in leg.pieces:
-                for kv, t in enumerate((k, v)):
-                    w.frames.append(Frame(Kind.DATA, leg.dest.transfer_id, layer, kv, p.dst_start, p.num_blocks,
-                                          p.dst_heads[0], p.dst_heads[1], p.nbytes).pack())
-                    src = p.src_view(t)
-                    w.payloads.append(as_bytes(src if src.is_contiguous() else src.contiguous()))
-            w.layers.append((entry, leg, sum(p.nbytes for p in leg.pieces) * 2))
+    def _payload(self, w: PeerWrites, layer: int, kv: int, piece: Piece, t: torch.Tensor) -> None:
+        src = piece.src_view(t)
+        w.payloads.append(as_bytes(src if src.is_contiguous() else src.contiguous()))
 
     def _flush(self, writes: dict[Any, PeerWrites]) -> None:
         """Per pair: one control message (every frame gathered, in queue order), then its payloads' ``send``s."""

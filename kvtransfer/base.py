@@ -38,12 +38,8 @@ __all__ = ["DestinationInfo", "KVCaches", "KVReceiver", "KVSender", "OnDone", "O
 
 @dataclass(slots=True, frozen=True)
 class DestinationInfo:
-    """Everything a sender needs to push one request's KV into one decode rank's reserved blocks.
-
-    ``deadline_s`` is an absolute wall-clock time (``time.time()``); each side converts it to its own monotonic
-    clock on arrival. ``regions`` are per-layer ``(k_addr, v_addr)`` base addresses (one-sided backends only) and
-    ``agent_metadata`` is the backend's opaque peer blob (NIXL agent metadata), both empty where unused.
-    """
+    """Everything a sender needs to push one request's KV into one decode rank's reserved blocks. ``deadline_s`` is
+    wall-clock (``time.time()``); ``regions`` (per-layer K and V base addresses) and ``agent_metadata`` serve NIXL."""
 
     backend: str
     request_id: str
@@ -129,12 +125,8 @@ class _Side(abc.ABC):
         """Tell the other end that ``entry`` failed here (best effort; its own lease is the backstop)."""
 
     def set_on_done(self, on_done: OnDone | None) -> None:
-        """Call ``on_done(request_id)`` the moment a transfer turns DONE, so its owner need not wait for a poll tick.
-
-        It runs on whichever thread saw the transfer finish, possibly under the request ledger's lock: it must only
-        signal (set an event, queue a call on the engine loop), never block or call back into this object. ``poll``
-        stays the source of truth.
-        """
+        """Call ``on_done(request_id)`` the moment a transfer turns DONE, on that thread and possibly under the
+        ledger's lock: it must only signal, never block or call back. ``poll`` stays the source of truth."""
         self.book.on_done = on_done
 
     def poll(self, request_id: str) -> TransferStatus:
@@ -162,11 +154,8 @@ class KVSender(_Side):
         src_block_ids: Sequence[int],
         deadline_s: float,
     ) -> None:
-        """Handshake with the destination rank(s). Raises ``CompatibilityError`` (and tells the peer) on mismatch.
-
-        Several destinations are given when this rank's heads are spread over several decode ranks (src TP <
-        dst TP); each gets the head slice it owns.
-        """
+        """Handshake with the destination rank(s), one per head slice when src TP < dst TP. Raises
+        ``CompatibilityError`` (and tells the peer) on mismatch."""
 
     @abc.abstractmethod
     def send_layer(self, request_id: str, layer: int) -> None:

@@ -130,11 +130,8 @@ class TransferBook:
 
     # ---- transitions
     def fail(self, entry: Entry, message: str, notify_peer: bool = False, tell_owner: bool = True) -> bool:
-        """Move ``entry`` to FAILED (first failure wins); returns whether it transitioned.
-
-        ``notify_peer``: the failure was decided here, so the peer is told. ``tell_owner=False`` for failures the
-        owner caused itself (``release`` of an in-flight request), which do not call ``on_failed``.
-        """
+        """Move ``entry`` to FAILED (first failure wins); returns whether it transitioned. ``notify_peer``: decided
+        here, so tell the peer; ``tell_owner=False``: the owner caused it (``release``), no ``on_failed``."""
         with self.lock:
             if entry.state >= TransferState.DONE:
                 return False

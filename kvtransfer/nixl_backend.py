@@ -319,11 +319,8 @@ class NixlSender(KVSender):
                 self.book.fail(entry, f"sender: FINISH to {lp.remote} failed: {e}")
 
     def _check_pending(self, entry: Entry, leg: Leg, only_layer: int | None = None) -> bool:
-        """Collect ``leg``'s completed WRITEs (only ``only_layer``'s when given); False if one failed.
-
-        Called from the progress thread and, for the last layer, from the posting thread: a handle is taken off
-        ``pending`` under the book's lock before it is released, so each is released exactly once.
-        """
+        """Collect ``leg``'s completed WRITEs (only ``only_layer``'s when given); False if one failed. Two threads
+        call it, so a handle leaves ``pending`` under the book's lock before its single release."""
         lp: _LegPlan = leg.peer
         with self.book.lock:
             candidates = [p for p in lp.pending if only_layer is None or p[0] == only_layer]
@@ -539,10 +536,8 @@ class NixlReceiver(LandingReceiver):
             if pace is not None and offset is not None:
                 pace.note(frame.layer, offset, self._poll_now)
             self._landed(entry, frame)
-        elif frame.kind == Kind.FINISH:
-            self.landing.on_finish(entry)
-        elif frame.kind == Kind.FAIL:
-            self.book.fail(entry, f"receiver: sender reported: {payload.decode(errors='replace')}")
+        else:
+            self._control(entry, frame, payload, remote)
         return frame.kind
 
     def _refuse_stale_hello(self, tid: int, payload: bytes) -> None:

@@ -25,11 +25,8 @@ class PeerClosed(ConnectionError):
 
 
 def recv_exact(sock: socket.socket, mv: memoryview, stop: threading.Event, at_boundary: bool = False) -> None:
-    """Fill ``mv`` from ``sock``; raises :class:`PeerClosed` on EOF and ``InterruptedError`` when stopped.
-
-    On a blocking socket ``MSG_WAITALL`` makes this one syscall per payload (the kernel copies straight into the
-    tensor); a shutdown from another thread ends the wait. On a socket with a timeout it loops over slices.
-    """
+    """Fill ``mv`` from ``sock`` (one ``MSG_WAITALL`` call on a blocking socket); raises :class:`PeerClosed` on EOF
+    and ``InterruptedError`` when stopped."""
     off, n = 0, len(mv)
     while off < n:
         try:
@@ -57,12 +54,8 @@ IOV_CHUNK = 512  # buffers per sendmsg call, under Linux's IOV_MAX of 1024
 
 
 def send_vectored(sock: socket.socket, buffers: Sequence[bytes | memoryview], deadline: float) -> int:
-    """Send ``buffers`` back to back, gathered (``sendmsg``: one syscall for many frames), before ``deadline``.
-
-    Returns the bytes sent. Raises ``TimeoutError`` past the deadline and ``OSError`` on a broken connection; a partial
-    send leaves the stream unusable, so the caller drops the connection on any error. ``close()`` elsewhere interrupts
-    it by shutting the socket down.
-    """
+    """Send ``buffers`` gathered (``sendmsg``) before ``deadline``; returns the bytes sent. Any error leaves the
+    stream unusable, so the caller drops the connection."""
     pending = [memoryview(b).cast("B") for b in buffers if len(b)]
     total = 0
     i = 0
@@ -85,11 +78,7 @@ def send_vectored(sock: socket.socket, buffers: Sequence[bytes | memoryview], de
 
 
 def send_nowait(sock: socket.socket, data: bytes) -> bool:
-    """Hand ``data`` to the kernel without blocking, even on a blocking socket (``MSG_DONTWAIT``).
-
-    False when it would block or took only part (the stream is then unusable): a peer that does not drain a small
-    control reply is broken, and the caller cuts the connection rather than stall its thread.
-    """
+    """Hand ``data`` to the kernel without blocking (``MSG_DONTWAIT``); False when it would block or took part."""
     try:
         return sock.send(data, socket.MSG_DONTWAIT) == len(data)
     except BlockingIOError:

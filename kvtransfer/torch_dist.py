@@ -83,13 +83,8 @@ MAX_MESSAGE = 64 << 20  # a control message is wire frames: a layer's DATA heade
 
 
 class ControlLink:
-    """A pair's control channel: one TCP connection carrying length-prefixed messages of wire frames both ways.
-
-    Reads block (no polling: a message is seen the moment it lands) and end with :class:`PeerClosed` on EOF, which
-    a killed peer's kernel delivers at once, or ``InterruptedError`` once ``stop`` is set and :meth:`close` shut the
-    socket. One thread reads; any thread may ``put`` (writes are serialised). A write is bounded by ``deadline``; a
-    partial write leaves the stream unusable, so any write error cuts the connection.
-    """
+    """A pair's control channel: length-prefixed messages of wire frames both ways over one TCP connection. One
+    thread reads (blocking; ends on EOF or ``close``); writes are serialised and bounded, and any error cuts it."""
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         tune(sock, None)
@@ -286,11 +281,8 @@ class TorchReceiver(ListeningReceiver):
             self._closed(link, f"receiver: {reason} (pair {index})")
 
     def _data(self, group: Any, frames: list[Frame]) -> None:
-        """Receive one layer message's payloads: all ``recv``s posted first, then waited on together.
-
-        The sender sends every payload it announced no matter what, so each is received; it is written into the
-        reserved blocks only while the lease is live and the header checks out (otherwise into a scratch buffer).
-        """
+        """Receive one message's payloads, every ``recv`` posted before any wait. Each announced payload is received,
+        but written into the reserved blocks only while the lease is live and the header checks out."""
         device = "cuda" if self._cuda else "cpu"
         slots: list[tuple[Frame, Entry | None, torch.Tensor | None, torch.Tensor]] = []
         try:

@@ -16,17 +16,12 @@ class TransferConfig:
     io_timeout_s: float = 0.2  # socket/store wait slice; threads re-check stop and deadlines between slices
     connect_timeout_s: float = 10.0  # handshake bound: connecting, forming a process group
     close_timeout_s: float = 1.0  # close() joins its threads within this
-    ucx_net_devices: str = "lo"  # NIXL/UCX: applied to UCX_NET_DEVICES before the agent is created
-    # NIXL/UCX: UCX_TLS, e.g. "tcp,self"; "" leaves UCX's own choice (see kvtransfer.nixl_agent.ucx_environment).
-    ucx_tls: str = ""
+    ucx_net_devices: str = "lo"  # NIXL/UCX: UCX_NET_DEVICES
+    ucx_tls: str = ""  # NIXL/UCX: UCX_TLS, e.g. "tcp,self"; "" leaves UCX's own choice
     nixl_backends: tuple[str, ...] = ("UCX",)
-    # NIXL's progress thread sleeps this long between idle passes. NIXL's Python API hard-codes 0, a thread that
-    # spins on a whole core for as long as the agent lives.
-    nixl_progress_delay_us: int = 100
-    # CPUs for every thread the transport starts (kvtransfer.io_cpus); () leaves them on the process's CPUs.
-    io_cpus: tuple[int, ...] = ()
-    # TCP backend: mutual TLS on its connections (auth/tls.py builds both contexts from the worker's --tls-* files).
-    # ``tls_server`` requires a client certificate from the cluster's CA; ``tls_client`` checks the receiver's
+    nixl_progress_delay_us: int = 100  # NIXL's progress thread's idle sleep (its API's 0 spins on a whole core)
+    io_cpus: tuple[int, ...] = ()  # CPUs for every thread the transport starts (kvtransfer.io_cpus)
+    # TCP backend: mutual TLS (auth/tls.py builds both contexts from --tls-*); ``tls_client`` checks the receiver
     # against ``tls_server_name`` (None: the host dialled). Both None: plain TCP (loopback ``tandem up``).
     tls_server: ssl.SSLContext | None = None
     tls_client: ssl.SSLContext | None = None

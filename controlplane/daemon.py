@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 from dataclasses import dataclass
 
 from auth.credentials import Credentials
 from controlplane.controller import Controller, ControllerConfig
+from controlplane.local_cluster import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,7 @@ def _init_ray(address: str) -> None:
 async def _serve(cfg: DaemonConfig, credentials: Credentials | None) -> int:
     from controlplane.control_server import start_control_server
 
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     controller = Controller(cfg.controller, credentials=credentials)
     server, port = await start_control_server(controller, cfg.host, cfg.control_port)
     controller.start()

@@ -257,8 +257,8 @@ class LocalCluster:
             await self.controller.close()
 
 
-def _stop_on_signals() -> asyncio.Event:
-    """An event that SIGINT or SIGTERM sets, handled by the running loop."""
+def stop_on_signals() -> asyncio.Event:
+    """An event that SIGINT or SIGTERM sets, handled by the running loop (``tandem up`` and the controller daemon)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -267,7 +267,7 @@ def _stop_on_signals() -> asyncio.Event:
 
 
 async def _serve(cluster: LocalCluster) -> int:
-    stop = _stop_on_signals()
+    stop = stop_on_signals()
     try:
         starting = asyncio.create_task(cluster.start())
         stopped = asyncio.create_task(stop.wait())

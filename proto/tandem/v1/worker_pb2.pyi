@@ -204,7 +204,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "role", "model", "compat_hash", "draining", "worker_id", "kv_backend", "block_size", "hash_extra_keys", "session_port")
+    __slots__ = ("status", "role", "model", "compat_hash", "draining", "worker_id", "kv_backend", "block_size", "hash_extra_keys", "session_port", "lora_adapters")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +215,7 @@ class HealthResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     SESSION_PORT_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     status: str
     role: str
     model: str
@@ -225,7 +226,38 @@ class HealthResponse(_message.Message):
     block_size: int
     hash_extra_keys: _containers.RepeatedScalarFieldContainer[str]
     session_port: int
-    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., compat_hash: _Optional[str] = ..., draining: _Optional[bool] = ..., worker_id: _Optional[str] = ..., kv_backend: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_extra_keys: _Optional[_Iterable[str]] = ..., session_port: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapterInfo]
+    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., compat_hash: _Optional[str] = ..., draining: _Optional[bool] = ..., worker_id: _Optional[str] = ..., kv_backend: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_extra_keys: _Optional[_Iterable[str]] = ..., session_port: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class LoRAAdapterInfo(_message.Message):
+    __slots__ = ("name", "content_hash", "resident")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    content_hash: str
+    resident: bool
+    def __init__(self, name: _Optional[str] = ..., content_hash: _Optional[str] = ..., resident: _Optional[bool] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class LoRAAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoRAAdapterInfo, _Mapping]]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

@@ -89,6 +89,16 @@ class WorkerStub:
                 request_serializer=proto_dot_tandem_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=proto_dot_tandem_dot_v1_dot_worker__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/tandem.v1.Worker/LoadLoRAAdapter',
+                request_serializer=proto_dot_tandem_dot_v1_dot_worker__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_tandem_dot_v1_dot_worker__pb2.LoRAAdaptersResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/tandem.v1.Worker/UnloadLoRAAdapter',
+                request_serializer=proto_dot_tandem_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_tandem_dot_v1_dot_worker__pb2.LoRAAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -160,6 +170,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +239,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=proto_dot_tandem_dot_v1_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=proto_dot_tandem_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=proto_dot_tandem_dot_v1_dot_worker__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=proto_dot_tandem_dot_v1_dot_worker__pb2.LoRAAdaptersResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=proto_dot_tandem_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=proto_dot_tandem_dot_v1_dot_worker__pb2.LoRAAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -516,6 +548,60 @@ class Worker:
             '/tandem.v1.Worker/Drain',
             proto_dot_tandem_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
             proto_dot_tandem_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/LoadLoRAAdapter',
+            proto_dot_tandem_dot_v1_dot_worker__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            proto_dot_tandem_dot_v1_dot_worker__pb2.LoRAAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/UnloadLoRAAdapter',
+            proto_dot_tandem_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            proto_dot_tandem_dot_v1_dot_worker__pb2.LoRAAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

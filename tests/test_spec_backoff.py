@@ -63,3 +63,38 @@ def test_rejected_proposals_free_their_slots_and_back_the_request_off() -> None:
     assert spec.stats.num_drafts == 3 and spec.stats.num_accepted_tokens == 0
     kv.free(req)
     assert pool.num_free_blocks == free0 + 1
+
+
+def test_a_later_request_under_the_same_id_does_not_inherit_the_back_off() -> None:
+    """A request that backed off, then ended (aborted, or migrated away), leaves its back-off behind; a new request
+    under the same id (a client's reused id, a resend to this worker) is speculated on its first decode step."""
+    pool = BlockPool(32)
+    kv = KVCacheManager(pool, 4)
+    proposer = CountingProposer()
+    spec = SpecDecoder(SpeculativeConfig("ngram", 4), proposer, kv, max_model_len=64, max_num_batched_tokens=64)
+
+    def decode_step(req: Request) -> bool:
+        assert kv.allocate_slots(req, 1)
+        drafts = spec.plan(SchedulerOutput([req], [1]))
+        req.num_computed_tokens += 1
+        if drafts:
+            spec.verify(req, _logits(5, 5), torch.Generator())  # the proposals (9s) are all rejected
+        req.append_token(5)
+        if drafts:
+            spec.settle(req, 1)
+        return bool(drafts)
+
+    def fresh() -> Request:
+        req = Request("same", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0), block_size=4)
+        assert kv.allocate_slots(req, 3)
+        req.num_computed_tokens = 3
+        req.append_token(5)
+        return req
+
+    first = fresh()
+    assert [decode_step(first) for _ in range(2)] == [True, False]  # rejected, then sitting out
+    kv.free(first)
+    second = fresh()
+    assert decode_step(second)
+    kv.free(second)
+    assert pool.num_free_blocks == 32

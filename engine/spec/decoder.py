@@ -76,6 +76,17 @@ class SpecStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+@dataclass(slots=True)
+class _Backoff:
+    """A request's proposals rejected in a row (steps with none accepted) and the steps it still sits out. Held
+    with the request it belongs to: a later request under the same id (a client's reused id, a request resent to
+    this worker after a migration) starts afresh instead of inheriting it."""
+
+    request: Request
+    misses: int = 0
+    skip: int = 0
+
+
 def speculable(req: Request) -> bool:
     p = req.params
     return (req.matcher is None and p.logprobs is None and p.prompt_logprobs is None and not p.needs_penalties)
@@ -91,8 +102,7 @@ class SpecDecoder:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.stats = SpecStats()
         self.drafts: dict[str, list[int]] = {}
-        self._misses: dict[str, int] = {}  # request id -> proposals rejected in a row (steps with none accepted)
-        self._skip: dict[str, int] = {}  # request id -> steps still to sit out
+        self._backoff: dict[str, _Backoff] = {}  # request id -> its back-off, while proposals are rejected
 
     def plan(self, sched: SchedulerOutput) -> dict[str, list[int]]:
         """Propose for this step's decoding requests and reserve their slots; request id -> proposed tokens."""
@@ -106,19 +116,18 @@ class SpecDecoder:
                 break
             if n != 1 or req.num_computed_tokens + 1 != req.num_tokens or not speculable(req):
                 continue
-            rid = req.request_id
-            if self._skip.get(rid):
-                self._skip[rid] -= 1
+            b = self._backoff.get(req.request_id)
+            if b is not None and b.request is req and b.skip:
+                b.skip -= 1
                 continue
             k = min(self.config.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1, budget)
             if k > 0:
                 chosen.append((req, k))
                 budget -= k
-        if len(self._misses) > 2 * len(sched.requests) + 64:  # forget finished requests' back-off
+        if len(self._backoff) > 2 * len(sched.requests) + 64:  # forget finished requests' back-off
             live = {r.request_id for r in sched.requests}
-            self._misses = {r: m for r, m in self._misses.items() if r in live}
-            self._skip = {r: m for r, m in self._skip.items() if r in live}
+            self._backoff = {r: b for r, b in self._backoff.items() if r in live}
         if not chosen:
             return self.drafts
         proposals = self.proposer.propose_batch([(req.all_token_ids, k) for req, k in chosen])
@@ -141,12 +150,13 @@ class SpecDecoder:
         self.stats.num_accepted_tokens += len(out) - 1
         rid = req.request_id
         if len(out) > 1:
-            self._misses.pop(rid, None)
-            self._skip.pop(rid, None)
+            self._backoff.pop(rid, None)
         else:
-            misses = self._misses.get(rid, 0) + 1
-            self._misses[rid] = misses
-            self._skip[rid] = min(2 ** misses, MAX_BACKOFF_STEPS)
+            b = self._backoff.get(rid)
+            if b is None or b.request is not req:  # none yet, or an earlier request's under the same id
+                b = self._backoff[rid] = _Backoff(req)
+            b.misses += 1
+            b.skip = min(2 ** b.misses, MAX_BACKOFF_STEPS)
         return out
 
     def settle(self, req: Request, num_emitted: int) -> None:

@@ -2,8 +2,11 @@
 OpenAI gateway on loopback, driven by the official ``openai`` client and plain HTTP.
 
 One cluster is started for the module (``--min-uncached-tokens`` is left at its default, so short prompts run
-colocated on the decode worker and long ones disaggregated through the prefill worker). The last test stops it
-with SIGINT and checks that every process it started is gone.
+colocated on the decode worker and long ones disaggregated through the prefill worker). It runs with
+``--speculative ngram --num-speculative-tokens 3``, so that every greedy answer checked against transformers below
+is also a check of speculative decoding (requests with logprobs are never speculated), and one test reads the
+acceptance counters off the decode worker's own /metrics. The last test stops it with SIGINT and checks that every
+process it started is gone.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from prom_harness import Prometheus
 from router.server import RouterConfig
 
 pytestmark = pytest.mark.slow
+SPECULATIVE = ("--speculative", "ngram", "--num-speculative-tokens", "3")
 
 
 def _free_port() -> int:
@@ -76,7 +80,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(checkpoint("llama"), tmp_path_factory.mktemp("tandem-home"))
+    c = Cluster(checkpoint("llama"), tmp_path_factory.mktemp("tandem-home"), SPECULATIVE)
     yield c
     c.stop()
 
@@ -109,6 +113,41 @@ def test_greedy_completion_equals_transformers(client: openai.OpenAI, checkpoint
         tok = Tokenizer(checkpoint("llama"))
         assert r.choices[0].text == tok.decode(ref)
         assert r.usage is not None and r.usage.completion_tokens == 8 and r.usage.prompt_tokens == n
+
+
+def test_speculating_workers_answer_exactly_and_the_decode_worker_exports_acceptance(
+        cluster: Cluster, client: openai.OpenAI, checkpoint: Callable[[str], Path],
+        hf_greedy: Callable[..., list[int]]) -> None:
+    """Greedy requests without logprobs (speculated), colocated and disaggregated, streamed and not: the openai
+    client gets transformers' greedy text (= decoding without speculation); then the decode worker's /metrics,
+    found in tandem up's file_sd targets, counts verified proposals and exports the acceptance gauges."""
+    from engine.tokenizer import Tokenizer
+
+    path = checkpoint("llama")
+    tok = Tokenizer(path)
+    for text in ("hello", "hello " * 40):  # 2 tokens: colocated; 81: past the 64 uncached, disaggregated
+        prompt = tok.encode(text)
+        want = tok.decode(hf_greedy(path, prompt, 24))
+        r = client.completions.create(model=_model(client), prompt=prompt, max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want
+        assert r.usage is not None and r.usage.completion_tokens == 24
+        stream = client.completions.create(model=_model(client), prompt=prompt, max_tokens=24, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want
+    groups = json.loads(Path(cluster.state["prometheus_targets"]).read_text())
+    decode = [g["targets"][0] for g in groups if g["labels"].get("tier") == "decode"]
+    assert len(decode) == 1, groups
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = httpx.get(f"http://{decode[0]}/metrics", timeout=10).text
+    values = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples
+              if s.name.startswith("tandem_spec_decode_")}
+    drafts, proposed = values["tandem_spec_decode_drafts_total"], values["tandem_spec_decode_draft_tokens_total"]
+    accepted = values["tandem_spec_decode_accepted_tokens_total"]
+    assert drafts > 0 and 0 < accepted <= proposed <= 3 * drafts, values
+    assert values["tandem_spec_decode_acceptance_rate"] == pytest.approx(accepted / proposed)
+    assert values["tandem_spec_decode_mean_accepted_length"] == pytest.approx(1 + accepted / drafts)
 
 
 def test_completion_streaming_matches_non_streaming_and_reports_usage(client: openai.OpenAI) -> None:

@@ -18,8 +18,9 @@ from auth.tls import grpc_server_credentials
 from auth.token import METADATA_KEY, token_matches
 
 # The worker API's admin RPCs: draining a worker, reading its cache (Snapshot, KVEvents: which prefixes are cached),
-# aborting any request by id.
-WORKER_ADMIN_METHODS = frozenset(f"/tandem.v1.Worker/{m}" for m in ("Drain", "Snapshot", "Abort", "KVEvents"))
+# aborting any request by id, loading or unloading a LoRA adapter (it reads a directory on the worker's host).
+WORKER_ADMIN_METHODS = frozenset(f"/tandem.v1.Worker/{m}" for m in ("Drain", "Snapshot", "Abort", "KVEvents",
+                                                                     "LoadLoRAAdapter", "UnloadLoRAAdapter"))
 # The controller's API (proto/tandem/v1/control.proto): changing replicas or draining them.
 CONTROL_ADMIN_METHODS = frozenset(f"/tandem.v1.Control/{m}" for m in ("SetReplicas", "Drain"))
 

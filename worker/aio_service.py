@@ -330,6 +330,39 @@ class AioWorker(pb_grpc.WorkerServicer):
         self.svc.start_draining()
         return pb.DrainResponse(in_flight=await self._on_loop(self.svc.in_flight))
 
+    async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest,
+                              context: grpc.aio.ServicerContext[Any, Any]) -> pb.LoRAAdaptersResponse:
+        """Serve a LoRA adapter from now on (worker/lora_admin.py); the registry entry follows at once."""
+        from worker.lora_admin import AdaptersRefused, load_op
+
+        try:
+            infos = await self._on_loop(load_op(self.svc, request.name, request.path), timeout_s=300.0)
+        except AdaptersRefused as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return self._adapters_changed(infos)
+
+    async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest,
+                                context: grpc.aio.ServicerContext[Any, Any]) -> pb.LoRAAdaptersResponse:
+        """Stop serving a LoRA adapter; refused while unfinished requests name it (worker/lora_admin.py)."""
+        from engine.lora.manager import UnknownAdapterError
+        from worker.lora_admin import AdapterInUse, AdaptersRefused, unload_op
+
+        try:
+            infos = await self._on_loop(unload_op(self.svc, request.name))
+        except (AdaptersRefused, AdapterInUse) as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except UnknownAdapterError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        return self._adapters_changed(infos)
+
+    def _adapters_changed(self, infos: list[pb.LoRAAdapterInfo]) -> pb.LoRAAdaptersResponse:
+        publisher = self.svc.publisher
+        if publisher is not None:
+            publisher.set_loras({a.name: a.content_hash for a in infos})
+        return pb.LoRAAdaptersResponse(adapters=infos)
+
     async def Snapshot(self, request: pb.SnapshotRequest,
                        context: grpc.aio.ServicerContext[Any, Any]) -> pb.SnapshotResponse:
         return await self._on_loop(self.svc.snapshot_op)

@@ -2,7 +2,8 @@
 
 Keys (``P`` = ``tandem:<model key>``):
 
-- ``P:worker:<worker_id>``: JSON ``{address, role, worker_id, compat_hash, draining, sig}``, signed with the
+- ``P:worker:<worker_id>``: JSON ``{address, role, worker_id, compat_hash, draining, loras, sig}`` (``loras``: the
+  LoRA adapters it serves, name -> content hash, rewritten at once when one is loaded or unloaded), signed with the
   cluster token (auth/signing.py: routers ignore an entry whose ``sig`` does not check), set with a TTL of
   ``lease_s`` and refreshed every ``lease_s / 3``. A worker that dies simply stops refreshing: its entry
   vanishes within one lease. A Redis that restarts empty has every live worker's entry back within one refresh,
@@ -21,7 +22,7 @@ import json
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
@@ -41,10 +42,11 @@ class WorkerAd:
     role: str
     compat_hash: str
     draining: bool = False
+    loras: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> content hash (worker/lora_admin.py)
 
     def to_dict(self) -> dict[str, object]:
         return {"worker_id": self.worker_id, "address": self.address, "role": self.role,
-                "compat_hash": self.compat_hash, "draining": self.draining}
+                "compat_hash": self.compat_hash, "draining": self.draining, "loras": dict(self.loras)}
 
     def to_json(self, token: str | None = None) -> str:
         """The entry as JSON, signed when there is a ``token``."""
@@ -85,6 +87,14 @@ class RedisPublisher:
             self._heartbeat()
         except redis.RedisError as e:  # Redis is away: the publisher thread's next heartbeat carries the flag
             log.warning("redis publisher: draining flag not written yet: %s", e)
+
+    def set_loras(self, loras: dict[str, str]) -> None:
+        """The adapters served changed: rewrite the entry now (else the next heartbeat carries them)."""
+        self.ad.loras = dict(loras)
+        try:
+            self._heartbeat()
+        except redis.RedisError as e:
+            log.warning("redis publisher: adapter list not written yet: %s", e)
 
     def stop(self) -> None:
         self._stop.set()

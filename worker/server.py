@@ -304,9 +304,11 @@ def serve(args: argparse.Namespace, catalogue: Mapping[str, FamilySpec] | None =
         listener = SessionListener(service, args.host, args.session_port, tls=tls)
         service.session_port = listener.port
     if args.redis:
+        from worker.lora_admin import adapter_hashes
         from worker.redis_bus import RedisPublisher, WorkerAd
 
-        ad = WorkerAd(service.worker_id, f"{args.host}:{port}", service.role, service.compat_hash)
+        ad = WorkerAd(service.worker_id, f"{args.host}:{port}", service.role, service.compat_hash,
+                      loras=adapter_hashes(service.engine))
         service.publisher = RedisPublisher(args.redis, model_key(service.engine), ad, args.lease_seconds,
                                            token=creds.token, tls=creds.tls)
         service.publisher.start()

@@ -31,6 +31,7 @@ from engine.request import RequestStatus
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from worker.convert import chunk_from_outputs, params_from_proto
+from worker.lora_admin import adapter_infos
 from worker.parking import Parking
 from worker.session import WorkerSession
 
@@ -216,13 +217,15 @@ class WorkerService(pb_grpc.WorkerServicer):
         return False
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
-        status = "SERVING" if self.loop.error is None else "FAILED"
+        # Draining (SIGTERM, Drain, a dead rank) answers NOT_SERVING: a router stops sending before the process goes.
+        status = "FAILED" if self.loop.error is not None else "NOT_SERVING" if self.draining else "SERVING"
         # The model's name, never its path: Health answers anyone who can reach the port.
         model = Path(self.engine.config.model).name
         return pb.HealthResponse(status=status, role=self.role, model=model,
                                  compat_hash=self.compat_hash, draining=self.draining, worker_id=self.worker_id,
                                  kv_backend=self.kv_backend, block_size=self.engine.block_size,
-                                 hash_extra_keys=list(self.engine.extra_keys), session_port=self.session_port)
+                                 hash_extra_keys=list(self.engine.extra_keys), session_port=self.session_port,
+                                 lora_adapters=adapter_infos(self.engine))
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadResponse:
         return self.loop.call_sync(self._load)

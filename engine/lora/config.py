@@ -23,10 +23,15 @@ class LoRAConfig:
         if len(set(names)) != len(names):
             raise ValueError(f"adapter names must be unique, got {names}")
         for name, path in self.adapters:
-            if not _NAME.fullmatch(name):
-                raise ValueError(f"adapter name {name!r} must be letters, digits, '.', '_' or '-'")
+            check_adapter_name(name)
             if not Path(path).is_dir():
                 raise ValueError(f"adapter {name!r}: {path} is not a directory")
+
+
+def check_adapter_name(name: str) -> None:
+    """ValueError unless ``name`` is letters, digits, '.', '_' or '-' (starting with a letter or digit)."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"adapter name {name!r} must be letters, digits, '.', '_' or '-'")
 
 
 def parse_lora_flag(value: str) -> tuple[str, str]:

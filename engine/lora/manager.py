@@ -10,10 +10,19 @@ request are contiguous). Requests of one adapter form a group; for every target 
 rows get ``(x A^T) B^T * scaling`` added to the base output in place: one pair of small matmuls per adapter present
 (gathered rows when the group is not one contiguous span), none for base-model rows. The hooks are attached to the
 model only when adapters are configured, so the base path pays nothing otherwise.
+
+At run time (the worker's ``LoadLoRAAdapter``/``UnloadLoRAAdapter``, on the engine loop's thread between steps)
+:meth:`LoRAManager.register` adds an adapter (read and checked first: a bad directory changes nothing) and
+:meth:`LoRAManager.unregister` drops one; the caller refuses an unload while requests of it are unfinished. Cached KV
+blocks are keyed by the adapter's *name* (the block hash's extra keys), so a name, once served, stays bound to its
+content for the manager's life: registering other content under a name used before is refused (a new name, or the
+same files again, is fine). Each adapter is named by a content hash too (sha256 of its two files), which the
+workers advertise so that a router can tell the same adapter from a namesake.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -23,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.lora.adapter import LoRAAdapter, LoRAWeights, load_adapter
-from engine.lora.config import LoRAConfig
+from engine.lora.config import LoRAConfig, check_adapter_name
 from engine.model_config import ModelConfig
 from engine.request import Request
 
@@ -51,8 +60,11 @@ class LoRAManager:
         self.resident: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self.loads = 0  # adapters read from disk, start-up included
         self._groups: list[_Group] = []
+        self.hashes: dict[str, str] = {}  # name -> content hash of every adapter served (content_hash)
+        self._bound: dict[str, str] = {}  # name -> content hash of every adapter ever served: its KV's key
         for name in self.paths:  # every adapter is checked at start; the first max_loras stay loaded
             self._load(name)
+            self.hashes[name] = self._bound[name] = content_hash(self.paths[name])
             self._trim(set())
 
     @property
@@ -77,6 +89,38 @@ class LoRAManager:
             return self._load(name)
         self.resident.move_to_end(name)
         return adapter
+
+    def register(self, name: str, path: str | Path) -> str:
+        """Serve the adapter at ``path`` under ``name`` from now on (loaded, most recently used); its content hash.
+        ValueError naming the problem (bad name or directory, an adapter that does not fit the model, a name that
+        serves or served other content); nothing changes then. The same name and content again is a no-op."""
+        check_adapter_name(name)
+        path = Path(path)
+        if not path.is_dir():
+            raise ValueError(f"adapter {name!r}: {path} is not a directory")
+        digest = content_hash(path)
+        bound = self._bound.get(name)
+        if bound is not None and bound != digest:
+            what = "serves" if name in self.paths else "served"
+            raise ValueError(f"adapter {name!r} already {what} other content (hash {bound}, {path} has {digest}); "
+                             "its cached KV is keyed by the name: load these files under a new name")
+        if name in self.paths:
+            return digest
+        adapter = load_adapter(name, path, self.model_config, self.dtype)  # raises before anything changes
+        self.paths[name] = path
+        self.hashes[name] = self._bound[name] = digest
+        self.resident[name] = adapter
+        self.loads += 1
+        self._trim({name})
+        return digest
+
+    def unregister(self, name: str) -> None:
+        """Stop serving ``name`` (UnknownAdapterError if it is not served); the caller makes sure no unfinished
+        request names it."""
+        self.check(name)
+        del self.paths[name]
+        del self.hashes[name]
+        self.resident.pop(name, None)
 
     def _trim(self, keep: set[str]) -> None:
         for name in list(self.resident):
@@ -134,6 +178,19 @@ class LoRAManager:
                     if w is not None:
                         _add_delta(out, xs, w, start, size if size >= 0 else out.shape[1], group)
         return apply
+
+
+def content_hash(path: str | Path) -> str:
+    """16 hex digits of sha256 over an adapter directory's ``adapter_config.json`` and ``adapter_model.safetensors``
+    (the same adapter has the same hash on every host); ValueError when either file is missing."""
+    h = hashlib.sha256()
+    for file in ("adapter_config.json", "adapter_model.safetensors"):
+        try:
+            with open(Path(path) / file, "rb") as f:
+                h.update(hashlib.file_digest(f, "sha256").digest())
+        except FileNotFoundError:
+            raise ValueError(f"{path} needs adapter_config.json and adapter_model.safetensors") from None
+    return h.hexdigest()[:16]
 
 
 def _add_delta(out: torch.Tensor, xs: torch.Tensor, w: LoRAWeights, start: int, size: int, group: _Group) -> None:

@@ -17,6 +17,8 @@ class OperatorConfig:
     control_address: str = DEFAULT_CONTROL_ADDRESS  # "{name}" and "{namespace}" are filled per TandemDeployment
     status_interval_s: float = 10.0  # the timer that re-reads actual state and re-asserts owned objects
     status_initial_delay_s: float = 1.0
+    # How often the planner loop checks whether a TandemDeployment's spec.autoscaling.intervalSeconds has passed.
+    autoscale_tick_s: float = 5.0
     control_timeout_s: float = 5.0  # per Control RPC
     retry_delay_s: float = 10.0  # kopf.TemporaryError delay when the API server or the controller fails
     kube_url: str | None = None  # None: in-cluster service account, else the kubeconfig; tests give kmock's URL
@@ -28,7 +30,7 @@ class OperatorConfig:
         except (KeyError, IndexError, ValueError) as e:
             raise ValueError(f"control_address {self.control_address!r}: only {{name}} and {{namespace}} may be "
                              f"filled in ({e})") from None
-        for field in ("status_interval_s", "control_timeout_s", "retry_delay_s"):
+        for field in ("status_interval_s", "autoscale_tick_s", "control_timeout_s", "retry_delay_s"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")
         if self.status_initial_delay_s < 0:

@@ -15,6 +15,10 @@ Level-triggered, in three loops over the same render and apply:
   (``SetReplicas``), and write ``.status`` of the TandemDeployment and its TandemTiers when they changed. Every
   Control call carries the deployment's cluster token, over mTLS when it is on (``operators.secrets``).
 
+- A second timer per TandemDeployment (every ``autoscale_tick_s``): the planner loop (``operators.autoscale``), which
+  decides once per ``spec.autoscaling.intervalSeconds`` when autoscaling is enabled and writes each TandemTier's
+  scale.
+
 A TandemTier change (``kubectl scale``, an HPA, KEDA, the planner) is forwarded at once by ``on.event`` on
 TandemTiers: its ``spec.replicas`` clamped to ``[minReplicas, maxReplicas]`` of the TandemDeployment goes to
 ``Control.SetReplicas``; a clamp posts a Warning Event. Only changed values are forwarded (the timer covers a
@@ -34,6 +38,7 @@ from kubernetes_asyncio.client import ApiException
 
 from operators import metrics
 from operators.apply import Outcome, apply, prune
+from operators.autoscale import PlannerMemory, tick
 from operators.config import OperatorConfig
 from operators.control import ControlAuth, ControlClients, ControlError
 from operators.kube import KINDS, Kube
@@ -68,6 +73,7 @@ class Runtime:
     forwarded: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (ns, td, tier) -> last SetReplicas
     invalid: dict[tuple[str, str], str] = field(default_factory=dict)  # (ns, td) -> the Degraded message reported
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)  # one reconcile at a time per td
+    planner: PlannerMemory = field(default_factory=PlannerMemory)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -307,6 +313,7 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         key = (namespace or "default", name or "")
         rt.invalid.pop(key, None)
         rt.locks.pop(key, None)
+        rt.planner.forget(key)
         for k in [k for k in rt.forwarded if k[:2] == key]:
             del rt.forwarded[k]
 
@@ -317,6 +324,16 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         stopped: kopf.DaemonStopped | None = kwargs.get("stopped")  # kopf passes it to timers; TimerFn omits it
         if not stopped:  # the operator is stopping or the object is being deleted: its API client may be closed
             await observe(cfg, _runtime(memo), body, namespace or "default", patch, logger, stopped)
+
+    @kopf.timer(*td_resource, id="autoscale", interval=cfg.autoscale_tick_s,
+                initial_delay=cfg.status_initial_delay_s, registry=registry)
+    async def autoscale_deployment(body: kopf.Body, namespace: str | None, patch: kopf.Patch, memo: Any,
+                                   logger: kopf.Logger, **kwargs: Any) -> None:
+        if kwargs.get("stopped"):
+            return
+        rt, ns = _runtime(memo), namespace or "default"
+        name = body.get("metadata", {}).get("name", "")
+        await tick(rt.control, cfg.control_address_for(name, ns), rt.kube, rt.planner, body, ns, patch, logger)
 
     @kopf.on.event(GROUP, VERSION, TT_PLURAL, registry=registry)
     async def tier_changed(body: kopf.Body, namespace: str | None, memo: Any, logger: kopf.Logger, type: str,

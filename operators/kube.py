@@ -1,9 +1,9 @@
 """A small typed door to the Kubernetes API for the objects the operator owns, on kubernetes_asyncio's ApiClient.
 
 kopf watches and patches the custom resources it handles; everything the operator creates goes through here:
-get, create, JSON merge patch (optionally of a subresource), list by label, delete, and API-group discovery. The paths
-come from a fixed table of the kinds the operator renders (no discovery round trip per object, and nothing it
-does not own can be touched by accident).
+get, create, JSON merge patch (optionally of a subresource), a scale through ``/scale``, list by label, delete, and
+API-group discovery. The paths come from a fixed table of the kinds the operator renders (no discovery round trip
+per object, and nothing it does not own can be touched by accident).
 
 Connection: the in-cluster service account, else the kubeconfig; or an explicit URL (tests: kmock's).
 """
@@ -119,6 +119,12 @@ class Kube:
         meta = obj["metadata"]
         path = kind.path(meta["namespace"], meta["name"], subresource)
         return dict(await self._call("PATCH", path, body=obj, content_type=MERGE_PATCH))
+
+    async def scale(self, kind: Kind, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        """Set ``spec.replicas`` through the scale subresource, as ``kubectl scale`` and an HPA do (a merge patch
+        of the ``autoscaling/v1`` Scale)."""
+        path = kind.path(namespace, name, "scale")
+        return dict(await self._call("PATCH", path, body={"spec": {"replicas": replicas}}, content_type=MERGE_PATCH))
 
     async def delete(self, kind: Kind, namespace: str, name: str) -> bool:
         """Delete one object, its dependents in the background; False when it was already gone."""

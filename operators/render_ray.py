@@ -7,11 +7,11 @@ raylet). The Control port is declared on ``ray-head`` because KubeRay's head Ser
 that container's ports.
 
 Worker groups: one pod holds one replica's ranks; each rank's requests and limits (``nvidia.com/gpu`` included) are
-multiplied by ``tp*pp`` (or ``ep``). Each pod advertises the custom Ray resource ``tandem_<tier>`` once per rank, so
-a placement-group bundle that asks for one unit of it lands only on its own tier's group. In-tree autoscaling is
-on: a group's ``replicas`` is the tier's initial count when the RayCluster is created, and KubeRay's autoscaler
-owns it after that (``apply`` never asserts it over a live value): the controller creates placement groups, the
-autoscaler adds pods for the pending ones and removes idle pods after the drain.
+multiplied by its ranks, ``max(tp, ep) * pp``. Each pod advertises the custom Ray resource ``tandem_<tier>`` once
+per rank, so a placement-group bundle that asks for one unit of it lands only on its own tier's group. In-tree
+autoscaling is on: a group's ``replicas`` is the tier's initial count when the RayCluster is created, and KubeRay's
+autoscaler owns it after that (``apply`` never asserts it over a live value): the controller creates placement
+groups, the autoscaler adds pods for the pending ones and removes idle pods after the drain.
 
 The worker container declares the worker's own ``/metrics`` port by the name ``metrics``, which the tiers'
 PodMonitor (operators/render_router.py) scrapes.

@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from operators.autoscaling import AutoscalingError, AutoscalingSpec, TierBounds, parse_autoscaling
+
 TIERS = ("prefill", "decode")
 KV_BACKENDS = ("nixl", "tcp", "torch", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -95,8 +97,10 @@ class TierSpec:
         for name in ("tp", "pp", "ep"):
             if getattr(self, name) < 1:
                 raise SpecError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
-        if self.ep > 1 and self.ep % self.tp:
-            raise SpecError(f"{where}: ep={self.ep} must be a multiple of tp={self.tp}")
+        if self.ep > 1 and self.tp > 1 and self.ep != self.tp:  # engine/parallel/config.py's rule
+            raise SpecError(f"{where}: ep={self.ep} with tp={self.tp}: expert parallelism runs on the tensor-parallel "
+                            f"ranks (ep == tp) or on replicated-attention ranks (tp == 1), so ep must equal tp or "
+                            f"tp must be 1")
         if self.kv_backend not in KV_BACKENDS:
             raise SpecError(f"{where}.kvBackend {self.kv_backend!r} is not one of {', '.join(KV_BACKENDS)}")
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -113,8 +117,15 @@ class TierSpec:
 
     @property
     def ranks(self) -> int:
-        """Placement-group bundles of one replica: tp * pp, or ep for an MoE replica spread wider than that."""
-        return max(self.tp * self.pp, self.ep)
+        """Placement-group bundles of one replica: ``max(tp, ep)`` ranks per pipeline stage, times ``pp`` (as
+        engine/parallel/config.py numbers them)."""
+        return max(self.tp, self.ep) * self.pp
+
+    @property
+    def gpus_per_replica(self) -> int:
+        """Its ranks times a rank's ``nvidia.com/gpu`` limit (one device per rank when the limit is not given)."""
+        per_rank = (self.resources.get("limits") or {}).get("nvidia.com/gpu")
+        return self.ranks * (int(per_rank) if per_rank is not None else 1)
 
     def clamp(self, replicas: int) -> int:
         return min(max(replicas, self.min_replicas), self.max_replicas)
@@ -162,6 +173,7 @@ class DeploymentSpec:
     redis: RedisSpec
     security: SecuritySpec
     slo: dict[str, Any]
+    autoscaling: AutoscalingSpec | None = None  # None: absent or disabled (operators.autoscaling)
 
     def __post_init__(self) -> None:
         if self.router_replicas < 1:
@@ -219,6 +231,12 @@ def _parse(name: str, spec: dict[str, Any]) -> DeploymentSpec:
     if mtls_on and not mtls_secret:
         raise SpecError("spec.security.mtls: enabled needs secretName")
     token = security.get("tokenSecret") or dict(zip(("name", "key"), DEFAULT_TOKEN_SECRET, strict=True))
+    slo = dict(spec.get("slo") or {})
+    try:
+        bounds = tuple(TierBounds(t.name, t.min_replicas, t.max_replicas, t.gpus_per_replica) for t in tiers)
+        autoscaling = parse_autoscaling(spec.get("autoscaling"), bounds, slo)
+    except AutoscalingError as e:
+        raise SpecError(str(e)) from None
     return DeploymentSpec(
         name=name,
         image=Image(image.get("repository", DEFAULT_IMAGE), str(image.get("tag", DEFAULT_TAG)),
@@ -232,7 +250,8 @@ def _parse(name: str, spec: dict[str, Any]) -> DeploymentSpec:
         security=SecuritySpec(mtls_secret if mtls_on else None,
                               SecretKey(str(token.get("name") or ""), str(token.get("key") or "")),
                               mtls.get("serverName", DEFAULT_SERVER_NAME) if mtls_on else None),
-        slo=dict(spec.get("slo") or {}),
+        slo=slo,
+        autoscaling=autoscaling,
     )
 
 

@@ -141,7 +141,8 @@ def test_render_is_deterministic() -> None:
     ({"decode": {"replicas": 2, "scaling": {"min": 1, "max": 2}}}, "replicas and scaling are exclusive"),
     ({"decode": {"scaling": {"min": 3, "max": 2}}}, "min=3 is greater than max=2"),
     ({"decode": {"replicas": 1, "kvBackend": "rdma"}}, "kvBackend 'rdma' is not one of"),
-    ({"decode": {"replicas": 1, "tp": 2, "ep": 3}}, "ep=3 must be a multiple of tp=2"),
+    ({"decode": {"replicas": 1, "tp": 2, "ep": 3}}, "ep=3 with tp=2: expert parallelism runs on the tensor-parallel"),
+    ({"decode": {"replicas": 1, "tp": 2, "ep": 4}}, "so ep must equal tp or tp must be 1"),  # a multiple: still refused
     ({"decode": {"replicas": 1, "tp": 0}}, "tp must be >= 1"),
     ({"decode": {"replicas": 1, "resources": {"limits": {"nvidia.com/gpu": "1.5"}}}}, "whole number"),
     ({"redis": {"url": "redis://r:6379", "inCluster": True}}, "exactly one of url, inCluster"),
@@ -184,10 +185,13 @@ def test_a_tandem_tier_scaled_by_hand_keeps_its_replicas_until_the_deployment_ch
     assert owned_view(narrowed, live)["spec"]["replicas"] == 2  # 3 is outside the new [1, 2]
 
 
-def test_ranks_are_tp_times_pp_or_ep() -> None:
-    spec = parse(_td(decode={"replicas": 1, "tp": 2, "pp": 2}))
-    assert spec.tier("decode").ranks == 4  # type: ignore[union-attr]
-    assert parse(_td(decode={"replicas": 1, "tp": 2, "ep": 8})).tier("decode").ranks == 8  # type: ignore[union-attr]
+def test_ranks_are_max_of_tp_and_ep_times_pp() -> None:
+    def ranks(**tier: int) -> int:
+        return parse(_td(decode={"replicas": 1, **tier})).tier("decode").ranks  # type: ignore[union-attr]
+    assert ranks(tp=2, pp=2) == 4
+    assert ranks(tp=1, ep=8) == 8  # replicated attention, experts over 8 ranks
+    assert ranks(tp=4, ep=4, pp=2) == 8  # experts on the TP ranks, two stages
+    assert ranks(tp=1, ep=4, pp=2) == 8  # as engine/parallel/config.py numbers them: max(tp, ep) per stage
 
 
 def test_render_cli_rejects_a_bad_spec_with_exit_code_2(tmp_path: Any) -> None:

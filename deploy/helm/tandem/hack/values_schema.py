@@ -32,7 +32,7 @@ CEL_AS_JSON_SCHEMA: dict[str, dict[str, Any] | None] = {
     "!(has(self.replicas) && has(self.scaling))": {"not": {"required": ["replicas", "scaling"]}},
     "(has(self.tp) ? self.tp : 1) * (has(self.pp) ? self.pp : 1) >= 1": None,  # tp >= 1 and pp >= 1
     "!has(self.ep) || self.ep >= 1": None,  # ep >= 1
-    "!has(self.ep) || self.ep == 1 || self.ep % (has(self.tp) ? self.tp : 1) == 0": None,
+    "!has(self.ep) || self.ep == 1 || !has(self.tp) || self.tp == 1 || self.ep == self.tp": None,
     "self.min <= self.max": None,
     "(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (has(self.hf) ? 1 : 0) == 1": {
         "oneOf": [{"required": ["pvc"]}, {"required": ["hostPath"]}, {"required": ["hf"]}]

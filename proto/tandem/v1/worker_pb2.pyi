@@ -87,41 +87,55 @@ class TokenLogprob(_message.Message):
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
+class LoRARef(_message.Message):
+    __slots__ = ("name", "content_hash")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    content_hash: str
+    def __init__(self, name: _Optional[str] = ..., content_hash: _Optional[str] = ...) -> None: ...
+
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "lease_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "lease_ms", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     lease_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    lora: LoRARef
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., lora: _Optional[_Union[LoRARef, _Mapping]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("destination", "compat_hash", "num_blocks")
+    __slots__ = ("destination", "compat_hash", "num_blocks", "lora")
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     destination: bytes
     compat_hash: str
     num_blocks: int
-    def __init__(self, destination: _Optional[bytes] = ..., compat_hash: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    lora: LoRARef
+    def __init__(self, destination: _Optional[bytes] = ..., compat_hash: _Optional[str] = ..., num_blocks: _Optional[int] = ..., lora: _Optional[_Union[LoRARef, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "destination", "lease_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "destination", "lease_ms", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     destination: bytes
     lease_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., destination: _Optional[bytes] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    lora: LoRARef
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., destination: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., lora: _Optional[_Union[LoRARef, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprob", "num_cached_tokens", "finish_reason", "first_text", "prompt_logprobs")

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV transfer between the tiers (default tcp, the fastest to start; auto: nixl where "
                          "installed, else tcp)")
     _add_speculative_flags(up)  # handed to every worker (prefill workers ignore it)
+    from cli.autoscale import add_autoscale_flags
+
+    add_autoscale_flags(up)
     sub.add_parser("down", help="stop the cluster `tandem up` started")
     from cli.controller import add_controller_args, add_scale_args
 
@@ -365,8 +368,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from controlplane.local_cluster import UpConfig
 
     settings: dict[str, Any] = {}
+    autoscale: object = None
     if args.config:  # the file gives defaults; flags given on the command line win
         settings = json.loads(Path(args.config).read_text())
+        autoscale = settings.pop("autoscale", None)  # cli/autoscale.py reads it
         unknown = set(settings) - set(UpConfig.__dataclass_fields__)
         if unknown:
             print(f"error: unknown settings in {args.config}: {sorted(unknown)}", file=sys.stderr)
@@ -387,13 +392,16 @@ def _cmd_up(args: argparse.Namespace) -> int:
     settings.update({k: v for k, v in flags.items() if v is not None})
     try:
         cfg = UpConfig(**settings)
+        from cli.autoscale import autoscale_planner, autoscale_settings
+
+        planner = autoscale_planner(cfg, autoscale_settings(args, autoscale))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from controlplane.ports import PortInUseError
 
     try:
-        rc = run_up(cfg)
+        rc = run_up(cfg, planner)
     except (FileNotFoundError, PortInUseError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

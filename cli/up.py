@@ -25,6 +25,7 @@ from cli.model import ensure_model, hub_id, resolve_model
 from controlplane.local_cluster import UpConfig, run_up, say
 
 if TYPE_CHECKING:
+    from controlplane.autoscaler import Planner
     from controlplane.frontend import FrontendFactory, TierReplicas
     from router.pool import WorkerPool
     from router.server import Router
@@ -127,11 +128,12 @@ def router_frontend(cfg: UpConfig) -> FrontendFactory:
     return build
 
 
-def run(cfg: UpConfig) -> int:
-    """``tandem up``: a bad ``--model`` fails here, before Ray starts; then the local cluster runs."""
+def run(cfg: UpConfig, planner: Planner | None = None) -> int:
+    """``tandem up``: a bad ``--model`` fails here, before Ray starts; then the local cluster runs (autoscaled by
+    ``planner``, cli/autoscale.py, when given)."""
     resolve_model(cfg.model)
     check_parallel(cfg)
-    return run_up(cfg, Prepare(cfg.model), router_frontend(cfg))
+    return run_up(cfg, Prepare(cfg.model), router_frontend(cfg), planner)
 
 
 def check_parallel(cfg: UpConfig) -> None:

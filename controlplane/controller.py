@@ -356,6 +356,7 @@ class Controller:
             try:
                 h = await stub.Health(wpb.HealthRequest(), timeout=2.0)
                 if h.status == "SERVING":
+                    r.worker_id = h.worker_id
                     return
             except grpc.aio.AioRpcError:
                 pass

@@ -41,6 +41,7 @@ from controlplane.paths import STATE_FILE, token_file_for
 from controlplane.prometheus_targets import prometheus_targets_for, write_prometheus_targets
 
 if TYPE_CHECKING:
+    from controlplane.autoscaler import Autoscaler, Planner
     from controlplane.controller import Controller
     from controlplane.frontend import Frontend, FrontendFactory, Preparation
 
@@ -131,9 +132,10 @@ def say(msg: str) -> None:
     print(f"[tandem up +{time.monotonic() - _STARTED:.2f}s] {msg}", flush=True)
 
 
-def run_up(cfg: UpConfig, prepare: Preparation, frontend: FrontendFactory) -> int:
+def run_up(cfg: UpConfig, prepare: Preparation, frontend: FrontendFactory, planner: Planner | None = None) -> int:
     """Start Ray, the workers, the router ``frontend`` builds and the Control API; serve until a signal. A busy
-    port fails before Ray starts (so should a bad model, in the caller, before this)."""
+    port fails before Ray starts (so should a bad model, in the caller, before this). With a ``planner``, the
+    autoscaler (controlplane/autoscaler.py) scales the tiers once the cluster serves."""
     from controlplane.ports import check_bindable
 
     check_bindable(cfg.host, cfg.port, "the HTTP API")
@@ -156,7 +158,8 @@ def run_up(cfg: UpConfig, prepare: Preparation, frontend: FrontendFactory) -> in
     say("ray started")
     try:
         model = prepare.model_path()
-        return asyncio.run(_serve(LocalCluster(cfg, model, resolve_kv_backend(cfg.kv_backend), frontend)))
+        return asyncio.run(_serve(LocalCluster(cfg, model, resolve_kv_backend(cfg.kv_backend), frontend,
+                                               planner=planner)))
     finally:
         ray.shutdown()
         STATE_FILE.unlink(missing_ok=True)
@@ -171,7 +174,7 @@ class LocalCluster:
     this process, its ports and the workers' PIDs."""
 
     def __init__(self, cfg: UpConfig, model: Path, kv_backend: str, frontend: FrontendFactory,
-                 state_file: Path | None = STATE_FILE) -> None:
+                 state_file: Path | None = STATE_FILE, planner: Planner | None = None) -> None:
         self.cfg = cfg
         self.model = model
         self.kv_backend = kv_backend
@@ -181,6 +184,8 @@ class LocalCluster:
         self.frontend: Frontend | None = None
         self.control_port = 0
         self._servers: list[Any] = []
+        self.planner = planner
+        self.autoscaler: Autoscaler | None = None
 
     async def start(self) -> None:
         from controlplane.control_server import start_control_server
@@ -229,6 +234,21 @@ class LocalCluster:
         await frontend.serve_http(cfg.host, cfg.port)
         say(f"workers healthy; serving OpenAI API at http://{cfg.host}:{cfg.port}/v1 (Ctrl-C or `tandem down` to "
              f"stop; `tandem scale TIER N` to scale)")
+        if self.planner is not None:
+            self.start_autoscaler(self.planner)
+
+    def start_autoscaler(self, planner: Planner) -> None:
+        """Scale the tiers from the router's own ``/metrics`` (on loopback when the API listens on every address)."""
+        from controlplane.autoscaler import Autoscaler, ScrapeTarget, first_api_key
+
+        assert self.controller is not None
+        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::", "") else self.cfg.host
+        host = f"[{host}]" if ":" in host else host
+        target = ScrapeTarget(f"http://{host}:{self.cfg.port}/metrics",
+                              first_api_key(self.cfg.api_keys, self.cfg.api_key_file))
+        self.autoscaler = Autoscaler(self.controller, target, planner, say)
+        self.autoscaler.start()
+        say(f"autoscaling every {planner.interval_s:g}s from {target.url}")
 
     def write_state(self) -> None:
         """The state file, and beside it the Prometheus targets file (controlplane/prometheus_targets.py)."""
@@ -249,6 +269,8 @@ class LocalCluster:
                                   if r.metrics_address and r.state != ReplicaState.FAILED})
 
     async def close(self) -> None:
+        if self.autoscaler is not None:
+            await self.autoscaler.close()
         for server in self._servers:
             await server.stop(1.0)
         if self.frontend is not None:

@@ -44,6 +44,7 @@ class Replica:
     state: ReplicaState = ReplicaState.STARTING
     address: str = ""
     metrics_address: str = ""  # its worker's own /metrics (host:port) for a Prometheus; "": not served
+    worker_id: str = ""  # what its worker calls itself (Health), as the router labels its gauges; "": not yet known
     pid: int = -1
     placement_group: Any = None
     actor: Any = None

@@ -147,13 +147,8 @@ class KVSender(_Side):
     side: ClassVar[str] = "sender"
 
     @abc.abstractmethod
-    def start(
-        self,
-        request_id: str,
-        dest: DestinationInfo | Sequence[DestinationInfo],
-        src_block_ids: Sequence[int],
-        deadline_s: float,
-    ) -> None:
+    def start(self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_block_ids: Sequence[int],
+              deadline_s: float) -> None:
         """Handshake with the destination rank(s), one per head slice when src TP < dst TP. Raises
         ``CompatibilityError`` (and tells the peer) on mismatch."""
 
@@ -176,9 +171,8 @@ class KVReceiver(_Side):
     side: ClassVar[str] = "receiver"
 
     @abc.abstractmethod
-    def reserve(
-        self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int, deadline_s: float
-    ) -> DestinationInfo:
+    def reserve(self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int,
+                deadline_s: float) -> DestinationInfo:
         """Open a lease on already-allocated blocks and describe them for the sender."""
 
     @abc.abstractmethod

@@ -59,15 +59,10 @@ class Entry:
     busy: int = 0  # receivers: writes into the reserved blocks in progress (expiry waits for them)
     started: float = field(default_factory=time.monotonic)
 
-    def status(self) -> TransferStatus:
-        return TransferStatus(self.state, self.error, self.nbytes, self.layers_done)
-
-
-NotifyPeer = Callable[[Entry, str], None]
-
 
 class TransferBook:
-    def __init__(self, side: str, on_failed: OnFailed | None, notify_peer: NotifyPeer | None = None) -> None:
+    def __init__(self, side: str, on_failed: OnFailed | None,
+                 notify_peer: Callable[[Entry, str], None] | None = None) -> None:
         self.side = side
         self.lock = threading.RLock()
         self._entries: dict[str, Entry] = {}
@@ -126,7 +121,8 @@ class TransferBook:
     def status(self, request_id: str) -> TransferStatus:
         self.expire_due()
         with self.lock:
-            return self.get(request_id).status()
+            entry = self.get(request_id)
+            return TransferStatus(entry.state, entry.error, entry.nbytes, entry.layers_done)
 
     # ---- transitions
     def fail(self, entry: Entry, message: str, notify_peer: bool = False, tell_owner: bool = True) -> bool:

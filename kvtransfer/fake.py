@@ -16,7 +16,7 @@ from kvtransfer.book import Entry
 from kvtransfer.config import TransferConfig
 from kvtransfer.landing import LandingReceiver
 from kvtransfer.layout import KVLayout
-from kvtransfer.outgoing import Leg, Outbound, Outgoing
+from kvtransfer.outgoing import Leg, Outbound
 from kvtransfer.wire import HEADER_SIZE, Frame, Kind, hello_payload, unpack
 
 _RECEIVERS: weakref.WeakValueDictionary[str, FakeReceiver] = weakref.WeakValueDictionary()
@@ -53,8 +53,8 @@ class FakeReceiver(LandingReceiver):
             _RECEIVERS.pop(self.endpoint, None)
 
     # ---- called by FakeSender
-    def deliver(self, tid: int, frame: Frame, src: object, sender: tuple[FakeSender, Entry, Leg]) -> None:
-        entry = self.landing.live(tid)
+    def deliver(self, frame: Frame, src: object, sender: tuple[FakeSender, Entry, Leg]) -> None:
+        entry = self.landing.live(frame.transfer_id)
         if entry is None:
             return
         if frame.kind != Kind.DATA:  # HELLO, FINISH, FAIL: their payloads as bytes, as on a wire
@@ -69,7 +69,7 @@ class FakeReceiver(LandingReceiver):
         self._landed(entry, frame)
 
     def _send(self, peer: tuple[FakeSender, Entry, Leg], data: bytes) -> None:
-        peer[0].reply(peer[1], peer[2], data)
+        peer[0].out.on_reply(peer[1], peer[2], unpack(data), data[HEADER_SIZE:])
 
 
 class FakeSender(KVSender):
@@ -87,21 +87,17 @@ class FakeSender(KVSender):
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.out.register(kv_caches, layout)
 
-    def start(
-        self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_block_ids: Sequence[int],
-        deadline_s: float,
-    ) -> None:
+    def start(self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_block_ids: Sequence[int],
+              deadline_s: float) -> None:
         entry = self.out.open(request_id, dest, src_block_ids, deadline_s)
         for leg in entry.ctx.legs:
             leg.peer = _RECEIVERS.get(leg.dest.endpoint)
             if leg.peer is None:
                 self.book.fail(entry, f"sender: no fake receiver at {leg.dest.endpoint}")
                 return
-        self.out.plan(entry)
-        assert self.out.layout is not None
+        hello = hello_payload(self.out.plan(entry))
         for leg in entry.ctx.legs:
-            leg.peer.deliver(leg.dest.transfer_id, Frame(Kind.HELLO, leg.dest.transfer_id),
-                             hello_payload(self.out.layout), (self, entry, leg))
+            leg.peer.deliver(Frame(Kind.HELLO, leg.dest.transfer_id), hello, (self, entry, leg))
 
     def send_layer(self, request_id: str, layer: int) -> None:
         entry = self.out.live(request_id)
@@ -120,7 +116,7 @@ class FakeSender(KVSender):
                 for kv, t in enumerate((k, v)):
                     frame = Frame(Kind.DATA, leg.dest.transfer_id, layer, kv, p.dst_start, p.num_blocks,
                                   p.dst_heads[0], p.dst_heads[1], p.nbytes)
-                    leg.peer.deliver(leg.dest.transfer_id, frame, p.src_view(t), (self, entry, leg))
+                    leg.peer.deliver(frame, p.src_view(t), (self, entry, leg))
                     sent += p.nbytes
             self.out.leg_sent_layer(entry, leg, sent)
 
@@ -128,13 +124,11 @@ class FakeSender(KVSender):
         entry = self.out.live(request_id)
         if entry is None:
             return
-        out: Outgoing = entry.ctx
-        out.finish_requested = True
-        b = self.behaviour
-        if b.stall_from_layer is not None:
+        entry.ctx.finish_requested = True
+        if self.behaviour.stall_from_layer is not None:
             return
-        for leg in out.legs:
-            leg.peer.deliver(leg.dest.transfer_id, Frame(Kind.FINISH, leg.dest.transfer_id), b"", (self, entry, leg))
+        for leg in entry.ctx.legs:
+            leg.peer.deliver(Frame(Kind.FINISH, leg.dest.transfer_id), b"", (self, entry, leg))
 
     def release(self, request_id: str) -> None:
         entry = self.book.find(request_id)
@@ -145,16 +139,7 @@ class FakeSender(KVSender):
     def close(self) -> None:
         self.book.stop(self.config.close_timeout_s)
 
-    # ---- called by FakeReceiver
-    def reply(self, entry: Entry, leg: Leg, data: bytes) -> None:
-        frame = unpack(data)
-        if frame.kind == Kind.ACK:
-            self.out.leg_acked(entry, leg)
-        elif frame.kind == Kind.FAIL:
-            self.book.fail(entry, f"sender: receiver reported: {data[HEADER_SIZE:].decode(errors='replace')}")
-
     def _notify_peer(self, entry: Entry, message: str) -> None:
         for leg in entry.ctx.legs:
             if leg.peer is not None:
-                leg.peer.deliver(leg.dest.transfer_id, Frame(Kind.FAIL, leg.dest.transfer_id), message.encode(),
-                                 (self, entry, leg))
+                leg.peer.deliver(Frame(Kind.FAIL, leg.dest.transfer_id), message.encode(), (self, entry, leg))

@@ -52,9 +52,8 @@ class Landing(RegisteredKV):
             raise RuntimeError(f"{self.backend} receiver: register() the KV caches first")
         return self.layout
 
-    def reserve(
-        self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int, deadline_s: float, **dest_fields: Any
-    ) -> DestinationInfo:
+    def reserve(self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int, deadline_s: float,
+                **dest_fields: Any) -> DestinationInfo:
         layout = self.require_layout()
         ids = tuple(int(b) for b in dst_block_ids)
         if len(set(ids)) != len(ids):
@@ -176,9 +175,8 @@ class LandingReceiver(KVReceiver):
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.landing.register(kv_caches, layout)
 
-    def reserve(
-        self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int, deadline_s: float
-    ) -> DestinationInfo:
+    def reserve(self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int,
+                deadline_s: float) -> DestinationInfo:
         return self.landing.reserve(request_id, dst_block_ids, num_tokens, deadline_s, endpoint=self.endpoint)
 
     def release(self, request_id: str) -> None:
@@ -213,7 +211,7 @@ class LandingReceiver(KVReceiver):
         elif frame.kind == Kind.HELLO:
             with contextlib.suppress(OSError):
                 self._send(peer, control(Kind.FAIL, frame.transfer_id, b"receiver: no live reservation for this "
-                                         b"transfer (released or lease expired)"))
+                                         b"transfer (released, failed or lease expired)"))
 
     def _refuse_hello(self, entry: Entry, peer: Any, error: ValueError) -> None:
         """A HELLO that does not fit the reservation: fail it, and tell ``peer`` (which sent it) why."""

@@ -16,12 +16,7 @@ import torch
 LAYOUT_NBHD = "NBHD"
 
 _DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "uint8": torch.uint8,
+    name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "uint8")
 }
 
 # The fields that must be equal on both ends, in the order the hash and error messages use.
@@ -117,16 +112,7 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
     >>> block_runs([4, 5, 6, 9, 2, 3])
     [(4, 3), (9, 1), (2, 2)]
     """
-    runs: list[tuple[int, int]] = []
-    for raw in block_ids:
-        b = int(raw)
-        if b < 0:
-            raise ValueError(f"block id {b} is negative")
-        if runs and runs[-1][0] + runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((b, 1))
-    return runs
+    return [(start, n) for start, _, n in paired_runs(block_ids, block_ids)]
 
 
 def paired_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -137,36 +123,12 @@ def paired_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[in
     for s_raw, d_raw in zip(src_ids, dst_ids, strict=True):
         s, d = int(s_raw), int(d_raw)
         if s < 0 or d < 0:
-            raise ValueError(f"negative block id in pair ({s}, {d})")
+            raise ValueError(f"negative block id ({s} to {d})")
         if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
             runs.append((s, d, 1))
     return runs
-
-
-def validate_caches(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout) -> int:
-    """Check the registered tensors against ``layout``; return ``num_blocks``."""
-    if len(kv_caches) != layout.num_layers:
-        raise ValueError(f"got {len(kv_caches)} layers of KV cache, layout says {layout.num_layers}")
-    shape = None
-    for i, pair in enumerate(kv_caches):
-        if len(pair) != 2:
-            raise ValueError(f"layer {i}: expected a (K, V) pair")
-        for name, t in zip("KV", pair, strict=True):
-            if t.dtype != layout.torch_dtype:
-                raise ValueError(f"layer {i} {name}: dtype {t.dtype} but layout says {layout.dtype}")
-            if t.dim() != 4 or tuple(t.shape[1:]) != (layout.block_size, layout.local_heads, layout.head_dim):
-                raise ValueError(
-                    f"layer {i} {name}: shape {tuple(t.shape)} is not [num_blocks, {layout.block_size}, "
-                    f"{layout.local_heads}, {layout.head_dim}]"
-                )
-            if not t.is_contiguous():
-                raise ValueError(f"layer {i} {name}: tensor is not contiguous")
-            shape = shape or tuple(t.shape)
-            if tuple(t.shape) != shape:
-                raise ValueError(f"layer {i} {name}: {tuple(t.shape)} differs from layer 0 {shape}")
-    return int(kv_caches[0][0].shape[0])
 
 
 def flat_bytes(t: torch.Tensor) -> memoryview:
@@ -187,7 +149,25 @@ class RegisteredKV:
         self.flat: list[tuple[memoryview, ...]] = []
 
     def register(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout) -> None:
-        self.num_blocks = validate_caches(kv_caches, layout)
+        """Check the tensors against ``layout`` (count, dtype, shape, contiguity) and keep them."""
+        if len(kv_caches) != layout.num_layers:
+            raise ValueError(f"got {len(kv_caches)} layers of KV cache, layout says {layout.num_layers}")
+        shape = None
+        for i, pair in enumerate(kv_caches):
+            if len(pair) != 2:
+                raise ValueError(f"layer {i}: expected a (K, V) pair")
+            for name, t in zip("KV", pair, strict=True):
+                if t.dtype != layout.torch_dtype:
+                    raise ValueError(f"layer {i} {name}: dtype {t.dtype} but layout says {layout.dtype}")
+                if t.dim() != 4 or tuple(t.shape[1:]) != (layout.block_size, layout.local_heads, layout.head_dim):
+                    raise ValueError(f"layer {i} {name}: shape {tuple(t.shape)} is not [num_blocks, "
+                                     f"{layout.block_size}, {layout.local_heads}, {layout.head_dim}]")
+                if not t.is_contiguous():
+                    raise ValueError(f"layer {i} {name}: tensor is not contiguous")
+                shape = shape or tuple(t.shape)
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"layer {i} {name}: {tuple(t.shape)} differs from layer 0 {shape}")
+        self.num_blocks = int(kv_caches[0][0].shape[0])
         self.kv_caches = list(kv_caches)
         self.layout = layout
         self.flat = [tuple(flat_bytes(t) for t in pair) for pair in kv_caches] if not kv_caches[0][0].is_cuda else []

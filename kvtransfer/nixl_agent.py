@@ -15,7 +15,7 @@ import struct
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -27,33 +27,45 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.plan import Piece
 from kvtransfer.wire import HEADER_SIZE
 
+log = logging.getLogger(__name__)
 _MAX_DRAIN = 64  # doorbell datagrams read per wake: a flood cannot hold the watcher
+_AGENT_CONFIG_LOCK = threading.Lock()  # make_agent swaps NIXL's config class while it builds an agent
+_HANDED = struct.Struct("!Q")
 
 
 def ucx_environment(config: TransferConfig) -> dict[str, str]:
     """The UCX variables an agent of ``config`` is created under (UCX reads only its environment). ``UCX_TLS`` is
     left to UCX unless configured: on one host it picks shared memory, where the *sender* copies, so decode spends
     no CPU on the bytes."""
-    env = {}
-    if config.ucx_net_devices:
-        env["UCX_NET_DEVICES"] = config.ucx_net_devices
-    if config.ucx_tls:
-        env["UCX_TLS"] = config.ucx_tls
-    return env
+    env = {"UCX_NET_DEVICES": config.ucx_net_devices, "UCX_TLS": config.ucx_tls}
+    return {name: value for name, value in env.items() if value}
 
 
 def make_agent(config: TransferConfig, role: str) -> Any:
-    """A NIXL agent with the configured backends, UCX pinned to the configured devices and transports."""
+    """A NIXL agent with the configured backends, UCX pinned to the configured devices and transports, and its
+    progress thread sleeping ``nixl_progress_delay_us``: ``nixl_agent`` hard-codes ``pthrDelay = 0``, so while the
+    agent is built its config class stores the configured delay instead."""
     os.environ.update(ucx_environment(config))
     nixl_api = import_nixl_api()
     name = f"tandem-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     cfg = nixl_api.nixl_agent_config(enable_prog_thread=True, backends=list(config.nixl_backends))
+    base, delay_us = nixl_api.nixlBind.nixlAgentConfig, config.nixl_progress_delay_us
+
+    class _DelayedConfig(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:
+            return int(base.pthrDelay.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, _value: int) -> None:
+            base.pthrDelay.__set__(self, delay_us)
+
     with _AGENT_CONFIG_LOCK, io_affinity(config.io_cpus):  # NIXL's progress thread and UCX's start on io_cpus
-        return _with_progress_delay(nixl_api, config.nixl_progress_delay_us, lambda: nixl_api.nixl_agent(name, cfg))
-
-
-_AGENT_CONFIG_LOCK = threading.Lock()
-log = logging.getLogger(__name__)
+        nixl_api.nixlBind.nixlAgentConfig = _DelayedConfig
+        try:
+            return nixl_api.nixl_agent(name, cfg)
+        finally:
+            nixl_api.nixlBind.nixlAgentConfig = base
 
 
 class Agent:
@@ -108,7 +120,6 @@ class Agent:
                 self._reg = None
 
 
-
 def import_nixl_api() -> Any:
     """``nixl._api``, with NIXL's INFO lines moved off stdout (they would corrupt a worker's READY line or
     ``--json`` output) to the process's logging at WARNING, unless ``NIXL_LOG_LEVEL`` says otherwise."""
@@ -126,32 +137,8 @@ def import_nixl_api() -> Any:
     return nixl_api
 
 
-def _with_progress_delay(nixl_api: Any, delay_us: int, build: Callable[[], Any]) -> Any:
-    """Run ``build`` (which creates a ``nixl_agent``) so that the agent's progress thread sleeps ``delay_us``:
-    ``nixl_agent`` hard-codes ``pthrDelay = 0``, so while ``build`` runs its config class stores ``delay_us``."""
-    base = nixl_api.nixlBind.nixlAgentConfig
-
-    class _DelayedConfig(base):  # type: ignore[misc, valid-type]
-        @property
-        def pthrDelay(self) -> int:
-            return int(base.pthrDelay.__get__(self))
-
-        @pthrDelay.setter
-        def pthrDelay(self, _value: int) -> None:
-            base.pthrDelay.__set__(self, delay_us)
-
-    nixl_api.nixlBind.nixlAgentConfig = _DelayedConfig
-    try:
-        return build()
-    finally:
-        nixl_api.nixlBind.nixlAgentConfig = base
-
-
 def mem_of(t: torch.Tensor) -> tuple[str, int]:
     return ("VRAM", t.device.index or 0) if t.is_cuda else ("DRAM", 0)
-
-
-_HANDED = struct.Struct("!Q")
 
 
 def data_notif(header: bytes, handed_after_hello_s: float) -> bytes:
@@ -168,29 +155,19 @@ def handed_after(msg: bytes) -> float | None:
 
 
 def piece_offsets(pieces: Sequence[Piece], src: KVLayout, dst: KVLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Byte offsets (from a layer tensor's base) and lengths of every descriptor of one layer's K (or V).
-
-    Full-head pieces are one descriptor each; head-slice pieces are one descriptor per token row.
-    """
+    """Byte offsets (from a layer tensor's base) and lengths of every descriptor of one layer's K (or V): one per
+    piece when the pieces carry every local head on both ends, else one per token row of each piece."""
     if all(p.src_heads[1] - p.src_heads[0] == src.local_heads == dst.local_heads for p in pieces):
         table = np.array([(p.src_start, p.dst_start, p.nbytes) for p in pieces], dtype=np.uint64).reshape(-1, 3)
         return table[:, 0] * np.uint64(src.block_bytes), table[:, 1] * np.uint64(dst.block_bytes), table[:, 2].copy()
-    src_off: list[np.ndarray] = []
-    dst_off: list[np.ndarray] = []
-    lens: list[np.ndarray] = []
     head_bytes = src.head_dim * src.element_size
+    cols: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] = ([], [], [])
     for p in pieces:
-        heads = p.src_heads[1] - p.src_heads[0]
-        if heads == src.local_heads and heads == dst.local_heads:
-            src_off.append(np.array([p.src_start * src.block_bytes], dtype=np.uint64))
-            dst_off.append(np.array([p.dst_start * dst.block_bytes], dtype=np.uint64))
-            lens.append(np.array([p.nbytes], dtype=np.uint64))
-            continue
         rows = np.arange(p.num_blocks * src.block_size, dtype=np.uint64)
-        src_off.append((p.src_start * src.block_size + rows) * src.token_bytes + p.src_heads[0] * head_bytes)
-        dst_off.append((p.dst_start * dst.block_size + rows) * dst.token_bytes + p.dst_heads[0] * head_bytes)
-        lens.append(np.full(rows.shape, heads * head_bytes, dtype=np.uint64))
-    return np.concatenate(src_off), np.concatenate(dst_off), np.concatenate(lens)
+        cols[0].append((p.src_start * src.block_size + rows) * src.token_bytes + p.src_heads[0] * head_bytes)
+        cols[1].append((p.dst_start * dst.block_size + rows) * dst.token_bytes + p.dst_heads[0] * head_bytes)
+        cols[2].append(np.full(rows.shape, (p.src_heads[1] - p.src_heads[0]) * head_bytes, dtype=np.uint64))
+    return np.concatenate(cols[0]), np.concatenate(cols[1]), np.concatenate(cols[2])
 
 
 def _family(host: str) -> socket.AddressFamily:
@@ -269,13 +246,10 @@ class Ringer:
 
 
 class Backoff:
-    __slots__ = ("_cur", "max_s", "min_s")
+    """A poll sleep that doubles every tick, from ``min_s`` up to ``max_s``, until ``reset``."""
 
     def __init__(self, max_s: float, min_s: float = 5e-5) -> None:
-        if not 0 < min_s <= max_s:
-            raise ValueError(f"Backoff needs 0 < min_s <= max_s, got {min_s}, {max_s}")
-        self.min_s, self.max_s = min_s, max_s
-        self._cur = min_s
+        self.min_s, self.max_s, self._cur = min_s, max_s, min_s
 
     def reset(self) -> None:
         self._cur = self.min_s

@@ -97,10 +97,8 @@ class NixlSender(KVSender):
         self._bases = [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches]
         self._mem = mem_of(tensors[0])
 
-    def start(
-        self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_block_ids: Sequence[int],
-        deadline_s: float,
-    ) -> None:
+    def start(self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_block_ids: Sequence[int],
+              deadline_s: float) -> None:
         entry = self.out.open(request_id, dest, src_block_ids, deadline_s)
         for leg in entry.ctx.legs:
             d = leg.dest
@@ -114,16 +112,14 @@ class NixlSender(KVSender):
                 return
             leg.peer = _LegPlan(d.agent_name, np.empty(0, np.uint64), np.empty(0, np.uint64), np.empty(0, np.uint64), 0,
                                 bell=split_endpoint(d.endpoint))
-        self.out.plan(entry)  # raises CompatibilityError after notifying the receiver(s)
-        hello, layout = self._hello, self.out.layout
-        assert layout is not None  # plan() refuses an unregistered sender
+        layout = self.out.plan(entry)  # raises CompatibilityError after notifying the receiver(s)
         for leg in entry.ctx.legs:
             lp: _LegPlan = leg.peer
             lp.src_off, lp.dst_off, lp.lens = piece_offsets(leg.pieces, layout, leg.dest.layout)
             lp.nbytes = 2 * int(lp.lens.sum())
             try:
                 lp.hello_at = time.monotonic()
-                self._agent.send(lp.remote, control(Kind.HELLO, leg.dest.transfer_id, hello))
+                self._agent.send(lp.remote, control(Kind.HELLO, leg.dest.transfer_id, self._hello))
             except Exception as e:
                 self.book.fail(entry, f"sender: HELLO to {lp.remote} failed: {e}")
                 return
@@ -216,16 +212,6 @@ class NixlSender(KVSender):
         with self._agent.lock:
             return self._agent.nixl.make_prepped_xfer("WRITE", lp.dlists[0], rows, lp.dlists[1], rows, notif)
 
-    def _take_write(self, leg: Leg, layer: int) -> Any:
-        lp: _LegPlan = leg.peer
-        if lp.dlists is None:
-            self._prepare(leg)
-        with self.book.lock:
-            handle = lp.handles[layer] if layer < len(lp.handles) else None
-            if handle is not None:
-                lp.handles[layer] = None
-        return handle if handle is not None else self._make_write(leg, layer)  # a layer sent twice: a fresh one
-
     def _post(self, entry: Entry, leg: Leg, layer: int, handed: float) -> None:
         """Post ``layer``'s WRITE; its DATA notification carries when the layer was handed over (see
         :func:`kvtransfer.nixl_agent.data_notif`), so the receiver can predict the last layer from the compute's
@@ -234,7 +220,13 @@ class NixlSender(KVSender):
         if entry.state >= TransferState.DONE:
             return
         try:
-            handle = self._take_write(leg, layer)
+            if lp.dlists is None:
+                self._prepare(leg)
+            with self.book.lock:  # each prepared WRITE is posted once: a layer sent twice gets a fresh one
+                handle = lp.handles[layer] if layer < len(lp.handles) else None
+                if handle is not None:
+                    lp.handles[layer] = None
+            handle = handle if handle is not None else self._make_write(leg, layer)
             notif = data_notif(_data_header(leg, layer), handed - lp.hello_at)
             with self._agent.lock:
                 state = self._agent.nixl.transfer(handle, notif)
@@ -274,7 +266,9 @@ class NixlSender(KVSender):
                 log.exception("nixl sender: progress tick failed")
 
     def _tick(self) -> bool:
-        """One progress pass; True while polling must stay fast (see :meth:`_urgent`)."""
+        """One progress pass; True while polling must stay fast: a leg waits on something to notice at once (a layer
+        to post, a WRITE in flight, the ACK). Otherwise the thread backs off between layers instead of taking the GIL
+        from the forward pass."""
         busy = False
         for entry in self.book.entries():
             if entry.state >= TransferState.DONE:
@@ -283,19 +277,18 @@ class NixlSender(KVSender):
                 continue
             for leg in entry.ctx.legs:
                 self._advance(entry, leg)
-                busy = busy or self._urgent(entry, leg)
+                lp: _LegPlan | None = leg.peer
+                busy = busy or (lp is not None and bool(lp.pending or lp.waiting or
+                                                       (entry.ctx.finish_requested and not leg.acked)))
         notifs = self._agent.get_new_notifs()
-        for remote, msgs in notifs.items():
-            for msg in msgs:
-                self._on_notif(remote, bytes(msg))
+        for remote, msgs in notifs.items():  # ACK and FAIL, for the leg of that transfer id on that agent
+            for msg in map(bytes, msgs):
+                frame = unpack(msg)
+                for entry in self.book.entries():
+                    for leg in entry.ctx.legs:
+                        if leg.dest.transfer_id == frame.transfer_id and leg.dest.agent_name == remote:
+                            self.out.on_reply(entry, leg, frame, msg[HEADER_SIZE : HEADER_SIZE + frame.payload_len])
         return busy or bool(notifs)
-
-    @staticmethod
-    def _urgent(entry: Entry, leg: Leg) -> bool:
-        """Whether ``leg`` waits on something to notice at once (a layer to post, a WRITE in flight, the ACK);
-        otherwise the thread backs off between layers instead of taking the GIL from the forward pass."""
-        lp: _LegPlan | None = leg.peer
-        return lp is not None and bool(lp.pending or lp.waiting or (entry.ctx.finish_requested and not leg.acked))
 
     def _advance(self, entry: Entry, leg: Leg) -> None:
         lp: _LegPlan | None = leg.peer
@@ -345,19 +338,6 @@ class NixlSender(KVSender):
             if leg.layers_sent == len(self._bases):  # its DATA notification went out with this state check
                 self._ringer.ring(lp.bell)
         return True
-
-    def _on_notif(self, remote: str, msg: bytes) -> None:
-        frame = unpack(msg)
-        for entry in self.book.entries():
-            for leg in entry.ctx.legs:
-                if leg.dest.transfer_id != frame.transfer_id or leg.dest.agent_name != remote:
-                    continue
-                if frame.kind == Kind.ACK:
-                    self.out.leg_acked(entry, leg)
-                elif frame.kind == Kind.FAIL:
-                    text = msg[HEADER_SIZE : HEADER_SIZE + frame.payload_len].decode(errors="replace")
-                    self.book.fail(entry, f"sender: receiver reported: {text}")
-                return
 
     def _notify_peer(self, entry: Entry, message: str) -> None:
         for leg in entry.ctx.legs:
@@ -418,9 +398,8 @@ class NixlReceiver(LandingReceiver):
         self._regions = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
         self._mem = mem_of(tensors[0])
 
-    def reserve(
-        self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int, deadline_s: float
-    ) -> DestinationInfo:
+    def reserve(self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int,
+                deadline_s: float) -> DestinationInfo:
         dest = self.landing.reserve(
             request_id, dst_block_ids, num_tokens, deadline_s, endpoint=self._bell.endpoint,
             agent_name=self._agent.name, agent_metadata=self._agent.metadata, regions=self._regions,
@@ -472,12 +451,8 @@ class NixlReceiver(LandingReceiver):
                             pace.reset()
                     except Exception:
                         log.exception("nixl receiver: bad notification from %s", remote)
-            if self._pace:
-                self._forget_finished()
-
-    def _forget_finished(self) -> None:
-        for tid in [tid for tid in self._pace if self.landing.live(tid) is None]:
-            del self._pace[tid]
+            for tid in [tid for tid in self._pace if self.landing.live(tid) is None]:
+                del self._pace[tid]
 
     def _next_sleep(self, now: float, pace: Backoff) -> float:
         """This tick's sleep, by the rules of :meth:`_watch`."""
@@ -517,20 +492,23 @@ class NixlReceiver(LandingReceiver):
         frame = unpack(msg)
         payload = msg[HEADER_SIZE : HEADER_SIZE + frame.payload_len] if frame.kind != Kind.DATA else b""
         entry = self.landing.live(frame.transfer_id)
-        if entry is None:
-            if frame.kind == Kind.HELLO:
-                self._refuse_stale_hello(frame.transfer_id, payload)
-            return None
         if frame.kind == Kind.HELLO:
             try:
                 layout, name, metadata = parse_hello(payload)
                 if name not in self._agent.known:
                     self._agent.add_remote(metadata)
+                if entry is None:  # decode often aborts while the HELLO is queued: FAIL frees the sender's blocks now
+                    self._control_frame(frame, payload, name)
+                    return None
                 self.landing.on_hello(entry, layout, name)
                 if frame.transfer_id not in self._pace:  # the first sender's HELLO starts the clock
                     self._pace[frame.transfer_id] = _Pace(max(self._poll_prev, entry.started), self._poll_now)
             except ValueError as e:
+                if entry is None:
+                    return None
                 self._refuse_hello(entry, remote if remote in self._agent.known else None, e)
+        elif entry is None:
+            return None
         elif frame.kind == Kind.DATA:  # NIXL delivers this after the layer's WRITE completed
             pace, offset = self._pace.get(frame.transfer_id), handed_after(msg)
             if pace is not None and offset is not None:
@@ -539,15 +517,3 @@ class NixlReceiver(LandingReceiver):
         else:
             self._control(entry, frame, payload, remote)
         return frame.kind
-
-    def _refuse_stale_hello(self, tid: int, payload: bytes) -> None:
-        """Answer a HELLO for a reservation that is gone with FAIL, so the sender frees its blocks now instead of at
-        its lease (decode often aborts while the HELLO is still queued, so no peer was told)."""
-        try:
-            _, name, metadata = parse_hello(payload)
-            if name not in self._agent.known:
-                self._agent.add_remote(metadata)
-            self._agent.send(name, control(Kind.FAIL, tid, b"receiver: no live reservation for this transfer "
-                                           b"(released, failed or lease expired)"))
-        except Exception as e:  # best effort: the sender's lease is the backstop
-            log.debug("nixl receiver: could not refuse a stale HELLO for transfer %d: %s", tid, e)

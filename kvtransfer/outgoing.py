@@ -76,17 +76,18 @@ class Outbound(RegisteredKV):
         entry.state = TransferState.IN_FLIGHT
         return entry
 
-    def plan(self, entry: Entry) -> None:
-        """Plan every leg; on a mismatch fail the entry (peer notified) and re-raise (``CompatibilityError``)."""
-        if self.layout is None:
-            raise RuntimeError(f"{self.backend} sender: register() the KV caches first")
-        out: Outgoing = entry.ctx
+    def plan(self, entry: Entry) -> KVLayout:
+        """Plan every leg of an opened entry and return this rank's layout; on a mismatch fail the entry (peer
+        notified) and re-raise (``CompatibilityError``)."""
+        layout, out = self.layout, entry.ctx
+        assert layout is not None  # open() refuses an unregistered sender
         try:
             for leg in out.legs:
-                leg.pieces = plan_leg(self.layout, leg.dest.layout, out.src_ids, leg.dest.dst_block_ids)
+                leg.pieces = plan_leg(layout, leg.dest.layout, out.src_ids, leg.dest.dst_block_ids)
         except ValueError as e:  # CompatibilityError included: refused before any byte moves
             self.book.fail(entry, f"sender: {e}", notify_peer=True)
             raise
+        return layout
 
     def live(self, request_id: str) -> Entry | None:
         with self.book.lock:
@@ -101,11 +102,16 @@ class Outbound(RegisteredKV):
             entry.nbytes += nbytes
             entry.layers_done = min(lg.layers_sent for lg in entry.ctx.legs)
 
-    def leg_acked(self, entry: Entry, leg: Leg) -> None:
-        with self.book.lock:
-            leg.acked = True
-            if all(lg.acked for lg in entry.ctx.legs):
-                self.book.done(entry)
+    def on_reply(self, entry: Entry, leg: Leg, frame: Frame, payload: bytes | bytearray) -> None:
+        """A frame the receiver sent back for ``leg``: ACK completes the leg (the request once all are), FAIL fails
+        the request."""
+        if frame.kind == Kind.ACK:
+            with self.book.lock:
+                leg.acked = True
+                if all(lg.acked for lg in entry.ctx.legs):
+                    self.book.done(entry)
+        elif frame.kind == Kind.FAIL:
+            self.book.fail(entry, f"sender: receiver reported: {bytes(payload).decode(errors='replace')}")
 
 
 
@@ -131,12 +137,13 @@ def writes_for(writes: dict[Any, PeerWrites], peer: Any, deadline: float) -> Pee
 
 class QueuedSender(KVSender):
     """A subclass supplies ``_peer`` (connect), ``_payload`` and ``_flush``; its peers have ``endpoint``,
-    ``alive``, ``legs`` (transfer id -> the entry and leg it carries) and ``close()``."""
+    ``alive``, ``legs`` (transfer id -> the entry and leg it carries), ``replies(stop)`` (block for the receiver's
+    next frames) and ``close()``."""
 
     cannot_reach: ClassVar[str] = "cannot reach receiver"  # how a failed ``_peer`` is reported, per transport
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
-        """The shared state; a subclass then sets up its transport and calls :meth:`_start_worker`."""
+        """Starts the worker: a subclass sets up what its worker reads before calling this."""
         super().__init__(config, on_failed)
         self.out = Outbound(self.book, self.backend_name)
         self._stop = threading.Event()
@@ -144,8 +151,6 @@ class QueuedSender(KVSender):
         self._queue: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._peers: dict[str, Any] = {}
         self._threads: list[threading.Thread] = []
-
-    def _start_worker(self) -> None:
         self._worker = start_io_thread(self.config.io_cpus, self._work, f"kv-{self.backend_name}-send")
         self.book.start(self.config)
 
@@ -187,10 +192,8 @@ class QueuedSender(KVSender):
         join_all([self._worker, *self._threads], self.config.close_timeout_s)
         self.book.stop(self.config.close_timeout_s / 4)
 
-    def start(
-        self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_block_ids: Sequence[int],
-        deadline_s: float,
-    ) -> None:
+    def start(self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_block_ids: Sequence[int],
+              deadline_s: float) -> None:
         entry = self.out.open(request_id, dest, src_block_ids, deadline_s)
         for leg in entry.ctx.legs:
             try:
@@ -201,9 +204,7 @@ class QueuedSender(KVSender):
             with self.book.lock:
                 peer.legs[leg.dest.transfer_id] = (entry, leg)
                 leg.peer = peer
-        self.out.plan(entry)  # raises CompatibilityError; the peer is told through _notify_peer
-        assert self.out.layout is not None
-        hello = hello_payload(self.out.layout)
+        hello = hello_payload(self.out.plan(entry))  # plan raises CompatibilityError; the peer is told
         for leg in entry.ctx.legs:
             self._queue.put(("control", leg.peer, control(Kind.HELLO, leg.dest.transfer_id, hello)))
 
@@ -213,26 +214,33 @@ class QueuedSender(KVSender):
                 self._queue.put(("control", leg.peer, control(Kind.FAIL, leg.dest.transfer_id, message.encode())))
 
     def _on_reply(self, peer: Any, frame: Frame, payload: bytes | bytearray) -> None:
-        """A frame the receiver sent back on ``peer``: ACK completes that leg, FAIL fails its request."""
         with self.book.lock:
             found = peer.legs.get(frame.transfer_id)
         if found is None:
             return
-        entry, leg = found
+        self.out.on_reply(found[0], found[1], frame, payload)
         if frame.kind == Kind.ACK:
-            self.out.leg_acked(entry, leg)
             with self.book.lock:
                 peer.legs.pop(frame.transfer_id, None)
-        elif frame.kind == Kind.FAIL:
-            self.book.fail(entry, f"sender: receiver reported: {payload.decode(errors='replace')}")
 
-    def _keep(self, peer: Any, reader: Any) -> Any:
+    def _keep(self, peer: Any) -> Any:
         """Record a new ``peer`` and start its reader thread; returns it."""
         with self._lock:
             self._peers[peer.endpoint] = peer
-        t = start_io_thread(self.config.io_cpus, reader, f"kv-{self.backend_name}-ack-{peer.endpoint}", peer)
+        t = start_io_thread(self.config.io_cpus, self._read, f"kv-{self.backend_name}-ack-{peer.endpoint}", peer)
         self._threads = [x for x in self._threads if x.is_alive()] + [t]
         return peer
+
+    def _read(self, peer: Any) -> None:
+        try:
+            while not self._stop.is_set() and peer.alive:
+                for frame, payload in peer.replies(self._stop):
+                    self._on_reply(peer, frame, payload)
+        except InterruptedError:
+            return
+        except Exception as e:  # EOF (a killed receiver's kernel closes its socket), a broken stream, a bad frame
+            if not self._stop.is_set():
+                self._drop(peer, f"receiver connection lost (peer closed or killed): {e}")
 
     def _drop(self, peer: Any, reason: str) -> None:
         """``peer`` is gone: close it (the receiver sees EOF and fails its side at once) and fail every request it
@@ -249,28 +257,18 @@ class QueuedSender(KVSender):
         for entry, _ in legs:
             self.book.fail(entry, f"sender: {reason} ({peer.endpoint})".splitlines()[0])
 
-    def _next_batch(self) -> list[tuple[str, Any, Any]] | None:
-        """The worker thread's next items: one waited for (up to ``io_timeout_s``; None if none came), then
-        whatever else is already queued, up to ``MAX_BATCH``, so they go out in the same writes."""
-        try:
-            batch = [self._queue.get(timeout=self.config.io_timeout_s)]
-        except queue.Empty:
-            return None
-        while len(batch) < MAX_BATCH:
-            try:
-                batch.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
-        return batch
-
     def _work(self) -> None:
-        """The worker: the only thread that writes to this sender's peers."""
+        """The worker, the only thread that writes to this sender's peers: it waits (up to ``io_timeout_s``) for an
+        item, takes whatever else is already queued (up to ``MAX_BATCH``) and sends them in the same writes."""
         while not self._stop.is_set():
             if self._queue.empty():
                 self._idle()
-            batch = self._next_batch()
-            if batch is None:
+            try:
+                batch = [self._queue.get(timeout=self.config.io_timeout_s)]
+            except queue.Empty:
                 continue
+            while len(batch) < MAX_BATCH and not self._queue.empty():  # the only consumer: this get cannot fail
+                batch.append(self._queue.get_nowait())
             writes: dict[Any, PeerWrites] = {}
             try:
                 for op, arg, extra in batch:
@@ -282,22 +280,17 @@ class QueuedSender(KVSender):
                         if extra is not None:  # pragma: no cover - needs a GPU
                             extra.synchronize()
                         self._gather_layer(writes, *arg)
-                    elif op == "finish":
-                        self._gather_finish(writes, arg)
+                    elif op == "finish" and (entry := self.out.live(arg)) is not None:
+                        entry.ctx.finish_requested = True
+                        for leg in entry.ctx.legs:
+                            w = writes_for(writes, leg.peer, entry.deadline)
+                            w.frames.append(control(Kind.FINISH, leg.dest.transfer_id))
             except InterruptedError:
                 return
             except Exception:  # never let one request kill the worker
                 log.exception("kv %s sender: building writes failed", self.backend_name)
             finally:
                 self._flush(writes)
-
-    def _gather_finish(self, writes: dict[Any, PeerWrites], request_id: str) -> None:
-        entry = self.out.live(request_id)
-        if entry is None:
-            return
-        entry.ctx.finish_requested = True
-        for leg in entry.ctx.legs:
-            writes_for(writes, leg.peer, entry.deadline).frames.append(control(Kind.FINISH, leg.dest.transfer_id))
 
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.out.register(kv_caches, layout)

@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from kvtransfer.io_cpus import start_io_thread
 from kvtransfer.landing import LandingReceiver
@@ -77,14 +77,6 @@ def send_vectored(sock: socket.socket, buffers: Sequence[bytes | memoryview], de
     return total
 
 
-def send_nowait(sock: socket.socket, data: bytes) -> bool:
-    """Hand ``data`` to the kernel without blocking (``MSG_DONTWAIT``); False when it would block or took part."""
-    try:
-        return sock.send(data, socket.MSG_DONTWAIT) == len(data)
-    except BlockingIOError:
-        return False
-
-
 def tune(sock: socket.socket, timeout_s: float | None) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.settimeout(timeout_s)
@@ -103,10 +95,35 @@ def close_socket(sock: socket.socket) -> None:
         sock.close()
 
 
+class Connection:
+    """A connection to one peer whose small control replies (ACK, FAIL) are sent without ever blocking: the caller
+    may be the lease reaper, and a peer that does not drain its socket is broken, so the connection is cut."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        tune(sock, None)
+        self.sock, self.peer = sock, peer
+        self.send_lock = threading.Lock()
+
+    def send_control(self, data: bytes) -> None:
+        with self.send_lock:
+            try:
+                sent = self.sock.send(data, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            if sent != len(data):
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)  # the reading thread sees EOF and fails what it carried
+                raise ConnectionError(f"control frame to {self.peer} would block; connection cut")
+
+    def close(self) -> None:
+        close_socket(self.sock)
+
 
 class ListeningReceiver(LandingReceiver):
-    """Accepts connections and serves each on a thread of its own (tcp, torch). A subclass calls :meth:`_listen` and
-    supplies ``_connection`` and ``_serve``; a connection has ``peer``, ``close()`` and ``send_control(data)``."""
+    """Accepts connections (``connection_cls``) and serves each on a thread of its own (tcp, torch). A subclass
+    calls :meth:`_listen` and supplies ``_serve``."""
+
+    connection_cls: ClassVar[type[Connection]] = Connection
 
     def _listen(self, host: str, port: int) -> int:
         """Start accepting on ``host:port`` (0: ephemeral); returns the port."""
@@ -124,9 +141,6 @@ class ListeningReceiver(LandingReceiver):
             self._threads = [x for x in self._threads if x.is_alive()]
             self._threads.append(start_io_thread(self.config.io_cpus, target, name, *args))
 
-    def _connection(self, sock: socket.socket, peer: str) -> Any:
-        raise NotImplementedError
-
     def _serve(self, conn: Any) -> None:
         raise NotImplementedError
 
@@ -142,7 +156,7 @@ class ListeningReceiver(LandingReceiver):
                 continue
             except OSError:  # closed
                 return
-            conn = self._connection(sock, f"{addr[0]}:{addr[1]}")
+            conn = self.connection_cls(sock, f"{addr[0]}:{addr[1]}")
             with self._lock:
                 self._conns.add(conn)
             self._spawn(self._serve, f"kv-{self.backend_name}-recv-{conn.peer}", conn)

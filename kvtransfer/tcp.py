@@ -26,12 +26,12 @@ from kvtransfer.layout import flat_bytes
 from kvtransfer.outgoing import Leg, PeerWrites, QueuedSender
 from kvtransfer.plan import Piece
 from kvtransfer.sockio import (
+    Connection,
     ListeningReceiver,
     PeerClosed,
     close_socket,
     discard,
     recv_exact,
-    send_nowait,
     send_vectored,
     tune,
 )
@@ -41,19 +41,20 @@ log = logging.getLogger(__name__)
 _SCRATCH = 1 << 20
 
 
-def staged(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor holding ``t``'s bytes (``t`` itself when it already is one)."""
-    if t.device.type == "cpu":
-        return t if t.is_contiguous() else t.contiguous()
-    return t.to("cpu", copy=True).contiguous()
-
-
 @dataclass(eq=False)
 class _Link:
     endpoint: str
     sock: socket.socket
     legs: dict[int, tuple[Entry, Leg]] = field(default_factory=dict)
     alive: bool = True
+
+    def replies(self, stop: threading.Event) -> list[tuple[Frame, bytearray]]:
+        header = bytearray(HEADER_SIZE)
+        recv_exact(self.sock, memoryview(header), stop, at_boundary=True)
+        frame = unpack(header)
+        payload = bytearray(frame.payload_len)
+        recv_exact(self.sock, memoryview(payload), stop)
+        return [(frame, payload)]
 
     def close(self) -> None:
         close_socket(self.sock)
@@ -62,10 +63,6 @@ class _Link:
 class TcpSender(QueuedSender):
     backend_name: ClassVar[str] = "tcp"
     cannot_reach: ClassVar[str] = "cannot connect to receiver"
-
-    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
-        super().__init__(config, on_failed)
-        self._start_worker()
 
     def _peer(self, endpoint: str) -> _Link:
         with self._lock:
@@ -83,22 +80,7 @@ class TcpSender(QueuedSender):
                 raise
             sock = cast(socket.socket, tls)
         tune(sock, cfg.io_timeout_s)  # the worker re-arms the timeout to each request's deadline
-        return self._keep(_Link(endpoint, sock), self._read)
-
-    def _read(self, link: _Link) -> None:
-        header = bytearray(HEADER_SIZE)
-        try:
-            while not self._stop.is_set():
-                recv_exact(link.sock, memoryview(header), self._stop, at_boundary=True)
-                frame = unpack(header)
-                payload = bytearray(frame.payload_len)
-                if frame.payload_len:
-                    recv_exact(link.sock, memoryview(payload), self._stop)
-                self._on_reply(link, frame, payload)
-        except InterruptedError:
-            return
-        except (OSError, ValueError) as e:
-            self._drop(link, f"receiver connection lost (peer closed or killed): {e}")
+        return self._keep(_Link(endpoint, sock))
 
     def _flush(self, writes: dict[Any, PeerWrites]) -> None:
         """One gathered ``sendmsg`` run per connection, then the per-layer progress of what went out."""
@@ -115,42 +97,23 @@ class TcpSender(QueuedSender):
 
     def _payload(self, w: PeerWrites, layer: int, kv: int, piece: Piece, t: torch.Tensor) -> None:
         """Right after its header, in one iovec list: a memoryview of the source blocks (no copy for full-head
-        pieces on CPU)."""
+        pieces on CPU; else a contiguous CPU copy of the slice)."""
         src = self.out.run_bytes(layer, kv, piece.src_start, piece.src_heads[1] - piece.src_heads[0], piece.nbytes)
-        w.frames.append(src if src is not None else flat_bytes(staged(piece.src_view(t))))
+        w.frames.append(src if src is not None else flat_bytes(piece.src_view(t).to("cpu").contiguous()))
 
 
-@dataclass(eq=False)
-class _Inbound:
-    sock: socket.socket
-    peer: str
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
+class _Inbound(Connection):
     writing: Entry | None = None  # the request whose payload is being received right now
-
-    def send_control(self, data: bytes) -> None:
-        """Send a small control frame without ever blocking (the caller may be the lease reaper); a peer that
-        does not drain its socket is broken, so the connection is cut instead of stalling this thread."""
-        with self.send_lock:
-            if not send_nowait(self.sock, data):
-                with contextlib.suppress(OSError):
-                    self.sock.shutdown(socket.SHUT_RDWR)
-                raise ConnectionError(f"control frame to {self.peer} would block; connection cut")
-
-    def close(self) -> None:
-        close_socket(self.sock)
 
 
 class TcpReceiver(ListeningReceiver):
     backend_name: ClassVar[str] = "tcp"
+    connection_cls = _Inbound
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
         super().__init__(config, on_failed)
         self.endpoint = f"{self.config.host}:{self._listen(self.config.host, self.config.port)}"
         self.book.start(self.config)
-
-    def _connection(self, sock: socket.socket, peer: str) -> _Inbound:
-        tune(sock, None)
-        return _Inbound(sock, peer)
 
     def _watchdog(self) -> None:
         """A sender stalled mid-payload past the lease: cut its connection so the blocked read ends."""
@@ -179,7 +142,13 @@ class TcpReceiver(ListeningReceiver):
         try:
             while not self._stop.is_set():
                 recv_exact(conn.sock, memoryview(header), self._stop, at_boundary=True)
-                self._dispatch(conn, unpack(header), scratch)
+                frame = unpack(header)
+                if frame.kind == Kind.DATA:
+                    self._data(conn, frame, scratch)
+                    continue
+                payload = bytearray(frame.payload_len)
+                recv_exact(conn.sock, memoryview(payload), self._stop)
+                self._control_frame(frame, bytes(payload), conn)
         except PeerClosed as e:  # a SIGKILLed peer's kernel closes its socket cleanly: same as a close
             reason = f"sender connection lost (peer closed or killed): {e}"
         except InterruptedError:
@@ -188,15 +157,6 @@ class TcpReceiver(ListeningReceiver):
             reason = f"sender connection broken: {e}"
         finally:
             self._closed(conn, f"receiver: {reason} from {conn.peer}")
-
-    def _dispatch(self, conn: _Inbound, frame: Frame, scratch: memoryview) -> None:
-        if frame.kind == Kind.DATA:
-            self._data(conn, frame, scratch)
-            return
-        payload = bytearray(frame.payload_len)
-        if frame.payload_len:
-            recv_exact(conn.sock, memoryview(payload), self._stop)
-        self._control_frame(frame, bytes(payload), conn)
 
     def _data(self, conn: _Inbound, frame: Frame, scratch: memoryview) -> None:
         entry = self.landing.live(frame.transfer_id)

@@ -27,7 +27,7 @@ from kvtransfer.io_cpus import io_affinity
 from kvtransfer.layout import KVLayout
 from kvtransfer.outgoing import Leg, PeerWrites, QueuedSender
 from kvtransfer.plan import Piece
-from kvtransfer.sockio import ListeningReceiver, close_socket, recv_exact, send_nowait, send_vectored, tune
+from kvtransfer.sockio import Connection, ListeningReceiver, recv_exact, send_vectored
 from kvtransfer.wire import HEADER_SIZE, Frame, Kind, unpack
 
 PAIRS_KEY = "tandem/pairs"
@@ -82,43 +82,30 @@ PAIR_INDEX = struct.Struct("!Q")  # a control connection's first message: the pa
 MAX_MESSAGE = 64 << 20  # a control message is wire frames: a layer's DATA headers at most, far below this
 
 
-class ControlLink:
+class ControlLink(Connection):
     """A pair's control channel: length-prefixed messages of wire frames both ways over one TCP connection. One
     thread reads (blocking; ends on EOF or ``close``); writes are serialised and bounded, and any error cuts it."""
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
-        tune(sock, None)
-        self.sock, self.peer = sock, peer
-        self._send_lock = threading.Lock()
-        self._len = bytearray(_LEN.size)
-
     def put(self, blob: bytes, deadline: float) -> None:
-        with self._send_lock:
+        with self.send_lock:
             try:
                 send_vectored(self.sock, [_LEN.pack(len(blob)), blob], deadline)
             except OSError:
                 self.close()
                 raise
 
-    def send_control(self, blob: bytes) -> None:
-        """A small reply (ACK/FAIL) from a thread that must never block (the receiver, its lease reaper)."""
-        data = _LEN.pack(len(blob)) + blob
-        with self._send_lock:
-            if not send_nowait(self.sock, data):
-                self.close()
-                raise ConnectionError(f"control message to {self.peer} would block; connection cut")
+    def send_control(self, data: bytes) -> None:
+        super().send_control(_LEN.pack(len(data)) + data)
 
     def get(self, stop: threading.Event) -> bytes:
-        recv_exact(self.sock, memoryview(self._len), stop, at_boundary=True)
-        (n,) = _LEN.unpack(self._len)
+        size = bytearray(_LEN.size)
+        recv_exact(self.sock, memoryview(size), stop, at_boundary=True)
+        (n,) = _LEN.unpack(size)
         if n > MAX_MESSAGE:
             raise ValueError(f"control message of {n} bytes from {self.peer} is too large")
         blob = bytearray(n)
         recv_exact(self.sock, memoryview(blob), stop)
         return bytes(blob)
-
-    def close(self) -> None:
-        close_socket(self.sock)
 
 
 def store_client(endpoint: str, timeout_s: float) -> TCPStore:
@@ -135,6 +122,9 @@ class _OutPair:
     legs: dict[int, tuple[Entry, Leg]] = field(default_factory=dict)
     alive: bool = True
 
+    def replies(self, stop: threading.Event) -> list[tuple[Frame, bytes]]:
+        return split_frames(self.link.get(stop))
+
     def close(self) -> None:
         self.link.close()
 
@@ -146,9 +136,8 @@ class TorchSender(QueuedSender):
     cannot_reach: ClassVar[str] = "cannot form a group with"
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
+        self._inflight: list[tuple[_OutPair, list[Any], PeerWrites]] = []  # read by the worker: set before it starts
         super().__init__(config, on_failed)
-        self._inflight: list[tuple[_OutPair, list[Any], PeerWrites]] = []
-        self._start_worker()
 
     def _peer(self, endpoint: str) -> _OutPair:
         with self._lock:  # held while the group forms: two starts towards one receiver must not both make a pair
@@ -168,25 +157,13 @@ class TorchSender(QueuedSender):
             except Exception:
                 link.close()
                 raise
-            return self._keep(_OutPair(endpoint, store, group, link), self._read)
-
-    def _read(self, pair: _OutPair) -> None:
-        try:
-            while not self._stop.is_set() and pair.alive:
-                for frame, payload in split_frames(pair.link.get(self._stop)):
-                    self._on_reply(pair, frame, payload)
-        except InterruptedError:
-            return
-        except Exception as e:
-            if not self._stop.is_set():
-                self._drop(pair, f"receiver connection lost (peer closed or killed): {e}")
+            return self._keep(_OutPair(endpoint, store, group, link))
 
     def _idle(self) -> None:
         self._complete()  # nothing queued behind: wait for the layers in flight
 
     def _payload(self, w: PeerWrites, layer: int, kv: int, piece: Piece, t: torch.Tensor) -> None:
-        src = piece.src_view(t)
-        w.payloads.append(as_bytes(src if src.is_contiguous() else src.contiguous()))
+        w.payloads.append(as_bytes(piece.src_view(t).contiguous()))
 
     def _flush(self, writes: dict[Any, PeerWrites]) -> None:
         """Per pair: one control message (every frame gathered, in queue order), then its payloads' ``send``s."""
@@ -220,6 +197,7 @@ class TorchReceiver(ListeningReceiver):
     blocks."""
 
     backend_name: ClassVar[str] = "torch"
+    connection_cls = ControlLink
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
         super().__init__(config, on_failed)
@@ -240,9 +218,6 @@ class TorchReceiver(ListeningReceiver):
     def close(self) -> None:
         super().close()
         self._store = None  # the last reference to the master: its server shuts down
-
-    def _connection(self, sock: socket.socket, peer: str) -> ControlLink:
-        return ControlLink(sock, peer)
 
     def _serve(self, link: ControlLink) -> None:
         """One sender: its first message names the pair it claimed in the store; then its layers, in order."""

@@ -7,7 +7,8 @@ request's first ``overlap`` blocks, all in KV-block units::
     prefill_term   = prefill_weight · (w.prefill_tokens / block_size + uncached)   w's prefill backlog, incl. this
     decode_term    = decode_weight  · (w.decode_blocks + uncached)       KV blocks w holds, plus the new ones this needs
     queue_term     = queue_weight   · w.queue_depth                      requests already waiting on w
-    total          = prefill_term + decode_term + queue_term
+    adapter_term   = adapter_load_cost  if the request names a LoRA adapter w serves but has not loaded, else 0
+    total          = prefill_term + decode_term + queue_term + adapter_term
 
 This is Dynamo's documented ``prefill_load_scale · max(prefill_blocks − overlap, 0) + decode_blocks`` with the
 worker's backlog made explicit and a queue term added (set ``queue_weight=0`` to drop it). Overlap saves prefill
@@ -23,6 +24,11 @@ would blow any difference up to 1; a ratio to the best total would shrink with t
 cost exceeds the best by ``temperature · R`` blocks is ``e`` times less likely. At ``temperature=0.1`` a worker
 missing a cached prefix of half the request is ``e^5`` less likely, so a long cached prefix still wins, while
 near-ties are spread, which is what keeps replicas that share load reports from herding.
+
+The adapter term prefers workers that hold a request's LoRA adapter in memory: another worker that serves it must
+read it from disk first (engine/lora/manager.py), charged as ``adapter_load_cost`` blocks of work, so a holder wins
+unless it is busier by more than that. Workers that do not serve the adapter at all are never candidates. A request
+of the base model has no adapter term (its breakdown carries 0 and its header leaves it out).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from __future__ import annotations
 import functools
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
@@ -45,6 +51,7 @@ VECTOR_MIN = 24  # from this many candidates on, score them as arrays (numpy's f
 _Num = TypeVar("_Num", float, np.ndarray)
 
 _HEADER_KEYS = ("w", "ov", "un", "p", "d", "q", "t")
+_ADAPTER_HEADER_KEYS = ("w", "ov", "un", "p", "d", "q", "a", "t")  # a request of a LoRA adapter
 
 
 @functools.cache
@@ -63,9 +70,12 @@ class CostConfig:
     queue_weight: float = 1.0
     temperature: float = 0.0
     block_size: int = 16
+    # Blocks of work charged to a worker that must load the request's LoRA adapter from disk (it serves it, but the
+    # adapter is not resident): reading and checking an adapter costs about as much as prefilling a few blocks.
+    adapter_load_cost: float = 16.0
 
     def __post_init__(self) -> None:
-        for name in ("prefill_weight", "decode_weight", "queue_weight", "temperature"):
+        for name in ("prefill_weight", "decode_weight", "queue_weight", "temperature", "adapter_load_cost"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -82,24 +92,30 @@ class CostBreakdown:
     decode_term: float
     queue_term: float
     total: float
+    adapter_term: float = 0.0  # the LoRA adapter's load cost on this worker (included in ``total``)
 
     def as_header(self) -> str:
-        """Compact ``x-tandem-route`` value, e.g. ``w=d-3;ov=12;un=52;p=60.0;d=80.0;q=1.0;t=141.0``."""
+        """Compact ``x-tandem-route`` value, e.g. ``w=d-3;ov=12;un=52;p=60.0;d=80.0;q=1.0;t=141.0`` (with
+        ``a=16.0`` before ``t`` when the adapter term is not 0)."""
+        adapter = f"a={self.adapter_term!r};" if self.adapter_term else ""
         return (f"w={quote(self.worker_id, safe='')};ov={self.overlap_blocks};un={self.uncached_prefill_blocks};"
-                f"p={self.prefill_term!r};d={self.decode_term!r};q={self.queue_term!r};t={self.total!r}")
+                f"p={self.prefill_term!r};d={self.decode_term!r};q={self.queue_term!r};{adapter}t={self.total!r}")
 
     @classmethod
     def from_header(cls, header: str) -> CostBreakdown:
         """Inverse of ``as_header`` (floats are written with ``repr``, so they round-trip exactly)."""
         parts = dict(item.split("=", 1) for item in header.split(";"))
-        if tuple(parts) != _HEADER_KEYS:
+        if tuple(parts) not in (_HEADER_KEYS, _ADAPTER_HEADER_KEYS):
             raise ValueError(f"not an x-tandem-route value: {header!r}")
-        prefill, decode, queue, total = (float(parts[key]) for key in _HEADER_KEYS[3:])
-        return cls(unquote(parts["w"]), int(parts["ov"]), int(parts["un"]), prefill, decode, queue, total)
+        prefill, decode, queue, total = (float(parts[key]) for key in ("p", "d", "q", "t"))
+        return cls(unquote(parts["w"]), int(parts["ov"]), int(parts["un"]), prefill, decode, queue, total,
+                   float(parts.get("a", 0.0)))
 
 
 # One candidate's terms, in CostBreakdown field order; the hot path builds these and CostBreakdowns only on demand.
-CostRow = tuple[WorkerId, int, int, float, float, float, float]
+# A request of a LoRA adapter has one more, the adapter term (``total`` stays at index 6 either way).
+CostRow = tuple[WorkerId, int, int, float, float, float, float] | tuple[WorkerId, int, int, float, float, float,
+                                                                        float, float]
 # The overlap as KVIndex.match_depths gives it: (each candidate's index slot, -1 for none, from KVIndex.slots_of;
 # the leading cached blocks per index slot). The many-candidate path takes this instead of a dict per hit worker.
 SlotDepths = tuple[np.ndarray, np.ndarray]
@@ -152,8 +168,10 @@ class CostModel:
         return [CostBreakdown(*row) for row in self.rows(candidates, overlap_blocks, request_blocks, load)]
 
     def rows(self, candidates: Sequence[WorkerId], overlap_blocks: Mapping[WorkerId, int], request_blocks: int,
-             load: LoadTracker) -> list[CostRow]:
-        """``score`` as plain tuples, one Python step per candidate (the path for few candidates)."""
+             load: LoadTracker, loading: Collection[WorkerId] | None = None) -> list[CostRow]:
+        """``score`` as plain tuples, one Python step per candidate (the path for few candidates). ``loading``:
+        for a request of a LoRA adapter, the candidates that would have to load it (the adapter term); None for a
+        request of the base model (rows without the term)."""
         r = request_blocks
         terms = self.terms
         overlap_of = overlap_blocks.get
@@ -171,7 +189,14 @@ class CostModel:
                 prefill, decode, queue, total = terms(r, overlap, record.prefill_tokens, record.decode_blocks,
                                                       record.queue_depth)
             append((worker, overlap, r - overlap, prefill, decode, queue, total))
-        return out
+        if loading is None:
+            return out
+        load_cost = self.config.adapter_load_cost
+        adapter_rows: list[CostRow] = []
+        for worker, overlap, uncached, prefill, decode, queue, total, *_ in out:
+            adapter = load_cost if worker in loading else 0.0
+            adapter_rows.append((worker, overlap, uncached, prefill, decode, queue, total + adapter, adapter))
+        return adapter_rows
 
     def score_and_choose(self, candidates: list[WorkerId], overlap_blocks: Overlap,
                          request_blocks: int, load: LoadTracker, rng: random.Random,

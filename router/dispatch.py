@@ -15,6 +15,11 @@ Per choice (``n`` > 1 fans out into independent choices):
    to a new pair with the remaining budget. The client's stream continues: no token is repeated or lost (exact
    for greedy decoding; a sampled continuation is drawn afresh).
 4. **Cancel**: if the client goes away, the request is aborted on every worker it touched, freeing its blocks.
+
+A request of a LoRA adapter (``lora``) runs colocated on a decode worker that serves the adapter (prefill and decode
+workers do not apply adapters yet, so it is never disaggregated), chosen with the adapter in the block hash (prefixes
+cached under that adapter) and the adapter term in the cost (router/cost.py: a worker holding the adapter loaded
+wins over one that must read it from disk, unless it is busier by more than that); reason ``lora_adapter``.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ class Decision(Protocol):
 class Selector(Protocol):
     block_size: int
 
-    def select(self, token_ids: Sequence[int], workers: Sequence[str]) -> Any: ...
+    def select(self, token_ids: Sequence[int], workers: Sequence[str], lora: str | None = None,
+               holders: Sequence[str] = ()) -> Any: ...
     def release(self, decision: Any) -> None: ...
 
 
@@ -131,10 +137,12 @@ class Dispatcher:
         self.stats = DispatchStats()
         self._background: set[asyncio.Future[None]] = set()
 
-    def plan(self, prompt: list[int], exclude: set[str]) -> Plan:
+    def plan(self, prompt: list[int], exclude: set[str], lora: str = "") -> Plan:
         decoders = [w for w in self.pool.available("decode") if w.address not in exclude]
         if not decoders:
             raise DispatchError(503, "no decode worker is available", retry_after=1.0)
+        if lora:
+            return self._plan_adapter(prompt, decoders, lora)
         by_id = {w.worker_id: w for w in decoders}
         d = self.decode_selector.select(prompt, list(by_id))
         decode = by_id[d.worker_id]
@@ -150,6 +158,15 @@ class Dispatcher:
         p = self.prefill_selector.select(prompt, list(by_pid))
         return self._decided(Plan("disaggregated", "long_uncached_prompt", decode, by_pid[p.worker_id],
                                   decode_decision=d, prefill_decision=p))
+
+    def _plan_adapter(self, prompt: list[int], decoders: list[Worker], lora: str) -> Plan:
+        """Colocated on a worker that serves ``lora``, preferring those that hold it loaded."""
+        serving = {w.worker_id: w for w in decoders if lora in w.loras}
+        if not serving:
+            raise DispatchError(503, f"no available worker serves the LoRA adapter {lora!r} now", retry_after=1.0)
+        holders = [wid for wid, w in serving.items() if lora in w.resident_loras]
+        d = self.decode_selector.select(prompt, list(serving), lora=lora, holders=holders)
+        return self._decided(Plan("colocated", "lora_adapter", serving[d.worker_id], decode_decision=d))
 
     def _decided(self, plan: Plan) -> Plan:
         self.stats.decisions[plan.reason] = self.stats.decisions.get(plan.reason, 0) + 1
@@ -167,26 +184,27 @@ class Dispatcher:
 
     async def run(self, request_id: str, prompt: list[int], params: pb.SamplingParams,
                   plan_out: list[Plan] | None = None, min_chunk_tokens: int = 0,
-                  trace: Metadata = ()) -> AsyncGenerator[pb.TokenChunk, None]:
+                  trace: Metadata = (), lora: str = "") -> AsyncGenerator[pb.TokenChunk, None]:
         """Yield the request's chunks, retrying and migrating across workers as needed.
 
         ``min_chunk_tokens`` > 1 lets the workers hold tokens until that many are ready (worker.proto's output
         pacing), for a caller that answers its client only at the end: fewer messages, and a migration loses at
         most that many tokens of decode work (never tokens already yielded here). ``trace``: gRPC metadata
         carrying the request's W3C trace context to the disaggregated calls (router/tracing.py; empty: none).
+        ``lora``: the LoRA adapter the request runs under (empty: the base model).
         """
         generated: list[int] = []
         exclude: set[str] = set()
         attempt = 0
         while True:
             plan, rid, full, cont = self._next_attempt(request_id, attempt, prompt, params, generated, exclude,
-                                                       plan_out)
+                                                       plan_out, lora)
             if plan.mode == "colocated":
                 # On the worker's session; a request that stops early is aborted through it (WorkerSession).
                 session = plan.decode.session
                 assert session is not None
                 source = session.generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=full, params=cont,
-                                                             min_chunk_tokens=min_chunk_tokens),
+                                                             min_chunk_tokens=min_chunk_tokens, lora=lora),
                                           self.config.rpc_timeout_s, self.config.max_buffered_tokens)
             else:
                 source = self._disaggregated_run(plan, rid, full, cont, min_chunk_tokens, trace)
@@ -209,7 +227,7 @@ class Dispatcher:
 
     async def collect(self, request_id: str, prompt: list[int], params: pb.SamplingParams,
                       sink: Callable[[pb.TokenChunk], bool], plan_out: list[Plan] | None = None,
-                      min_chunk_tokens: int = 0, trace: Metadata = ()) -> None:
+                      min_chunk_tokens: int = 0, trace: Metadata = (), lora: str = "") -> None:
         """``run`` for a caller that answers only at the end: each chunk goes to ``sink`` as it arrives (from the
         session's reader, with no generator step per chunk and none per layer), which returns True once it needs
         no more (a stop string matched: the rest is aborted). Same retries, migration and cancellation as ``run``:
@@ -224,13 +242,13 @@ class Dispatcher:
 
         while True:
             plan, rid, full, cont = self._next_attempt(request_id, attempt, prompt, params, generated, exclude,
-                                                       plan_out)
+                                                       plan_out, lora)
             try:
                 if plan.mode == "colocated":
                     session = plan.decode.session
                     assert session is not None
                     await session.collect(pb.GenerateRequest(request_id=rid, prompt_token_ids=full, params=cont,
-                                                             min_chunk_tokens=min_chunk_tokens),
+                                                             min_chunk_tokens=min_chunk_tokens, lora=lora),
                                           self.config.rpc_timeout_s, take)
                     return
                 async with contextlib.aclosing(self._disaggregated_run(plan, rid, full, cont,
@@ -246,10 +264,10 @@ class Dispatcher:
 
     def _next_attempt(self, request_id: str, attempt: int, prompt: list[int], params: pb.SamplingParams,
                       generated: list[int], exclude: set[str],
-                      plan_out: list[Plan] | None) -> tuple[Plan, str, list[int], pb.SamplingParams]:
+                      plan_out: list[Plan] | None, lora: str = "") -> tuple[Plan, str, list[int], pb.SamplingParams]:
         """Plan attempt ``attempt`` (see ``_attempt_args``)."""
         rid, full, cont = self._attempt_args(request_id, attempt, prompt, params, generated)
-        plan = self.plan(full, exclude)
+        plan = self.plan(full, exclude, lora)
         if plan_out is not None:
             plan_out.append(plan)
         return plan, rid, full, cont

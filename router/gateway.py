@@ -16,6 +16,11 @@ tier, 429 with ``Retry-After`` beyond), then dispatched. A prompt longer than ``
 
 API keys (auth/api_keys.py): with keys configured, every endpoint but ``/health`` needs ``Authorization: Bearer
 KEY`` (401 otherwise), and ``x-tandem-explain`` is honoured only for an admin key.
+
+LoRA adapters: ``/v1/models`` lists every adapter a worker of the pool serves, with ``parent`` the served model (the
+shape of vLLM's list), and a request whose ``model`` names one runs under it (router/dispatch.py); a ``model`` that
+is neither gets a 404 naming it before any worker is reached. ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (router/lora_admin.py) take an admin key (403 for another key).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from router.api_error import APIError
 from router.asgi import Request, Response, StreamResponse
 from router.chat_output import REASONING_PARSERS
 from router.dispatch import Dispatcher, DispatchError, Plan
+from router.lora_admin import LoRAAdmin
 from router.metrics import RouterMetrics
 from router.openai_endpoints import UtilityEndpoints
 from router.openai_protocol import GenerationRequest, parse_request, usage
@@ -109,7 +115,9 @@ class Gateway:
             ("POST", "/v1/completions"): self.completions, ("POST", "/v1/chat/completions"): self.chat_completions,
             ("GET", "/v1/models"): self.models, ("GET", "/health"): self.health,
             ("POST", "/tokenize"): self.tokenize, ("POST", "/detokenize"): self.detokenize,
-            ("GET", "/version"): self.version}
+            ("GET", "/version"): self.version, ("POST", "/v1/load_lora_adapter"): self.load_lora_adapter,
+            ("POST", "/v1/unload_lora_adapter"): self.unload_lora_adapter}
+        self.lora_admin = LoRAAdmin(dispatcher.pool, config.model_name)
         self.extras = UtilityEndpoints(tokenizer, config.model_name, config.max_model_len, config.vocab_size,
                                        config.max_prompt_bytes)
         if config.metrics_on_main_port:
@@ -164,13 +172,39 @@ class Gateway:
 
     # ---- endpoints -----------------------------------------------------------------------------------------
 
+    def adapters(self) -> frozenset[str]:
+        """The LoRA adapters some worker serves now (a request's ``model`` may name one)."""
+        return frozenset(self.dispatcher.pool.adapters())
+
+    def adapter_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "tandem", "root": name,
+                "parent": self.config.model_name, "max_model_len": self.config.max_model_len}
+
     async def models(self, request: Request) -> Response:
         return _json({"object": "list", "data": [
             {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "tandem",
-             "max_model_len": self.config.max_model_len}]})
+             "max_model_len": self.config.max_model_len},
+            *(self.adapter_card(name) for name in sorted(self.adapters()))]})
 
     async def model_by_id(self, request: Request) -> Response:
-        return _json(self.extras.model(urllib.parse.unquote(request.path[len("/v1/models/"):])))
+        model_id = urllib.parse.unquote(request.path[len("/v1/models/"):])
+        if model_id != self.config.model_name and model_id in self.adapters():
+            return _json(self.adapter_card(model_id))
+        return _json(self.extras.model(model_id))
+
+    def _admin_only(self, request: Request) -> None:
+        """403 unless the caller's key is an admin key (the gateway's ``authenticate`` already let it in)."""
+        caller = self.keys.check(request.headers.get("authorization"))
+        if caller is None or not caller.admin:
+            raise APIError(403, f"{request.path} needs an admin API key", code="insufficient_permissions")
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        self._admin_only(request)
+        return _json(await self.lora_admin.load(_json_body(request.body)))
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        self._admin_only(request)
+        return _json(await self.lora_admin.unload(_json_body(request.body)))
 
     async def tokenize(self, request: Request) -> Response:
         return _json(await self.extras.tokenize(request.body))
@@ -230,12 +264,14 @@ class Gateway:
     async def parse(self, raw: bytes | dict[str, Any], chat: bool, size: int) -> GenerationRequest:
         """Parse and validate a body of about ``size`` bytes: on the loop when it is small, in the parser threads
         when it is not."""
+        adapters = self.adapters()  # read on the loop, where the pool changes
         if size <= self.config.inline_parse_bytes:
-            return self.parse_body(raw, chat)
+            return self.parse_body(raw, chat, adapters)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._parser, self.parse_body, raw, chat)
+        return await loop.run_in_executor(self._parser, self.parse_body, raw, chat, adapters)
 
-    def parse_body(self, raw: bytes | dict[str, Any], chat: bool) -> GenerationRequest:
+    def parse_body(self, raw: bytes | dict[str, Any], chat: bool,
+                   adapters: frozenset[str] = frozenset()) -> GenerationRequest:
         """JSON → a validated, tokenised request (any thread). The prompt's bytes are capped before tokenising."""
         cfg = self.config
         if isinstance(raw, bytes | bytearray):
@@ -253,7 +289,7 @@ class Gateway:
                 raise APIError(413, f"the prompt is longer than {cfg.max_prompt_bytes} bytes",
                                "messages" if chat else "prompt")
         return parse_request(body, chat, self.tokenizer, cfg.model_name, cfg.max_model_len, cfg.vocab_size,
-                             cfg.tool_call_parser, cfg.reasoning_parser)
+                             cfg.tool_call_parser, cfg.reasoning_parser, adapters)
 
     def _choice(self, req: GenerationRequest, index: int) -> Choice:
         return new_choice(req, index, self.tokenizer)
@@ -310,7 +346,8 @@ class Gateway:
     def _run(self, req: GenerationRequest, c: Choice, plans: list[Plan]) -> AsyncGenerator[pb.TokenChunk, None]:
         return self.dispatcher.run(f"{req.request_id}-{c.index}", c.prompt or req.prompt_token_ids,
                                    self._params_for(req, c.index), plans,
-                                   0 if req.stream else self.config.collect_chunk_tokens, c.trace_metadata)
+                                   0 if req.stream else self.config.collect_chunk_tokens, c.trace_metadata,
+                                   req.lora)
 
     def _absorb(self, req: GenerationRequest, c: Choice, chunk: pb.TokenChunk) -> str:
         """Take one chunk into ``c`` (tokens, text, logprobs, finish reason); return its new text."""
@@ -370,7 +407,7 @@ class Gateway:
         try:
             await self.dispatcher.collect(f"{req.request_id}-{c.index}", c.prompt or req.prompt_token_ids,
                                           self._params_for(req, c.index), self._sink(req, c), plans,
-                                          self.config.collect_chunk_tokens, c.trace_metadata)
+                                          self.config.collect_chunk_tokens, c.trace_metadata, req.lora)
         except DispatchError as e:
             raise APIError(e.status, e.message, retry_after=e.retry_after) from None
         finally:
@@ -510,6 +547,13 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 
 def _route_header(plans: list[Plan]) -> str:
     return " | ".join(f"{p.mode}:{p.reason}:{p.breakdown}" for p in plans)[:4000]
+
+
+def _json_body(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise APIError(400, "request body is not valid JSON") from None
 
 
 def _prompt_bytes(body: Any, chat: bool) -> int:

@@ -9,7 +9,8 @@ One ``Complete`` (or ``Chat``) call::
         ──► ChatChunk per worker chunk (new content, reasoning_content, tool_calls deltas: router/chat_output.py)
 
 Everything after the request is parsed is the HTTP path's own code, so both APIs give the same tokens, text and
-errors for the same request. The structured output constraint (``structured``) becomes the HTTP body's
+errors for the same request: a ``model`` naming a LoRA adapter runs under it, and ``Models`` lists the adapters with
+their ``parent``. The structured output constraint (``structured``) becomes the HTTP body's
 ``response_format`` (JSON object, JSON schema) or ``structured_outputs`` (regex, choice, grammar), tools become
 ``tools`` and ``tool_choice``: the same validation, the same grammar and so, for the same seed, the same output.
 An error names the field of *this* API it is about (``structured.json_schema: ...``), in the status details and in
@@ -203,7 +204,9 @@ class GatewayServicer(gpb_grpc.GatewayServicer):
     async def Models(self, request: gpb.ModelsRequest, context: grpc.aio.ServicerContext) -> gpb.ModelsResponse:
         await self._authenticate(context)
         cfg = self.gateway.config
-        return gpb.ModelsResponse(models=[gpb.ModelInfo(id=cfg.model_name, max_model_len=cfg.max_model_len)])
+        return gpb.ModelsResponse(models=[gpb.ModelInfo(id=cfg.model_name, max_model_len=cfg.max_model_len), *(
+            gpb.ModelInfo(id=name, max_model_len=cfg.max_model_len, parent=cfg.model_name)
+            for name in sorted(self.gateway.adapters()))])
 
     async def Complete(self, request: gpb.CompleteRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gpb.CompleteChunk]:

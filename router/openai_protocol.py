@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,7 @@ class GenerationRequest:
     tools: Any = None  # router.tool_choice.ToolRequest of a chat request with tools
     tool_parser: str = "hermes"  # how the model writes tool calls (router/tool_parsers.py)
     reasoning: bool = False  # split <think>...</think> into reasoning_content
+    lora: str = ""  # the LoRA adapter ``model`` named (empty: the served model itself)
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -138,16 +140,20 @@ def _stops(body: dict[str, Any]) -> list[str]:
 
 
 def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str, max_model_len: int,
-                  vocab_size: int, tool_parser: str = "hermes",
-                  reasoning_parser: str | None = None) -> GenerationRequest:
+                  vocab_size: int, tool_parser: str = "hermes", reasoning_parser: str | None = None,
+                  adapters: Collection[str] = ()) -> GenerationRequest:
+    """``adapters``: the LoRA adapters served besides ``served_model``; a ``model`` naming one runs under it."""
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise APIError(400, "'model' is required", "model")
+    lora = ""
     if model != served_model:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves '{served_model}'", "model",
-                       code="model_not_found")
+        if model not in adapters:
+            raise APIError(404, unknown_model_message(model, served_model, adapters), "model",
+                           code="model_not_found")
+        lora = model
     _refuse_unsupported(body, chat)
     tools = parse_tools(body, chat)
     prompts = [chat_token_ids(body, tokenizer, tools=list(tools.tools) if tools else None)] if chat else \
@@ -262,7 +268,13 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer, served_model: str
                              include_usage=bool(opts.get("include_usage", False)), echo=echo,
                              logprobs=logprobs, want_logprobs=logprobs is not None, prompts=prompts,
                              best_of=best_of, prompt_logprobs=prompt_logprobs, tools=tools, tool_parser=tool_parser,
-                             reasoning=chat and reasoning_parser is not None)
+                             reasoning=chat and reasoning_parser is not None, lora=lora)
+
+
+def unknown_model_message(model: str, served_model: str, adapters: Collection[str] = ()) -> str:
+    """The 404 message for a ``model`` that is neither the served model nor one of its LoRA adapters."""
+    also = f" and the LoRA adapters {', '.join(repr(a) for a in sorted(adapters))}" if adapters else ""
+    return f"The model '{model}' does not exist; this server serves '{served_model}'{also}"
 
 
 def _is_int(v: Any) -> bool:

@@ -17,6 +17,10 @@ cancelled, so every request on it fails with ``UNAVAILABLE`` at once and is retr
 instead of waiting for the request's own deadline (minutes) on a host that crashed without closing its
 connections, a partitioned network or a stopped process. A worker that answers again is used again.
 
+Each worker's LoRA adapters (name -> content hash, and which are loaded now) come from its ``Health`` answers, from
+its registry entry (router/redis_bus.py) and from the answers of the load and unload calls the router makes
+(router/lora_admin.py), whichever is newest; :meth:`WorkerPool.adapters` is their union, what ``/v1/models`` lists.
+
 Every channel carries the pool's credentials (auth/): mutual TLS when the router holds TLS files, on the gRPC
 channel and the session port alike, and the cluster token on every call, which the workers' admin RPCs
 (``Snapshot``, ``KVEvents``, ``Abort``, ``Drain``) require.
@@ -27,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -76,11 +81,19 @@ class Worker:
     cut_off: bool = False  # silent for dead_after_s: everything on it was failed over
     cutoffs: int = 0  # times it was cut off (tandem_router_worker_cutoffs_total)
     kv_backend: str = ""  # its KV transfer backend, from Health (a metrics label)
+    loras: dict[str, str] = field(default_factory=dict)  # LoRA adapters it serves: name -> content hash
+    resident_loras: frozenset[str] = frozenset()  # those of them loaded now (the others are read from disk first)
 
     @property
     def answering(self) -> bool:
         """It has answered a probe, and the latest probe: its connections are alive, whatever the registry says."""
         return self.last_seen > 0 and self.unanswered_since is None and not self.cut_off
+
+    def set_adapters(self, infos: Iterable[pb.LoRAAdapterInfo]) -> None:
+        """Take the worker's adapter list (Health, or a load or unload call's answer)."""
+        infos = list(infos)
+        self.loras = {a.name: a.content_hash for a in infos}
+        self.resident_loras = frozenset(a.name for a in infos if a.resident)
 
     @property
     def serves_prefill(self) -> bool:
@@ -170,6 +183,15 @@ class WorkerPool:
         roles = ("prefill",) if role == "prefill" else ("decode", "both")  # serves_prefill / serves_decode
         return [w for w in self.workers.values() if w.healthy and not w.draining and w.role in roles]
 
+    def adapters(self) -> dict[str, str]:
+        """Every LoRA adapter some worker of the pool serves: name -> its content hash (the first seen, should
+        workers serve different content under one name)."""
+        out: dict[str, str] = {}
+        for w in self.workers.values():
+            for name, digest in w.loras.items():
+                out.setdefault(name, digest)
+        return out
+
     def by_id(self, worker_id: str) -> Worker | None:
         return next((w for w in self.workers.values() if w.worker_id == worker_id), None)
 
@@ -188,6 +210,7 @@ class WorkerPool:
             return False
         w.role, w.worker_id, w.draining, w.compat_hash = h.role, h.worker_id, w.draining or h.draining, h.compat_hash
         w.kv_backend = h.kv_backend
+        w.set_adapters(h.lora_adapters)
         if w.session is not None:  # the worker's plain-TCP Session port, on the host its gRPC address names
             w.session.use_tcp(host_of(w.address), h.session_port)
         mismatch = self._hashing_mismatch(h)

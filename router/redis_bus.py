@@ -98,11 +98,16 @@ class RedisBus:
             return None
 
     async def discover(self) -> None:
-        """Add workers with a live lease; drop those whose lease expired; mirror the draining flag."""
+        """Add workers with a live lease; drop those whose lease expired; mirror the draining flag and the LoRA
+        adapters served (name -> content hash; which are loaded comes from the worker's Health)."""
         ads = await self.ads()
         for address, ad in ads.items():
             w = self.pool.workers.get(address) or self.pool.add(address)
             w.draining = bool(ad.get("draining"))
+            loras = ad.get("loras")
+            if isinstance(loras, dict) and loras.keys() != w.loras.keys():  # an adapter loaded or unloaded
+                w.loras = {str(k): str(v) for k, v in loras.items()}
+                w.resident_loras = w.resident_loras.intersection(w.loras)
         for address, w in list(self.pool.workers.items()):
             if address not in ads and not w.answering:
                 log.info("worker %s: lease expired and it answers no probe; removing it", address)

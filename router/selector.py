@@ -11,17 +11,20 @@ decided concurrently on the same event loop) already sees the chosen worker as b
 decisions are still booked, so releasing twice, or releasing an unknown decision, changes nothing.
 
 Hashes come from ``engine.block_hash`` (the one function workers use too), with the same ``extra_keys`` (model, LoRA,
-cache salt) the workers use; a mismatch there would silently turn every lookup into a miss.
+cache salt) the workers use; a mismatch there would silently turn every lookup into a miss. A request of a LoRA
+adapter hashes with the adapter appended to the model's keys (``extra_keys_for(lora=NAME)``, as the worker's engine
+builds them), so it matches only prefixes cached under that adapter, and its cost carries the adapter term for the
+candidates that do not hold the adapter (router/cost.py): scored as rows, whatever the number of candidates.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from engine.block_hash import hash_blocks
+from engine.block_hash import extra_keys_for, hash_blocks
 from router.cost import VECTOR_MIN, CostBreakdown, CostConfig, CostModel, CostRow, Overlap, ScoredArrays
 from router.kv_index import KVIndex
 from router.load import LoadTracker, WorkerId
@@ -91,13 +94,22 @@ class Selector:
         self._booked: dict[int, bool] = {}  # decision id -> prefill still booked
         self._next_id = 0
 
-    def select(self, token_ids: Sequence[int], workers: Sequence[WorkerId]) -> Decision:
-        """Choose a worker for a prompt and book the request on it."""
-        hashes = hash_blocks(token_ids, self.block_size, self.extra_keys)
-        return self.select_hashed(hashes, len(token_ids), workers)
+    def keys_for(self, lora: str | None) -> tuple[str, ...]:
+        """The block hash's extra keys of a request of ``lora`` (None: the base model), as the workers build them."""
+        return self.extra_keys + extra_keys_for(lora=lora) if lora else self.extra_keys
 
-    def select_hashed(self, block_hashes: Sequence[int], num_tokens: int, workers: Sequence[WorkerId]) -> Decision:
-        """``select`` for a caller that already hashed the prompt's full blocks. ``workers`` must be distinct."""
+    def select(self, token_ids: Sequence[int], workers: Sequence[WorkerId], lora: str | None = None,
+               holders: Collection[WorkerId] = ()) -> Decision:
+        """Choose a worker for a prompt and book the request on it. ``lora``: the request's adapter (every one of
+        ``workers`` serves it); ``holders``: those of them that hold it loaded (the others pay the adapter term)."""
+        hashes = hash_blocks(token_ids, self.block_size, self.keys_for(lora))
+        loading = None if lora is None else [w for w in workers if w not in holders]
+        return self.select_hashed(hashes, len(token_ids), workers, loading)
+
+    def select_hashed(self, block_hashes: Sequence[int], num_tokens: int, workers: Sequence[WorkerId],
+                      loading: Collection[WorkerId] | None = None) -> Decision:
+        """``select`` for a caller that already hashed the prompt's full blocks. ``workers`` must be distinct.
+        ``loading``: for a request of a LoRA adapter, the workers that would have to load it (None: base model)."""
         load = self.load
         draining = load.draining
         candidates = [w for w in workers if w not in draining] if draining else workers
@@ -106,7 +118,7 @@ class Selector:
                                     if workers else "no worker can take the request: none registered")
         request_blocks = -(-num_tokens // self.block_size)
         scored: tuple[CostRow, ...] | ScoredArrays
-        if len(candidates) >= VECTOR_MIN:
+        if len(candidates) >= VECTOR_MIN and loading is None:
             names = candidates if isinstance(candidates, list) else list(candidates)
             index = self.index
             by_slot: Overlap = (index.slots_of(names), index.match_depths(block_hashes)[0]) if block_hashes else {}
@@ -115,7 +127,7 @@ class Selector:
             best_overlap = int(scored.overlap.max())
         else:
             overlap = self.index.match(block_hashes) if block_hashes else {}
-            scored = tuple(self.cost.rows(candidates, overlap, request_blocks, load))
+            scored = tuple(self.cost.rows(candidates, overlap, request_blocks, load, loading))
             # One candidate is the choice: no draw (the softmax of one is certain).
             i = 0 if len(scored) == 1 else self.cost.choose([row[6] for row in scored], request_blocks, self.rng)
             worker, chosen_overlap = scored[i][0], scored[i][1]

@@ -1,0 +1,104 @@
+"""``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``: LoRA adapters changed at run time, with vLLM's
+request shapes (``{"lora_name": NAME, "lora_path": DIR}``, and ``{"lora_name": NAME}`` to unload).
+
+The gateway lets only an admin key through (auth/api_keys.py; without keys configured every caller is an admin, as
+for ``x-tandem-explain``). The router forwards the call to every available ``--role both`` worker of its pool (the
+only role that applies adapters; worker/lora_admin.py) over the workers' ``LoadLoRAAdapter``/``UnloadLoRAAdapter``
+admin RPCs, concurrently, and takes each worker's answer (its adapter list) into the pool at once, so ``/v1/models``
+and routing see the change before the call returns. ``lora_path`` is a directory on the workers' hosts.
+
+All or nothing, as far as it can be: a load that any worker refuses (bad path or adapter: 400 naming it) is undone
+on the workers that took it. An unload that a worker refuses because requests still run under the adapter (409)
+leaves the adapter on that worker, and where others unloaded it already it is simply served by fewer workers until
+the call is repeated (the requests finish; unloading again is safe). An unknown name on every worker is a 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+
+from proto.tandem.v1 import worker_pb2 as pb
+from router.api_error import APIError
+from router.pool import Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+TIMEOUT_S = 120.0  # reading and checking an adapter on a loaded worker
+
+
+def _field(body: Any, name: str) -> str:
+    value = body.get(name) if isinstance(body, dict) else None
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"'{name}' is required (a non-empty string)", name)
+    return value
+
+
+class LoRAAdmin:
+    def __init__(self, pool: WorkerPool, served_model: str) -> None:
+        self.pool = pool
+        self.served_model = served_model
+
+    def _targets(self) -> list[Worker]:
+        workers = [w for w in self.pool.workers.values() if w.healthy and w.role == "both" and w.stub is not None]
+        if not workers:
+            raise APIError(503, "no available --role both worker to change LoRA adapters on (prefill and decode "
+                           "workers do not apply adapters)", retry_after=1.0)
+        return workers
+
+    async def load(self, body: Any) -> dict[str, Any]:
+        name, path = _field(body, "lora_name"), _field(body, "lora_path")
+        if name == self.served_model:
+            raise APIError(400, f"'{name}' is the base model's name; choose another lora_name", "lora_name")
+        workers = self._targets()
+        had = {w.address for w in workers if name in w.loras}  # a no-op there: not undone on a failure
+        results = await asyncio.gather(*(self._call(w, "LoadLoRAAdapter", pb.LoadLoRAAdapterRequest(
+            name=name, path=path)) for w in workers))
+        failed = [(w, e) for w, e in zip(workers, results, strict=True) if isinstance(e, grpc.aio.AioRpcError)]
+        if failed:
+            took = [w for w, e in zip(workers, results, strict=True) if not isinstance(e, grpc.aio.AioRpcError)
+                    and w.address not in had]
+            await asyncio.gather(*(self._call(w, "UnloadLoRAAdapter", pb.UnloadLoRAAdapterRequest(name=name))
+                                   for w in took))
+            worker, err = failed[0]
+            status = 400 if err.code() == grpc.StatusCode.INVALID_ARGUMENT else 502
+            raise APIError(status, f"loading LoRA adapter '{name}' from {path} failed on worker "
+                           f"{worker.worker_id or worker.address}: {err.details()}", "lora_path")
+        return {"object": "lora_adapter", "lora_name": name, "status": "loaded",
+                "workers": {w.worker_id or w.address: w.loras.get(name, "") for w in workers}}
+
+    async def unload(self, body: Any) -> dict[str, Any]:
+        name = _field(body, "lora_name")
+        workers = self._targets()
+        results = await asyncio.gather(*(self._call(w, "UnloadLoRAAdapter", pb.UnloadLoRAAdapterRequest(name=name))
+                                         for w in workers))
+        errors = [(w, e) for w, e in zip(workers, results, strict=True) if isinstance(e, grpc.aio.AioRpcError)]
+        busy = [(w, e) for w, e in errors if e.code() == grpc.StatusCode.FAILED_PRECONDITION]
+        if busy:
+            worker, err = busy[0]
+            raise APIError(409, f"unloading LoRA adapter '{name}' was refused by worker "
+                           f"{worker.worker_id or worker.address}: {err.details()}", "lora_name")
+        if len(errors) == len(workers) and all(e.code() == grpc.StatusCode.NOT_FOUND for _, e in errors):
+            raise APIError(404, f"The LoRA adapter '{name}' is not loaded", "lora_name", code="model_not_found")
+        other = [(w, e) for w, e in errors if e.code() != grpc.StatusCode.NOT_FOUND]
+        if other:
+            worker, err = other[0]
+            raise APIError(502, f"unloading LoRA adapter '{name}' failed on worker "
+                           f"{worker.worker_id or worker.address}: {err.details()}", "lora_name")
+        return {"object": "lora_adapter", "lora_name": name, "status": "unloaded",
+                "workers": sorted(w.worker_id or w.address for w, r in zip(workers, results, strict=True)
+                                  if not isinstance(r, grpc.aio.AioRpcError))}
+
+    async def _call(self, w: Worker, method: str, request: Any) -> pb.LoRAAdaptersResponse | grpc.aio.AioRpcError:
+        """One worker's RPC; its answer taken into the pool, its error returned (not raised)."""
+        assert w.stub is not None
+        try:
+            resp: pb.LoRAAdaptersResponse = await getattr(w.stub, method)(request, timeout=TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            log.warning("%s %s on %s: %s", method, getattr(request, "name", ""), w.address, e.details())
+            return e
+        w.set_adapters(resp.adapters)
+        return resp
+

@@ -155,6 +155,8 @@ BREAKS: dict[str, tuple[str, list[Callable[[dict[str, Any]], None]], dict[str, A
     "ep must be at least 1": ("td", [_set("spec.prefill.ep", 0)], None),
     "ep must equal tp, or tp must be 1 (the engine runs experts on the TP ranks or on replicated-attention ranks)": (
         "td", [_set("spec.prefill.tp", 2), _set("spec.prefill.ep", 4)], None),
+    "autoscaling.enabled needs prometheusUrl and gpuBudget": (
+        "td", [_set("spec.autoscaling", {"enabled": True, "prometheusUrl": "http://prometheus:9090"})], None),
     "scaling.min must be less than or equal to scaling.max": ("td", [_set("spec.decode.scaling.min", 5)], None),
     "model.source needs exactly one of pvc, hostPath or hf": (
         "td", [_set("spec.model.source.hostPath", {"path": "/models/x"})], None),

@@ -41,6 +41,10 @@ CEL_AS_JSON_SCHEMA: dict[str, dict[str, Any] | None] = {
         "oneOf": [{"required": ["url"]}, {"required": ["inCluster"], "properties": {"inCluster": {"const": True}}}]
     },
     "!has(self.passwordSecret) || has(self.url)": {"dependentRequired": {"passwordSecret": ["url"]}},
+    "!(has(self.enabled) && self.enabled) || (has(self.prometheusUrl) && has(self.gpuBudget))": {
+        "if": {"required": ["enabled"], "properties": {"enabled": {"const": True}}},
+        "then": {"required": ["prometheusUrl", "gpuBudget"]},
+    },
     "!(has(self.enabled) && self.enabled) || has(self.secretName)": {
         "if": {"required": ["enabled"], "properties": {"enabled": {"const": True}}},
         "then": {"required": ["secretName"]},

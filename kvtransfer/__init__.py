@@ -11,17 +11,8 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.layout import CompatibilityError, KVLayout, block_runs
 
 __all__ = [
-    "CompatibilityError",
-    "DestinationInfo",
-    "KVLayout",
-    "KVReceiver",
-    "KVSender",
-    "TransferConfig",
-    "TransferState",
-    "TransferStatus",
-    "backend_names",
-    "block_runs",
-    "get_backend",
+    "CompatibilityError", "DestinationInfo", "KVLayout", "KVReceiver", "KVSender", "TransferConfig", "TransferState",
+    "TransferStatus", "backend_names", "block_runs", "get_backend",
 ]
 
 _BACKENDS: dict[str, tuple[str, str, str]] = {

@@ -60,13 +60,9 @@ class FakeReceiver(LandingReceiver):
         if frame.kind != Kind.DATA:  # HELLO, FINISH, FAIL: their payloads as bytes, as on a wire
             self._control(entry, frame, src, sender)  # type: ignore[arg-type]
             return
-        try:
-            view = self.landing.target(entry, frame)
-        except ValueError as e:
-            self.book.fail(entry, f"receiver: refused DATA: {e}", notify_peer=True)
-            return
-        view.copy_(src)  # type: ignore[arg-type]
-        self._landed(entry, frame)
+        if self.landing.admit(entry, frame):
+            self.landing.view(frame).copy_(src)  # type: ignore[arg-type]
+            self._landed(entry, frame)
 
     def _send(self, peer: tuple[FakeSender, Entry, Leg], data: bytes) -> None:
         peer[0].out.on_reply(peer[1], peer[2], unpack(data), data[HEADER_SIZE:])

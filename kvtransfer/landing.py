@@ -106,31 +106,29 @@ class Landing(RegisteredKV):
             if entry.state == TransferState.PENDING:
                 entry.state = TransferState.IN_FLIGHT
 
-    def target(self, entry: Entry, frame: Frame) -> torch.Tensor:
-        """The destination view a DATA frame may be written to; ``ValueError`` if it strays outside the lease."""
-        self.check(entry, frame)
-        return self.view(frame)
-
     def view(self, frame: Frame) -> torch.Tensor:
-        """The destination view of an already validated DATA frame (see :meth:`check`)."""
+        """The destination view of an admitted DATA frame."""
         t = self.kv_caches[frame.layer][frame.kv]
         return t[frame.dst_start : frame.dst_start + frame.num_blocks, :, frame.head_lo : frame.head_hi]
 
-    def check(self, entry: Entry, frame: Frame) -> None:
-        """``ValueError`` unless the DATA frame lies inside the lease (layer, K/V, heads, blocks, length)."""
+    def admit(self, entry: Entry, frame: Frame) -> bool:
+        """Whether a DATA frame lies inside the lease (layer, K/V, heads, blocks, length); if not, the request fails
+        and its senders are told."""
         layout = self.require_layout()
-        res: Reservation = entry.ctx
-        if not 0 <= frame.layer < layout.num_layers or frame.kv not in (0, 1):
-            raise ValueError(f"DATA for layer {frame.layer} kv {frame.kv} is out of range")
-        if not 0 <= frame.head_lo < frame.head_hi <= layout.local_heads:
-            raise ValueError(f"DATA heads [{frame.head_lo}, {frame.head_hi}) outside {layout.local_heads}")
         blocks = range(frame.dst_start, frame.dst_start + frame.num_blocks)
-        if frame.num_blocks < 1 or not res.dst_set.issuperset(blocks):
-            raise ValueError(f"DATA blocks [{blocks.start}, {blocks.stop}) are not all reserved")
-        heads = frame.head_hi - frame.head_lo
-        want = frame.num_blocks * layout.block_size * heads * layout.head_dim * layout.element_size
-        if frame.payload_len != want:
-            raise ValueError(f"DATA payload {frame.payload_len} bytes, expected {want}")
+        want = frame.num_blocks * (frame.head_hi - frame.head_lo) * layout.block_bytes // layout.local_heads
+        if not 0 <= frame.layer < layout.num_layers or frame.kv not in (0, 1):
+            error = f"DATA for layer {frame.layer} kv {frame.kv} is out of range"
+        elif not 0 <= frame.head_lo < frame.head_hi <= layout.local_heads:
+            error = f"DATA heads [{frame.head_lo}, {frame.head_hi}) outside {layout.local_heads}"
+        elif frame.num_blocks < 1 or not entry.ctx.dst_set.issuperset(blocks):
+            error = f"DATA blocks [{blocks.start}, {blocks.stop}) are not all reserved"
+        elif frame.payload_len != want:
+            error = f"DATA payload {frame.payload_len} bytes, expected {want}"
+        else:
+            return True
+        self.book.fail(entry, f"receiver: refused DATA: {error}", notify_peer=True)
+        return False
 
     def landed(self, entry: Entry, layer: int, nbytes: int) -> bool:
         """Account ``nbytes`` landed in ``layer``; True when this made the request DONE."""

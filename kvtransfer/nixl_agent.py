@@ -1,7 +1,6 @@
-"""NIXL plumbing shared by both ends: the agent, the DATA notification's timing stamp, a plan's descriptor offsets,
-the UDP doorbell and the poll backoff. The doorbell wakes the receiver's notification watcher (NIXL has no blocking
-wait); a datagram carries no data and is never trusted, so a lost one costs latency only. Design:
-:mod:`kvtransfer.nixl_backend`.
+"""NIXL plumbing shared by both ends: the agent, the DATA notification's timing stamp, the UDP doorbell and the
+poll backoff. The doorbell wakes the receiver's notification watcher (NIXL has no blocking wait); a datagram
+carries no data and is never trusted, so a lost one costs latency only. Design: :mod:`kvtransfer.nixl_backend`.
 """
 
 from __future__ import annotations
@@ -18,13 +17,10 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvtransfer.config import TransferConfig
 from kvtransfer.io_cpus import io_affinity
-from kvtransfer.layout import KVLayout
-from kvtransfer.plan import Piece
 from kvtransfer.wire import HEADER_SIZE
 
 log = logging.getLogger(__name__)
@@ -78,12 +74,17 @@ class Agent:
         self.lock = threading.Lock()
         self.metadata = b""
         self.known: set[str] = set()  # peer agents added
+        self.bases: tuple[tuple[int, int], ...] = ()  # per layer, the K and V tensors' addresses
+        self.mem = ("DRAM", 0)  # NIXL memory type and device of the registered tensors
         self._reg: Any = None
 
-    def register(self, tensors: list[torch.Tensor]) -> None:
+    def register(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        tensors = [t for pair in kv_caches for t in pair]
         with self.lock:
             self._reg = self.nixl.register_memory(tensors)
             self.metadata = self.nixl.get_agent_metadata()
+        self.bases = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
+        self.mem = ("VRAM", tensors[0].device.index or 0) if tensors[0].is_cuda else ("DRAM", 0)
 
     def add_remote(self, metadata: bytes) -> str:
         """Add the peer agent ``metadata`` describes; returns its name."""
@@ -137,10 +138,6 @@ def import_nixl_api() -> Any:
     return nixl_api
 
 
-def mem_of(t: torch.Tensor) -> tuple[str, int]:
-    return ("VRAM", t.device.index or 0) if t.is_cuda else ("DRAM", 0)
-
-
 def data_notif(header: bytes, handed_after_hello_s: float) -> bytes:
     """A layer's DATA notification: its frame header, then (8 bytes, microseconds) how long after the leg's HELLO
     that layer's compute ended, on the sender's clock (:func:`handed_after` reads it)."""
@@ -152,22 +149,6 @@ def handed_after(msg: bytes) -> float | None:
     if len(msg) < HEADER_SIZE + _HANDED.size:
         return None
     return _HANDED.unpack_from(msg, HEADER_SIZE)[0] / 1e6
-
-
-def piece_offsets(pieces: Sequence[Piece], src: KVLayout, dst: KVLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Byte offsets (from a layer tensor's base) and lengths of every descriptor of one layer's K (or V): one per
-    piece when the pieces carry every local head on both ends, else one per token row of each piece."""
-    if all(p.src_heads[1] - p.src_heads[0] == src.local_heads == dst.local_heads for p in pieces):
-        table = np.array([(p.src_start, p.dst_start, p.nbytes) for p in pieces], dtype=np.uint64).reshape(-1, 3)
-        return table[:, 0] * np.uint64(src.block_bytes), table[:, 1] * np.uint64(dst.block_bytes), table[:, 2].copy()
-    head_bytes = src.head_dim * src.element_size
-    cols: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] = ([], [], [])
-    for p in pieces:
-        rows = np.arange(p.num_blocks * src.block_size, dtype=np.uint64)
-        cols[0].append((p.src_start * src.block_size + rows) * src.token_bytes + p.src_heads[0] * head_bytes)
-        cols[1].append((p.dst_start * dst.block_size + rows) * dst.token_bytes + p.dst_heads[0] * head_bytes)
-        cols[2].append(np.full(rows.shape, (p.src_heads[1] - p.src_heads[0]) * head_bytes, dtype=np.uint64))
-    return np.concatenate(cols[0]), np.concatenate(cols[1]), np.concatenate(cols[2])
 
 
 def _family(host: str) -> socket.AddressFamily:

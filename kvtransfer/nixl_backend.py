@@ -27,21 +27,11 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.io_cpus import start_io_thread
 from kvtransfer.landing import LandingReceiver
 from kvtransfer.layout import KVLayout
-from kvtransfer.nixl_agent import (
-    Agent,
-    Backoff,
-    Doorbell,
-    Ringer,
-    data_notif,
-    handed_after,
-    mem_of,
-    piece_offsets,
-    split_endpoint,
-)
+from kvtransfer.nixl_agent import Agent, Backoff, Doorbell, Ringer, data_notif, handed_after, split_endpoint
 from kvtransfer.outgoing import Leg, Outbound
+from kvtransfer.plan import Piece
 from kvtransfer.wire import HEADER_SIZE, Frame, Kind, control, hello_payload, parse_hello, unpack
 
-__all__ = ["NixlReceiver", "NixlSender", "piece_offsets"]
 log = logging.getLogger(__name__)
 ACTIVE_POLL_S = 2.5e-4
 IDLE_POLL_S = 0.5
@@ -68,6 +58,22 @@ class _LegPlan:
     bell: tuple[str, int] | None = None  # the receiver's doorbell (its endpoint), rung when the last layer is written
 
 
+def piece_offsets(pieces: Sequence[Piece], src: KVLayout, dst: KVLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Byte offsets (from a layer tensor's base) and lengths of every descriptor of one layer's K (or V): one per
+    piece when the pieces carry every local head on both ends, else one per token row of each piece."""
+    if all(p.src_heads[1] - p.src_heads[0] == src.local_heads == dst.local_heads for p in pieces):
+        table = np.array([(p.src_start, p.dst_start, p.nbytes) for p in pieces], dtype=np.uint64).reshape(-1, 3)
+        return table[:, 0] * np.uint64(src.block_bytes), table[:, 1] * np.uint64(dst.block_bytes), table[:, 2].copy()
+    head_bytes = src.head_dim * src.element_size
+    cols: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] = ([], [], [])
+    for p in pieces:
+        rows = np.arange(p.num_blocks * src.block_size, dtype=np.uint64)
+        cols[0].append((p.src_start * src.block_size + rows) * src.token_bytes + p.src_heads[0] * head_bytes)
+        cols[1].append((p.dst_start * dst.block_size + rows) * dst.token_bytes + p.dst_heads[0] * head_bytes)
+        cols[2].append(np.full(rows.shape, (p.src_heads[1] - p.src_heads[0]) * head_bytes, dtype=np.uint64))
+    return np.concatenate(cols[0]), np.concatenate(cols[1]), np.concatenate(cols[2])
+
+
 def _data_header(leg: Leg, layer: int) -> bytes:
     """The frame header of ``layer``'s DATA notification on ``leg`` (its K and V bytes, all runs)."""
     return Frame(Kind.DATA, leg.dest.transfer_id, layer=layer, payload_len=leg.peer.nbytes).pack()
@@ -91,11 +97,8 @@ class NixlSender(KVSender):
 
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.out.register(kv_caches, layout)
-        tensors = [t for pair in kv_caches for t in pair]
-        self._agent.register(tensors)
+        self._agent.register(kv_caches)
         self._hello = hello_payload(layout, self._agent.name, self._agent.metadata)  # the same for every request
-        self._bases = [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches]
-        self._mem = mem_of(tensors[0])
 
     def start(self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_block_ids: Sequence[int],
               deadline_s: float) -> None:
@@ -130,10 +133,10 @@ class NixlSender(KVSender):
             return
         handed = time.monotonic()  # this layer's compute is done: the pace the receiver predicts from
         ready = None
-        if self._mem[0] == "VRAM":  # pragma: no cover - needs a GPU
+        if self._agent.mem[0] == "VRAM":  # pragma: no cover - needs a GPU
             ready = torch.cuda.Event()
             ready.record()
-        elif layer == len(self._bases) - 1 and self._post_last_now(entry, layer, handed):
+        elif layer == len(self._agent.bases) - 1 and self._post_last_now(entry, layer, handed):
             return
         with self.book.lock:
             for leg in entry.ctx.legs:
@@ -183,18 +186,18 @@ class NixlSender(KVSender):
     def _prepare(self, leg: Leg) -> None:
         """Prepare every layer's WRITE of ``leg``: layer ``i`` is rows ``[i * 2n, (i + 1) * 2n)`` (K runs, V runs)."""
         lp: _LegPlan = leg.peer
-        n, layers = len(lp.lens), len(self._bases)
+        n, layers = len(lp.lens), len(self._agent.bases)
         local = np.empty((layers * 2 * n, 3), dtype=np.uint64)
         remote = np.empty_like(local)
-        for layer, (src_bases, dst_bases) in enumerate(zip(self._bases, leg.dest.regions, strict=True)):
+        for layer, (src_bases, dst_bases) in enumerate(zip(self._agent.bases, leg.dest.regions, strict=True)):
             for kv in (0, 1):
                 at = (2 * layer + kv) * n
                 local[at : at + n, 0] = lp.src_off + np.uint64(src_bases[kv])
                 remote[at : at + n, 0] = lp.dst_off + np.uint64(dst_bases[kv])
         local[:, 1] = remote[:, 1] = np.tile(lp.lens, 2 * layers)
-        local[:, 2], remote[:, 2] = self._mem[1], leg.dest.device_id
+        local[:, 2], remote[:, 2] = self._agent.mem[1], leg.dest.device_id
         with self._agent.lock:
-            src = self._agent.nixl.prep_xfer_dlist("NIXL_INIT_AGENT", local, self._mem[0])
+            src = self._agent.nixl.prep_xfer_dlist("NIXL_INIT_AGENT", local, self._agent.mem[0])
             dst = self._agent.nixl.prep_xfer_dlist(lp.remote, remote, leg.dest.mem_type)
         with self.book.lock:
             lp.dlists = (src, dst)
@@ -303,7 +306,7 @@ class NixlSender(KVSender):
                     return
         if not self._check_pending(entry, leg):
             return
-        num_layers = len(self._bases)
+        num_layers = len(self._agent.bases)
         if entry.ctx.finish_requested and not lp.finish_sent and leg.layers_sent >= num_layers:
             lp.finish_sent = True
             try:
@@ -335,7 +338,7 @@ class NixlSender(KVSender):
                                "(receiver unreachable or gone)", notify_peer=True)
                 return False
             self.out.leg_sent_layer(entry, leg, lp.nbytes)
-            if leg.layers_sent == len(self._bases):  # its DATA notification went out with this state check
+            if leg.layers_sent == len(self._agent.bases):  # its DATA notification went out with this state check
                 self._ringer.ring(lp.bell)
         return True
 
@@ -383,7 +386,6 @@ class NixlReceiver(LandingReceiver):
         super().__init__(config, on_failed)
         self._agent = Agent(self.config, "decode")
         self._bell = Doorbell(self.config.host)  # the senders ring it when a transfer's last layer is written
-        self._regions: tuple[tuple[int, int], ...] = ()
         self._stop = threading.Event()
         self._reserved = threading.Event()  # set by reserve: the watcher starts polling
         self._pace: dict[int, _Pace] = {}  # transfer id -> timing, from its HELLO on (watcher thread only)
@@ -393,17 +395,14 @@ class NixlReceiver(LandingReceiver):
 
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.landing.register(kv_caches, layout)
-        tensors = [t for pair in kv_caches for t in pair]
-        self._agent.register(tensors)
-        self._regions = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
-        self._mem = mem_of(tensors[0])
+        self._agent.register(kv_caches)
 
     def reserve(self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int,
                 deadline_s: float) -> DestinationInfo:
         dest = self.landing.reserve(
             request_id, dst_block_ids, num_tokens, deadline_s, endpoint=self._bell.endpoint,
-            agent_name=self._agent.name, agent_metadata=self._agent.metadata, regions=self._regions,
-            mem_type=self._mem[0], device_id=self._mem[1],
+            agent_name=self._agent.name, agent_metadata=self._agent.metadata, regions=self._agent.bases,
+            mem_type=self._agent.mem[0], device_id=self._agent.mem[1],
         )
         self._reserved.set()
         return dest

@@ -43,13 +43,6 @@ def recv_exact(sock: socket.socket, mv: memoryview, stop: threading.Event, at_bo
         off += got
 
 
-def discard(sock: socket.socket, n: int, stop: threading.Event, scratch: memoryview) -> None:
-    while n > 0:
-        chunk = min(n, len(scratch))
-        recv_exact(sock, scratch[:chunk], stop)
-        n -= chunk
-
-
 IOV_CHUNK = 512  # buffers per sendmsg call, under Linux's IOV_MAX of 1024
 
 
@@ -121,7 +114,7 @@ class Connection:
 
 class ListeningReceiver(LandingReceiver):
     """Accepts connections (``connection_cls``) and serves each on a thread of its own (tcp, torch). A subclass
-    calls :meth:`_listen` and supplies ``_serve``."""
+    calls :meth:`_listen` and supplies ``_serve``, which reads from a connection until it ends or raises."""
 
     connection_cls: ClassVar[type[Connection]] = Connection
 
@@ -159,16 +152,24 @@ class ListeningReceiver(LandingReceiver):
             conn = self.connection_cls(sock, f"{addr[0]}:{addr[1]}")
             with self._lock:
                 self._conns.add(conn)
-            self._spawn(self._serve, f"kv-{self.backend_name}-recv-{conn.peer}", conn)
+            self._spawn(self._run, f"kv-{self.backend_name}-recv-{conn.peer}", conn)
 
-    def _closed(self, conn: Any, message: str) -> None:
-        """``conn`` ended: close it and fail every request it carried with ``message``."""
-        conn.close()
-        with self._lock:
-            self._conns.discard(conn)
-        for entry in self.book.entries():
-            if conn in entry.ctx.peers:
-                self.book.fail(entry, message)
+    def _run(self, conn: Any) -> None:
+        """Serve ``conn``; once it ends, close it and fail every request it carried, saying why."""
+        reason = "receiver closed"
+        try:
+            self._serve(conn)
+        except InterruptedError:
+            pass
+        except Exception as e:  # EOF (a killed sender's kernel closes its socket cleanly), a reset, a bad frame
+            reason = f"sender connection lost: {e}".splitlines()[0]
+        finally:
+            conn.close()
+            with self._lock:
+                self._conns.discard(conn)
+            for entry in self.book.entries():
+                if conn in entry.ctx.peers:
+                    self.book.fail(entry, f"receiver: {reason} from {conn.peer}")
 
     def close(self) -> None:
         self._stop.set()

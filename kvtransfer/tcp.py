@@ -25,20 +25,18 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.layout import flat_bytes
 from kvtransfer.outgoing import Leg, PeerWrites, QueuedSender
 from kvtransfer.plan import Piece
-from kvtransfer.sockio import (
-    Connection,
-    ListeningReceiver,
-    PeerClosed,
-    close_socket,
-    discard,
-    recv_exact,
-    send_vectored,
-    tune,
-)
+from kvtransfer.sockio import Connection, ListeningReceiver, close_socket, recv_exact, send_vectored, tune
 from kvtransfer.wire import HEADER_SIZE, Frame, Kind, unpack
 
 log = logging.getLogger(__name__)
 _SCRATCH = 1 << 20
+
+
+def discard(sock: socket.socket, n: int, stop: threading.Event, scratch: memoryview) -> None:
+    while n > 0:
+        chunk = min(n, len(scratch))
+        recv_exact(sock, scratch[:chunk], stop)
+        n -= chunk
 
 
 @dataclass(eq=False)
@@ -128,35 +126,24 @@ class TcpReceiver(ListeningReceiver):
                     c.sock.shutdown(socket.SHUT_RDWR)
 
     def _serve(self, conn: _Inbound) -> None:
-        header = bytearray(HEADER_SIZE)
-        scratch = memoryview(bytearray(_SCRATCH))
-        reason = "receiver closed"
         tls = self.config.tls_server
         if tls is not None:  # mutual TLS first, in this connection's thread: a stalled handshake holds only it
             try:
                 conn.sock = cast(socket.socket, DuplexTLS.accept(conn.sock, tls, self.config.connect_timeout_s))
             except OSError as e:  # ssl.SSLError included: no client certificate, or one from another CA
                 log.warning("kv tcp receiver: TLS handshake with %s refused: %s", conn.peer, e)
-                self._closed(conn, "")
-                return
-        try:
-            while not self._stop.is_set():
-                recv_exact(conn.sock, memoryview(header), self._stop, at_boundary=True)
-                frame = unpack(header)
-                if frame.kind == Kind.DATA:
-                    self._data(conn, frame, scratch)
-                    continue
-                payload = bytearray(frame.payload_len)
-                recv_exact(conn.sock, memoryview(payload), self._stop)
-                self._control_frame(frame, bytes(payload), conn)
-        except PeerClosed as e:  # a SIGKILLed peer's kernel closes its socket cleanly: same as a close
-            reason = f"sender connection lost (peer closed or killed): {e}"
-        except InterruptedError:
-            reason = "receiver closed"
-        except (OSError, ValueError) as e:
-            reason = f"sender connection broken: {e}"
-        finally:
-            self._closed(conn, f"receiver: {reason} from {conn.peer}")
+                raise
+        header = bytearray(HEADER_SIZE)
+        scratch = memoryview(bytearray(_SCRATCH))
+        while not self._stop.is_set():
+            recv_exact(conn.sock, memoryview(header), self._stop, at_boundary=True)
+            frame = unpack(header)
+            if frame.kind == Kind.DATA:
+                self._data(conn, frame, scratch)
+                continue
+            payload = bytearray(frame.payload_len)
+            recv_exact(conn.sock, memoryview(payload), self._stop)
+            self._control_frame(frame, bytes(payload), conn)
 
     def _data(self, conn: _Inbound, frame: Frame, scratch: memoryview) -> None:
         entry = self.landing.live(frame.transfer_id)
@@ -164,10 +151,7 @@ class TcpReceiver(ListeningReceiver):
             discard(conn.sock, frame.payload_len, self._stop, scratch)
             return
         try:
-            try:
-                self.landing.check(entry, frame)
-            except ValueError as e:
-                self.book.fail(entry, f"receiver: refused DATA: {e}", notify_peer=True)
+            if not self.landing.admit(entry, frame):
                 discard(conn.sock, frame.payload_len, self._stop, scratch)
                 return
             conn.writing = entry

@@ -64,12 +64,9 @@ def split_frames(blob: bytes) -> list[tuple[Frame, bytes]]:
     off = 0
     while off < len(blob):
         frame = unpack(blob[off : off + HEADER_SIZE])
-        off += HEADER_SIZE
-        if frame.kind == Kind.DATA:
-            out.append((frame, b""))
-            continue
-        out.append((frame, blob[off : off + frame.payload_len]))
-        off += frame.payload_len
+        inline = 0 if frame.kind == Kind.DATA else frame.payload_len
+        out.append((frame, blob[off + HEADER_SIZE : off + HEADER_SIZE + inline]))
+        off += HEADER_SIZE + inline
     return out
 
 
@@ -222,38 +219,27 @@ class TorchReceiver(ListeningReceiver):
     def _serve(self, link: ControlLink) -> None:
         """One sender: its first message names the pair it claimed in the store; then its layers, in order."""
         cfg = self.config
-        index = -1
-        reason = "sender gone"
-        try:
-            first = link.get(self._stop)
-            (index,) = PAIR_INDEX.unpack(first) if len(first) == PAIR_INDEX.size else (-1,)
-            with self._lock:
-                if not 0 <= index < int(self._store.add(PAIRS_KEY, 0)) or index in self._served:
-                    raise ValueError(f"{link.peer} named no pair it claimed, or one already connected "
-                                     f"({first[:16]!r})")
-                self._served.add(index)
-            # The group gets a store client of its own: TCPStore clients are not safe for concurrent use.
-            group_store = PrefixStore(f"tandem/pair/{index}", store_client(self.endpoint, cfg.connect_timeout_s))
-            group = make_group(group_store, 0, self._cuda, cfg.connect_timeout_s, cfg.io_cpus)
-            while not self._stop.is_set():
-                data: list[Frame] = []  # a run of DATA headers: their recvs are posted together
-                for frame, payload in split_frames(link.get(self._stop)):
-                    if frame.kind == Kind.DATA:
-                        data.append(frame)
-                        continue
-                    if data:
-                        self._data(group, data)
-                        data = []
-                    self._control_frame(frame, payload, link)
+        first = link.get(self._stop)
+        (index,) = PAIR_INDEX.unpack(first) if len(first) == PAIR_INDEX.size else (-1,)
+        with self._lock:
+            if not 0 <= index < int(self._store.add(PAIRS_KEY, 0)) or index in self._served:
+                raise ValueError(f"{link.peer} named no pair it claimed, or one already connected ({first[:16]!r})")
+            self._served.add(index)
+        # The group gets a store client of its own: TCPStore clients are not safe for concurrent use.
+        group_store = PrefixStore(f"tandem/pair/{index}", store_client(self.endpoint, cfg.connect_timeout_s))
+        group = make_group(group_store, 0, self._cuda, cfg.connect_timeout_s, cfg.io_cpus)
+        while not self._stop.is_set():
+            data: list[Frame] = []  # a run of DATA headers: their recvs are posted together
+            for frame, payload in split_frames(link.get(self._stop)):
+                if frame.kind == Kind.DATA:
+                    data.append(frame)
+                    continue
                 if data:
                     self._data(group, data)
-            reason = "receiver closed"
-        except InterruptedError:
-            reason = "receiver closed"
-        except Exception as e:  # PeerClosed (a killed sender's kernel closes its socket), gloo errors, bad frames
-            reason = f"sender connection lost (peer closed or killed): {e}".splitlines()[0]
-        finally:
-            self._closed(link, f"receiver: {reason} (pair {index})")
+                    data = []
+                self._control_frame(frame, payload, link)
+            if data:
+                self._data(group, data)
 
     def _data(self, group: Any, frames: list[Frame]) -> None:
         """Receive one message's payloads, every ``recv`` posted before any wait. Each announced payload is received,
@@ -263,16 +249,12 @@ class TorchReceiver(ListeningReceiver):
         try:
             for frame in frames:
                 entry = self.landing.live(frame.transfer_id)
-                view = None
-                if entry is not None and self.book.begin_write(entry):
-                    try:
-                        view = self.landing.target(entry, frame)
-                    except ValueError as e:
-                        self.book.end_write(entry)
-                        self.book.fail(entry, f"receiver: refused DATA: {e}", notify_peer=True)
-                        entry = None
-                else:
+                if entry is not None and not self.book.begin_write(entry):
                     entry = None
+                if entry is not None and not self.landing.admit(entry, frame):
+                    self.book.end_write(entry)
+                    entry = None
+                view = None if entry is None else self.landing.view(frame)
                 if view is not None and view.is_contiguous():
                     target = as_bytes(view)
                 else:

@@ -64,9 +64,9 @@ def unpack(buf: bytes | bytearray | memoryview) -> Frame:
     return Frame(k, tid, layer, kv, start, nblocks, lo, hi, plen)
 
 
-def control(kind: Kind, transfer_id: int, payload: bytes = b"", layer: int = 0) -> bytes:
+def control(kind: Kind, transfer_id: int, payload: bytes = b"") -> bytes:
     """A control frame with its payload, ready to send."""
-    return Frame(kind, transfer_id, layer=layer, payload_len=len(payload)).pack() + payload
+    return Frame(kind, transfer_id, payload_len=len(payload)).pack() + payload
 
 
 def hello_payload(layout: KVLayout, agent: str = "", metadata: bytes = b"") -> bytes:

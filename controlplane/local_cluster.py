@@ -20,8 +20,10 @@ the workers are ready. This process never imports torch.
 
 From then on the controller's reconcile loop owns the replicas: ``tandem scale`` changes a tier's desired count, a
 dead worker is replaced, a scale-down drains first; :class:`RouterSync` keeps the router's worker pool in step, and
-the state file lists the current workers' PIDs. Ctrl-C, SIGTERM or ``tandem down`` (which signals the PID recorded
-in the state file) stops the router, every worker process, the actors and Ray, in that order.
+the state file lists the current workers' PIDs. With ``tandem up --autoscale`` the composer also hands in a planner,
+and the autoscaler (controlplane/autoscaler.py) sets the tiers' desired counts from the router's metrics. Ctrl-C,
+SIGTERM or ``tandem down`` (which signals the PID recorded in the state file) stops the autoscaler, the router,
+every worker process, the actors and Ray, in that order.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from controlplane.controller import check_lora
 from controlplane.paths import STATE_FILE, token_file_for
 from controlplane.prometheus_targets import prometheus_targets_for, write_prometheus_targets
 
@@ -76,6 +79,8 @@ class UpConfig:
     decode_tp: int = 1
     pp: int = 1
     ep: int = 1
+    # LoRA adapters every decode replica serves, ``NAME=DIR`` each (tandem up --lora; controlplane/controller.py)
+    lora: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         from worker.launcher import KV_BACKENDS
@@ -90,6 +95,7 @@ class UpConfig:
         if self.prefill and max(self.prefill_tp, self.decode_tp, self.pp, self.ep) > 1:
             raise ValueError("replicas with ranks (tp/pp/ep above 1) serve colocated only, with prefill = 0: KV "
                              "transfer between the tiers moves one rank's heads today, not each rank's")
+        check_lora(self.lora)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
         if self.grpc_port is not None and self.grpc_port >= 65536:
@@ -201,7 +207,8 @@ class LocalCluster:
             redis=cfg.redis, drain_timeout_s=cfg.drain_timeout_s,
             prefill_ranks=cfg.ranks_of("prefill"), decode_ranks=cfg.ranks_of("decode"),
             prefill_parallel=(cfg.prefill_tp, cfg.pp, cfg.ep), decode_parallel=(cfg.decode_tp, cfg.pp, cfg.ep),
-            worker_metrics_port=0),  # each worker's /metrics on a free port, listed in the Prometheus targets file
+            worker_metrics_port=0,  # each worker's /metrics on a free port, listed in the Prometheus targets file
+            lora=cfg.lora),
             on_change=self.write_state)
         controller.start()
         await controller.wait_converged(180.0)

@@ -223,3 +223,34 @@ tandem_ttft_seconds_sum{{mode="disaggregated"}} {cs}
     again = reset.window("tandem_ttft_seconds", second)
     assert again is not None and again.count == 1
     assert parse_scrape("", 0.0).window("tandem_ttft_seconds", first) is None
+
+
+def test_tier_queues_and_kv_count_only_ready_workers_and_failed_ones_count_as_starting(tmp_path: Path) -> None:
+    """A draining worker's queue is work on its way out: only READY workers' gauges (labelled by the worker id the
+    controller learnt from Health, or by address before the router knew the id) make a tier's queue and KV use."""
+    from types import SimpleNamespace
+
+    from controlplane.autoscaler import first_api_key, tier_windows
+    from controlplane.replica_state import Replica, ReplicaState
+
+    replicas = [Replica("d1", "decode", 1, ReplicaState.READY, "127.0.0.1:1", worker_id="decode-aa"),
+                Replica("d2", "decode", 1, ReplicaState.DRAINING, "127.0.0.1:2", worker_id="decode-bb"),
+                Replica("d3", "decode", 1, ReplicaState.FAILED, "127.0.0.1:3"),
+                Replica("p1", "prefill", 1, ReplicaState.READY, "127.0.0.1:4", worker_id="prefill-cc")]
+    controller = SimpleNamespace(desired={"prefill": 1, "decode": 3},
+                                 of_tier=lambda t: [r for r in replicas if r.tier == t])
+    workers = (("decode-aa", "decode", 3, 30, 70), ("decode-bb", "decode", 9, 90, 10),
+               ("127.0.0.1:4", "prefill", 1, 5, 15))  # (label, role, queue, KV used, KV free)
+    lines = []
+    for column, family in enumerate(("tandem_worker_queue_depth", "tandem_kv_blocks_used", "tandem_kv_blocks_free")):
+        lines.append(f"# TYPE {family} gauge")
+        lines += [f'{family}{{worker="{w[0]}",role="{w[1]}"}} {w[2 + column]}' for w in workers]
+    prefill, decode = tier_windows(controller, parse_scrape("\n".join(lines) + "\n", 1.0))  # type: ignore[arg-type]
+    assert (decode.ready, decode.starting, decode.draining, decode.queue_depth) == (1, 1, 1, 3)
+    assert decode.kv_utilisation == pytest.approx(0.3)
+    assert (prefill.ready, prefill.queue_depth, prefill.kv_utilisation) == (1, 1, 0.25)
+    keys = tmp_path / "keys"
+    keys.write_text("# ops\n\nadmin:from-file\n")
+    assert first_api_key(("admin:k1", "k2"), None) == "k1"
+    assert first_api_key((), str(keys)) == "from-file"
+    assert first_api_key((), None) is None

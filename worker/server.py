@@ -64,7 +64,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "tokenizer; a prefill worker ignores it (it never decodes)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="tokens proposed per step")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
-                   help="serve a PEFT LoRA adapter under NAME (repeatable; engine/lora): a Generate names it in lora")
+                   help="serve a PEFT LoRA adapter under NAME (repeatable; engine/lora): a Generate names it in lora; "
+                        "a prefill and a decode worker both apply a disaggregated request's adapter "
+                        "(worker/lora_handoff.py)")
     p.add_argument("--max-loras", type=int, default=4, help="LoRA adapters kept loaded (least recently used swapped)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: rank 0 is this process, the others its "
                    "child processes, joined by torch.distributed (gloo on CPU)")
@@ -148,8 +150,8 @@ def lora_config(args: argparse.Namespace) -> LoRAConfig | None:
 
     if not args.lora:
         return None
-    if args.role != "both":
-        raise ValueError("--lora needs --role both: prefill and decode workers do not apply adapters yet")
+    if max(getattr(args, name, 1) for name in ("tp", "pp", "ep")) > 1:
+        raise ValueError("--lora runs on a single-rank worker (--tp/--pp/--ep 1)")
     return LoRAConfig(tuple(parse_lora_flag(v) for v in args.lora), max_loras=args.max_loras)
 
 
@@ -178,10 +180,11 @@ def build_service(args: argparse.Namespace, transfer: TransferConfig | None = No
     )
     parallel = parallel_config(args)
     replica = None
+    holder: list[WorkerService] = []  # the service, once built: a rank that dies takes it out of service first
     if parallel.world_size > 1:
         from engine.parallel.replica import ServedReplica
 
-        replica = ServedReplica(config, parallel, on_rank_exit=_rank_exited)
+        replica = ServedReplica(config, parallel, on_rank_exit=lambda reason: _rank_exited(reason, holder))
         engine = replica.engine
     else:
         engine = LLMEngine(config)
@@ -202,6 +205,7 @@ def build_service(args: argparse.Namespace, transfer: TransferConfig | None = No
         service = DecodeService(engine, receiver, layout, args.kv_backend, args.worker_id, role=args.role)
     service.parking.stall_timeout_s = args.stream_stall_timeout
     service.replica = replica
+    holder.append(service)
     return service
 
 
@@ -220,9 +224,17 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
     return parallel
 
 
-def _rank_exited(reason: str) -> None:
-    """A rank of this replica died: the replica is down as a whole (the controller replaces it)."""
+RANK_EXIT_GRACE_S = 1.0  # a dead rank's worker answers NOT_SERVING this long before it exits (a router's probe)
+
+
+def _rank_exited(reason: str, service: list[WorkerService]) -> None:
+    """A rank of this replica died: the replica is down as a whole (the controller replaces it). Health answers
+    NOT_SERVING and the registry entry turns draining first, for ``RANK_EXIT_GRACE_S``, so that routers stop
+    sending here before the port goes (the ranks' collectives cannot finish a step any more)."""
     log.error("%s; exiting", reason)
+    if service:
+        service[0].start_draining()
+        time.sleep(RANK_EXIT_GRACE_S)
     logging.shutdown()
     os._exit(3)
 

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV transfer between the tiers (default tcp, the fastest to start; auto: nixl where "
                          "installed, else tcp)")
     _add_speculative_flags(up)  # handed to every worker (prefill workers ignore it)
+    up.add_argument("--lora", action="append", default=None, metavar="NAME=DIR",
+                    help="serve a PEFT LoRA adapter under NAME on every decode replica (repeatable); a request selects "
+                         "it with model: NAME")
     from cli.autoscale import add_autoscale_flags
 
     add_autoscale_flags(up)
@@ -380,6 +383,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
             settings["worker_flags"] = tuple(settings["worker_flags"])
         if "api_keys" in settings:
             settings["api_keys"] = tuple(settings["api_keys"])
+        if "lora" in settings:  # a list of NAME=DIR, or {NAME: DIR}
+            lora = settings["lora"]
+            settings["lora"] = tuple(f"{k}={v}" for k, v in lora.items()) if isinstance(lora, dict) else tuple(lora)
     if args.speculative:  # handed to the workers, after a config file's worker_flags
         settings["worker_flags"] = (*settings.get("worker_flags", ()), "--speculative", args.speculative,
                                     "--num-speculative-tokens", str(_num_speculative_tokens(args)))
@@ -388,7 +394,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
              "served_model_name": args.served_model_name, "api_key_file": args.api_key_file,
              "api_keys": tuple(args.api_key) if args.api_key else None, "vllm_metrics": args.vllm_metrics,
              "otlp_endpoint": args.otlp_endpoint, "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
-             "pp": args.pp, "ep": args.ep}
+             "pp": args.pp, "ep": args.ep, "lora": tuple(args.lora) if args.lora else None}
     settings.update({k: v for k, v in flags.items() if v is not None})
     try:
         cfg = UpConfig(**settings)

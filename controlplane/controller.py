@@ -84,8 +84,13 @@ class ControllerConfig:
     # Each worker's own /metrics (tandem worker --metrics-port): None: not served; 0: a free port (tandem up, on
     # loopback; advertised as Replica.metrics_address); a fixed port in a pod, where Prometheus finds it by name.
     worker_metrics_port: int | None = None
+    # LoRA adapters (``NAME=DIR``, DIR on every node) that every decode replica serves: its worker runs as
+    # ``--role both`` with ``--lora NAME=DIR`` each (prefill and decode roles do not apply adapters yet, so prefill
+    # replicas get none and the router runs an adapter's requests colocated)
+    lora: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        check_lora(self.lora)
         from worker.launcher import KV_BACKENDS
 
         for name in ("kv_backend", "prefill_kv_backend", "decode_kv_backend"):
@@ -309,8 +314,11 @@ class Controller:
 
         from controlplane.replica import ReplicaSpec, WorkerReplica
 
-        spec = ReplicaSpec(r.tier, self.cfg.model, self.cfg.kv_backend_of(r.tier), self.cfg.cpus_per_replica,
-                           (*self._flags(), *self.cfg.parallel_flags(r.tier)), self.cfg.worker_host)
+        adapters = self.cfg.lora if r.tier == "decode" else ()
+        spec = ReplicaSpec("both" if adapters else r.tier, self.cfg.model, self.cfg.kv_backend_of(r.tier),
+                           self.cfg.cpus_per_replica, (*self._flags(), *self.cfg.parallel_flags(r.tier),
+                                                       *(f for a in adapters for f in ("--lora", a))),
+                           self.cfg.worker_host)
         try:
             r.placement_group = placement_group(self.cfg.bundles(r.tier), strategy="PACK",
                                                 name=f"tandem-{r.replica_id}")
@@ -466,6 +474,18 @@ def _kill_worker(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except (OSError, ValueError):
         pass
+
+
+def check_lora(adapters: tuple[str, ...]) -> None:
+    """ValueError unless each is ``NAME=DIR`` with a distinct NAME (the worker checks the adapter itself)."""
+    names = []
+    for a in adapters:
+        name, sep, path = a.partition("=") if isinstance(a, str) else ("", "", "")
+        if not sep or not name or not path:
+            raise ValueError(f"lora adapters are NAME=DIR, got {a!r}")
+        names.append(name)
+    if len(set(names)) != len(names):
+        raise ValueError(f"lora adapter names must be unique, got {names}")
 
 
 def check_tier(tier: str) -> None:

@@ -5,8 +5,9 @@ One cluster is started for the module (``--min-uncached-tokens`` is left at its 
 colocated on the decode worker and long ones disaggregated through the prefill worker). It runs with
 ``--speculative ngram --num-speculative-tokens 3``, so that every greedy answer checked against transformers below
 is also a check of speculative decoding (requests with logprobs are never speculated), and one test reads the
-acceptance counters off the decode worker's own /metrics. The last test stops it with SIGINT and checks that every
-process it started is gone.
+acceptance counters off the decode worker's own /metrics. It also serves a LoRA adapter (``--lora a=DIR``: the
+decode replica runs as ``--role both``), listed by /v1/models and selected by ``model: a``. The last test stops it
+with SIGINT and checks that every process it started is gone.
 """
 
 from __future__ import annotations
@@ -79,8 +80,19 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(checkpoint("llama"), tmp_path_factory.mktemp("tandem-home"), SPECULATIVE)
+def adapter(checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from cli.main import main as tandem
+
+    out = tmp_path_factory.mktemp("up-lora") / "a"
+    assert tandem(["model", "init-lora", str(checkpoint("llama")), str(out), "--targets", "q_proj,v_proj",
+                   "--seed", "5"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory,
+            adapter: Path) -> Iterator[Cluster]:
+    c = Cluster(checkpoint("llama"), tmp_path_factory.mktemp("tandem-home"), (*SPECULATIVE, "--lora", f"a={adapter}"))
     yield c
     c.stop()
 
@@ -97,6 +109,38 @@ def _model(client: openai.OpenAI) -> str:
 def test_models_lists_the_served_checkpoint(client: openai.OpenAI, checkpoint: Callable[[str], Path]) -> None:
     """/v1/models names the one model the cluster serves."""
     assert _model(client) == checkpoint("llama").name
+
+
+def test_the_lora_adapter_given_to_tandem_up_is_listed_and_served_exactly(
+        client: openai.OpenAI, checkpoint: Callable[[str], Path], adapter: Path) -> None:
+    """``--lora a=DIR`` reaches the decode replica through the controller: /v1/models lists ``a`` with the base
+    model as parent, and ``model: a`` answers what the in-process engine answers under the adapter (itself
+    token-exact with transformers + peft: tests/test_lora.py), unlike the base model."""
+    from engine.llm import LLM
+    from engine.lora.config import LoRAConfig
+    from engine.sampling_params import SamplingParams
+    from engine.tokenizer import Tokenizer
+
+    base = checkpoint("llama").name
+    models = {m.id: m.model_dump() for m in client.models.list()}
+    assert set(models) == {base, "a"} and models["a"]["parent"] == base
+    prompt = Tokenizer(checkpoint("llama")).encode("hello adapter")
+    llm = LLM(str(checkpoint("llama")), num_kv_blocks=32, lora=LoRAConfig((("a", str(adapter)),)))
+    want = {name: llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                               lora=name or None)[0].text for name in ("a", "")}
+    assert want["a"] != want[""]
+    for model, name in (("a", "a"), (base, "")):
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want[name], model
+
+
+def test_a_bad_lora_flag_is_refused_before_anything_starts(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    env = {**os.environ, "TANDEM_HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"}
+    done = subprocess.run([sys.executable, "-m", "cli.main", "up", "--model", str(checkpoint("llama")), "--lora",
+                           "nodir"], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and "NAME=DIR, got 'nodir'" in done.stderr, done.stderr
+    assert not (tmp_path / "up.json").exists()
 
 
 def test_greedy_completion_equals_transformers(client: openai.OpenAI, checkpoint: Callable[[str], Path],
@@ -386,7 +430,7 @@ def test_a_real_prometheus_scrapes_the_gateway_and_sees_every_worker(cluster: Cl
         assert float(counted[0]["value"][1]) >= n_before + 3
         free = prom.wait_for("tandem_kv_blocks_free")
         roles = {s["metric"]["role"] for s in free}
-        assert roles == {"prefill", "decode"}, roles
+        assert roles == {"prefill", "both"}, roles  # the decode replica serves a LoRA adapter: --role both
         assert all(float(s["value"][1]) > 0 for s in free)
         healthy = prom.wait_for("tandem_worker_up == 1")
         assert len(healthy) == 2

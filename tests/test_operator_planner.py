@@ -478,3 +478,29 @@ def test_a_bad_autoscaling_spec_is_a_spec_error_naming_the_field(autoscaling: di
 def test_selector_takes_label_matchers_only() -> None:
     assert SELECTOR.match('namespace="serving", service=~"llama-.*"')
     assert not SELECTOR.match('job="a"}) or up{job="b"')
+
+
+@pytest.mark.slow
+def test_an_unreachable_prometheus_is_reported_once_and_scales_nothing() -> None:
+    """Against kmock (no kube-apiserver can run here) with a Prometheus URL nothing listens on: no decision is made,
+    the tiers keep their replicas, status.autoscaling.message names the failure, and one Warning Event is posted
+    however many ticks retry."""
+    token = new_token()
+    control = ConvergingControl({"prefill": 1, "decode": 1})
+
+    async def scenario(control_port: int) -> None:
+        async with api_server(token) as api, operator(api, control_port):
+            async with api.k.post(TD_PATH, json=td_manifest(TD.replace("PROMETHEUS",
+                                                                       f"http://127.0.0.1:{free_port()}"))) as resp:
+                assert resp.status in (200, 201), await resp.text()
+            message = await until(lambda: api.autoscaling().get("message"), timeout=30, what="the reported failure")
+            assert message.startswith("MetricsUnavailable: querying http://127.0.0.1:")
+            await asyncio.sleep(2.0)  # several more ticks, each retrying
+            warnings = api.events("MetricsUnavailable")
+            assert len(warnings) == 1 and warnings[0]["type"] == "Warning"
+            assert "lastDecisionTime" not in api.autoscaling()
+            assert set(control.calls) <= {("prefill", 1), ("decode", 1)}  # the TandemTiers' own counts forwarded
+            assert (api.obj("tandemtiers", "llama-decode") or {}).get("spec", {}).get("replicas") == 1
+
+    with control_server(control, token) as port:
+        asyncio.run(scenario(port))

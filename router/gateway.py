@@ -30,7 +30,7 @@ import contextlib
 import logging
 import time
 import urllib.parse
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -58,6 +58,7 @@ from router.openai_responses import (
     new_choice,
     take_prompt_logprobs,
 )
+from router.pool import WorkerPool
 from router.tool_parsers import PARSERS
 
 if TYPE_CHECKING:
@@ -264,14 +265,14 @@ class Gateway:
     async def parse(self, raw: bytes | dict[str, Any], chat: bool, size: int) -> GenerationRequest:
         """Parse and validate a body of about ``size`` bytes: on the loop when it is small, in the parser threads
         when it is not."""
-        adapters = self.adapters()  # read on the loop, where the pool changes
-        if size <= self.config.inline_parse_bytes:
-            return self.parse_body(raw, chat, adapters)
+        if size <= self.config.inline_parse_bytes:  # on the loop: the pool is read only if model is not the base's
+            return self.parse_body(raw, chat, _PoolAdapters(self.dispatcher.pool))
         loop = asyncio.get_running_loop()
+        adapters = self.adapters()  # read here, on the loop, where the pool changes
         return await loop.run_in_executor(self._parser, self.parse_body, raw, chat, adapters)
 
     def parse_body(self, raw: bytes | dict[str, Any], chat: bool,
-                   adapters: frozenset[str] = frozenset()) -> GenerationRequest:
+                   adapters: Collection[str] = frozenset()) -> GenerationRequest:
         """JSON → a validated, tokenised request (any thread). The prompt's bytes are capped before tokenising."""
         cfg = self.config
         if isinstance(raw, bytes | bytearray):
@@ -547,6 +548,24 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 
 def _route_header(plans: list[Plan]) -> str:
     return " | ".join(f"{p.mode}:{p.reason}:{p.breakdown}" for p in plans)[:4000]
+
+
+class _PoolAdapters(Collection[str]):
+    """The pool's LoRA adapter names, read when asked (a request of the base model never asks); on the loop only."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    def __contains__(self, name: object) -> bool:
+        return any(name in w.loras for w in self.pool.workers.values())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.pool.adapters())
+
+    def __len__(self) -> int:
+        return len(self.pool.adapters())
 
 
 def _json_body(raw: bytes) -> Any:

@@ -18,8 +18,9 @@ A scale-down is a lower desired count, which the controller carries out only thr
 controller.py: the router stops choosing the replica, the worker refuses new work and finishes what it has, and
 only then is it stopped), so no request fails for it. The loop acts only on a decision that changes a tier; a hold
 leaves the controller alone, so a replica the controller is replacing (FAILED, counted as starting here) is never
-cancelled by a planner that has not seen it come back. Each change is printed with its reason, and so is each
-replica the controller removed after draining, with how long the drain took and what was still in flight.
+cancelled by a planner that has not seen it come back. Each change is printed with its reason, a hold whenever its
+reason changes (every decision goes to this module's logger), and each replica the controller removed after
+draining, with how long the drain took and what was still in flight.
 
 The planner is handed in (:class:`Planner`): the control plane does not import ``operators``; the composition root
 (cli/autoscale.py) adapts operators/planner's pure ``plan()`` to it.
@@ -186,7 +187,6 @@ class Autoscaler:
         self.target = target
         self.planner = planner
         self.say = say
-        self.decisions = 0
         self._last: Scrape | None = None
         self._said: dict[str, str] = {}  # tier -> the last hold reason printed, digits masked
         self._removed_since = time.monotonic()  # replicas removed after this are reported
@@ -213,8 +213,9 @@ class Autoscaler:
             except Exception as e:  # a missed scrape or a refused plan: the next interval tries again
                 log.warning("autoscale step failed: %r", e)
                 self.say(f"autoscale: step failed ({e!r}); retrying in {self.planner.interval_s:g}s")
-            next_at += self.planner.interval_s
-            await asyncio.sleep(max(next_at - time.monotonic(), 0.0))
+            # on the interval's grid; a step that overran it is followed by the next at once, not by a burst
+            next_at = max(next_at + self.planner.interval_s, time.monotonic())
+            await asyncio.sleep(next_at - time.monotonic())
 
     async def scrape(self) -> Scrape:
         r = await self._http.get(self.target.url)
@@ -229,10 +230,10 @@ class Autoscaler:
         if earlier is None:
             return
         window = window_between(earlier, now, tier_windows(self.controller, now))
-        self.decisions += 1
         current = {t.tier: t.ready + t.starting for t in window.tiers}
         for target in self.planner.decide(window):
             was = current.get(target.tier, 0)
+            log.info("autoscale %s: %d -> %d (%s)", target.tier, was, target.desired, target.reason)
             if target.desired != was:
                 self.controller.set_replicas(target.tier, target.desired)
                 how = "scale up" if target.desired > was else "drain"

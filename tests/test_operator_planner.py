@@ -76,7 +76,7 @@ spec:
     prefillTokensPerSecond: 1000000
     decodeTokensPerSecond: 200
     scaleUpCooldownSeconds: 0
-    scaleDownCooldownSeconds: 16
+    scaleDownCooldownSeconds: 20
     scaleDownWindows: 2
 """
 GPUS = {"prefill": 1, "decode": 1}
@@ -358,14 +358,15 @@ def test_planner_scales_decode_up_within_budget_resumes_after_restart_and_drains
             restarted = time.time()
             async with operator(api, control_port):
                 await until(lambda: any(t > restarted and r.startswith("cool-down after a change")
-                                        for t, r in reasons), timeout=30, what="the resumed cool-down")
+                                        for t, r in reasons), timeout=30,
+                            what=f"the resumed cool-down ({changed=}, {restarted=}, decode's reasons: {reasons})")
                 # the cool-down is measured from the scale-up the first operator made
                 assert api.autoscaling()["state"]["tiers"]["decode"]["lastChangeTime"] == changed
                 await until(lambda: ("decode", 1) in control.calls, timeout=40, what="SetReplicas(decode, 1)")
                 drained = await until(lambda: api.events("Draining"), what="a Draining Event")
                 assert "drain 2 of 3 decode replicas -> 1" in drained[0]["message"]
                 # not before the cool-down since the first operator's change
-                assert api.autoscaling()["state"]["tiers"]["decode"]["lastChangeTime"] - changed >= 16
+                assert api.autoscaling()["state"]["tiers"]["decode"]["lastChangeTime"] - changed >= 20
                 st = api.autoscaling()
                 assert st["tiers"]["decode"]["drain"] in (0, 2)  # 2 when decided, 0 on the next decision
                 await until(lambda: control.draining_seen["decode"] == 2, what="two decode replicas draining")

@@ -186,3 +186,51 @@ def test_load_use_unload_an_adapter_at_run_time_with_an_admin_key_only(
     r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=admin, timeout=60)
     assert r.status_code == 404 and "'b'" in r.json()["error"]["message"]
     assert _complete(client, "a") == _text(checkpoint, expected["a"])  # the other adapter is untouched
+
+
+def test_the_registry_entry_carries_the_adapters_and_a_redis_router_finds_them(
+        checkpoint: Callable[[str], Path], adapters: dict[str, Path], tmp_path: Path) -> None:
+    """With Redis: the worker's signed registry entry lists its adapters (name -> content hash), a router that
+    knows its workers only from Redis lists and serves them, and a run-time load rewrites the entry at once."""
+    import redis
+    from test_redis_registry_faults import RedisServer
+
+    from auth.signing import verify
+    from auth.token import ensure_cluster_token
+    from engine.lora.manager import content_hash
+    from wire.redis_keys import worker_key
+
+    server = RedisServer(tmp_path)
+    w: WorkerProcess | None = None
+    rt: RouterThread | None = None
+    try:
+        path = checkpoint("llama")
+        w = start_worker("both", str(path), "tcp", [*WORKER_FLAGS, "--worker-id", "lora-r", "--redis", server.url,
+                                                    "--lora", f"a={adapters['a']}"])
+        entry = redis.Redis(port=server.port)
+        key = worker_key(path.name, "lora-r")
+
+        def ad() -> dict[str, object]:
+            raw = entry.get(key)
+            assert raw is not None
+            return verify(raw, ensure_cluster_token())
+
+        assert ad()["loras"] == {"a": content_hash(adapters["a"])}
+        rt = RouterThread(RouterConfig(model=str(path), workers=(), redis=server.url))
+        client = openai.OpenAI(base_url=rt.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        deadline = time.monotonic() + 30
+        while {m.id for m in client.models.list()} != {path.name, "a"}:
+            assert time.monotonic() < deadline, "the router never listed the registry's adapter"
+            time.sleep(0.1)
+        assert _complete(client, "a")
+        r = httpx.post(rt.url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(adapters["b"])},
+                       timeout=120)  # no keys configured: every caller is an admin
+        assert r.status_code == 200, r.text
+        assert ad()["loras"] == {"a": content_hash(adapters["a"]), "b": content_hash(adapters["b"])}
+        entry.close()
+    finally:
+        if rt is not None:
+            rt.stop()
+        if w is not None:
+            w.stop()
+        server.kill()

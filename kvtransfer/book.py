@@ -75,7 +75,6 @@ class TransferBook:
         self._wake_at = math.inf  # monotonic time the reaper sleeps until; inf while it is awake (looking)
         self._thread: threading.Thread | None = None
 
-    # ---- lifecycle
     def start(self, config: TransferConfig) -> None:
         """Start the lease reaper: it ticks at most every ``config.poll_interval_s``, on ``config.io_cpus``."""
         self._thread = start_io_thread(config.io_cpus, self._reap, f"kv-{self.side}-leases", config.poll_interval_s)
@@ -87,11 +86,9 @@ class TransferBook:
             self._thread.join(timeout_s)
         self._deliver()
 
-    # ---- entries
     def add(self, request_id: str, deadline_s: float, ctx: Any = None) -> Entry:
         with self.lock:
-            old = self._entries.get(request_id)
-            if old is not None:
+            if request_id in self._entries:
                 raise ValueError(f"{self.side}: request {request_id!r} is already registered (release it first)")
             entry = Entry(request_id, time.monotonic() + (deadline_s - time.time()), ctx)  # to this process's clock
             self._entries[request_id] = entry
@@ -104,8 +101,7 @@ class TransferBook:
             return self._entries.get(request_id)
 
     def get(self, request_id: str) -> Entry:
-        with self.lock:
-            entry = self._entries.get(request_id)
+        entry = self.find(request_id)
         if entry is None:
             raise KeyError(f"{self.side}: unknown request {request_id!r}")
         return entry
@@ -124,7 +120,6 @@ class TransferBook:
             entry = self.get(request_id)
             return TransferStatus(entry.state, entry.error, entry.nbytes, entry.layers_done)
 
-    # ---- transitions
     def fail(self, entry: Entry, message: str, notify_peer: bool = False, tell_owner: bool = True) -> bool:
         """Move ``entry`` to FAILED (first failure wins); returns whether it transitioned. ``notify_peer``: decided
         here, so tell the peer; ``tell_owner=False``: the owner caused it (``release``), no ``on_failed``."""
@@ -161,18 +156,15 @@ class TransferBook:
                 if entry.state >= TransferState.DONE:
                     continue
                 if now >= entry.deadline and not entry.busy:
-                    self.fail(
-                        entry,
-                        f"{self.side}: lease expired after {now - entry.started:.2f}s "
-                        f"({entry.layers_done} layers, {entry.nbytes} bytes done)",
-                        notify_peer=True,
-                    )
+                    self.fail(entry, f"{self.side}: lease expired after {now - entry.started:.2f}s "
+                              f"({entry.layers_done} layers, {entry.nbytes} bytes done)", notify_peer=True)
                 elif nearest is None or entry.deadline < nearest:
                     nearest = entry.deadline
         return nearest
 
-    # ---- guarded writes (receivers): once FAILED is visible, no byte is written into the reserved blocks any more
     def begin_write(self, entry: Entry) -> bool:
+        """Receivers, before writing into ``entry``'s blocks: False once it is FAILED (or DONE), so no byte is
+        written after that is visible; else the write counts as in progress until ``end_write``."""
         with self.lock:
             if entry.state >= TransferState.DONE:
                 return False
@@ -190,7 +182,6 @@ class TransferBook:
             time.sleep(0.001)
         return not entry.busy
 
-    # ---- reaper
     def _deliver(self) -> None:
         while True:
             try:

@@ -54,14 +54,14 @@ class FakeReceiver(LandingReceiver):
 
     # ---- called by FakeSender
     def deliver(self, frame: Frame, src: object, sender: tuple[FakeSender, Entry, Leg]) -> None:
-        entry = self.landing.live(frame.transfer_id)
+        entry = self._live(frame.transfer_id)
         if entry is None:
             return
         if frame.kind != Kind.DATA:  # HELLO, FINISH, FAIL: their payloads as bytes, as on a wire
             self._control(entry, frame, src, sender)  # type: ignore[arg-type]
             return
-        if self.landing.admit(entry, frame):
-            self.landing.view(frame).copy_(src)  # type: ignore[arg-type]
+        if self._admit(entry, frame):
+            self._view(frame).copy_(src)  # type: ignore[arg-type]
             self._landed(entry, frame)
 
     def _send(self, peer: tuple[FakeSender, Entry, Leg], data: bytes) -> None:
@@ -71,10 +71,8 @@ class FakeReceiver(LandingReceiver):
 class FakeSender(KVSender):
     backend_name: ClassVar[str] = "fake"
 
-    def __init__(
-        self, config: TransferConfig | None = None, on_failed: OnFailed | None = None,
-        behaviour: FakeBehaviour | None = None,
-    ) -> None:
+    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None,
+                 behaviour: FakeBehaviour | None = None) -> None:
         super().__init__(config, on_failed)
         self.behaviour = behaviour or FakeBehaviour()
         self.out = Outbound(self.book, self.backend_name)
@@ -127,10 +125,7 @@ class FakeSender(KVSender):
             leg.peer.deliver(Frame(Kind.FINISH, leg.dest.transfer_id), b"", (self, entry, leg))
 
     def release(self, request_id: str) -> None:
-        entry = self.book.find(request_id)
-        if entry is not None:
-            self.book.fail(entry, "sender: released before completion", notify_peer=True, tell_owner=False)
-        self.book.pop(request_id)
+        self.out.release(request_id)
 
     def close(self) -> None:
         self.book.stop(self.config.close_timeout_s)

@@ -7,6 +7,7 @@ NIXL, UCX) are created inside :func:`io_affinity`, since a new Linux thread star
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import ctypes.util
@@ -49,19 +50,10 @@ def check_cpus(cpus: tuple[int, ...]) -> None:
     missing = [c for c in cpus if c >= have]
     if missing:
         raise ValueError(f"KV I/O CPUs {missing} do not exist on this host (CPUs 0-{have - 1})")
-    refused: list[OSError] = []
-
-    def trial() -> None:
-        try:
-            os.sched_setaffinity(0, cpus)
-        except OSError as e:
-            refused.append(e)
-
-    t = threading.Thread(target=trial, name="kv-io-cpu-check")
-    t.start()
-    t.join()
-    if refused:
-        raise ValueError(f"KV I/O CPUs {list(cpus)} cannot be used by this process ({refused[0].strerror}); "
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-io-cpu-check") as pool:
+        error = pool.submit(os.sched_setaffinity, 0, cpus).exception()  # pins only that short-lived thread
+    if isinstance(error, OSError):
+        raise ValueError(f"KV I/O CPUs {list(cpus)} cannot be used by this process ({error.strerror}); "
                          "are they outside its cgroup cpuset?")
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kvtransfer.base import DestinationInfo, KVCaches, KVReceiver, TransferState
-from kvtransfer.book import Entry, OnFailed, TransferBook
+from kvtransfer.book import Entry, OnFailed
 from kvtransfer.config import TransferConfig
 from kvtransfer.layout import KVLayout, RegisteredKV
 from kvtransfer.plan import tp_head_map
@@ -37,50 +37,62 @@ class Reservation:
     peers: list[Any] = field(default_factory=list)  # backend handles to answer ACK/FAIL on
 
 
-class Landing(RegisteredKV):
-    def __init__(self, book: TransferBook, backend: str) -> None:
-        super().__init__()
-        self.book = book
-        self.backend = backend
+class LandingReceiver(KVReceiver):
+    """A receiver over its registered KV (``self.landing``) and its reservations, by transfer id; ``endpoint`` is
+    where its senders reach it, ``_published`` what else the hand-off carries."""
+
+    endpoint: str
+
+    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
+        super().__init__(config, on_failed)
+        self.landing = RegisteredKV()
         self._by_tid: dict[int, Entry] = {}
         # Transfer ids are unique per receiver and hard to guess across receivers (a stale sender of a previous
         # process incarnation cannot hit a live reservation by accident).
         self._tids = itertools.count(random.Random(os.urandom(8)).getrandbits(40) << 20)
 
-    def require_layout(self) -> KVLayout:
-        if self.layout is None:
-            raise RuntimeError(f"{self.backend} receiver: register() the KV caches first")
-        return self.layout
+    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
+        self.landing.register(kv_caches, layout)
 
-    def reserve(self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int, deadline_s: float,
-                **dest_fields: Any) -> DestinationInfo:
-        layout = self.require_layout()
+    def _layout(self) -> KVLayout:
+        if self.landing.layout is None:
+            raise RuntimeError(f"{self.backend_name} receiver: register() the KV caches first")
+        return self.landing.layout
+
+    def _published(self) -> dict[str, Any]:
+        return {"endpoint": self.endpoint}
+
+    def reserve(self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int,
+                deadline_s: float) -> DestinationInfo:
+        layout, num_blocks = self._layout(), self.landing.num_blocks
         ids = tuple(int(b) for b in dst_block_ids)
         if len(set(ids)) != len(ids):
             raise ValueError(f"reserve {request_id!r}: duplicate block ids")
-        if any(not 0 <= b < self.num_blocks for b in ids):
-            raise ValueError(f"reserve {request_id!r}: block id outside [0, {self.num_blocks})")
+        if any(not 0 <= b < num_blocks for b in ids):
+            raise ValueError(f"reserve {request_id!r}: block id outside [0, {num_blocks})")
         if -(-num_tokens // layout.block_size) != len(ids):
             raise ValueError(f"reserve {request_id!r}: {num_tokens} tokens do not fill {len(ids)} blocks")
         tid = next(self._tids)
         res = Reservation(tid, frozenset(ids), 2 * len(ids) * layout.block_bytes, [0] * layout.num_layers)
-        dest = DestinationInfo(
-            backend=self.backend, request_id=request_id, transfer_id=tid, layout=layout, dst_block_ids=ids,
-            num_tokens=num_tokens, deadline_s=deadline_s, compat_hash=layout.compat_hash(), **dest_fields,
-        )
+        dest = DestinationInfo(backend=self.backend_name, request_id=request_id, transfer_id=tid, layout=layout,
+                               dst_block_ids=ids, num_tokens=num_tokens, deadline_s=deadline_s,
+                               compat_hash=layout.compat_hash(), **self._published())
         with self.book.lock:
             entry = self.book.add(request_id, deadline_s, res)
             self._by_tid[tid] = entry
         return dest
 
-    def forget(self, request_id: str) -> Entry | None:
+    def release(self, request_id: str) -> None:
+        entry = self.book.find(request_id)
+        if entry is not None:
+            self.book.fail(entry, "receiver: released before completion", notify_peer=True, tell_owner=False)
+            self.book.wait_idle(entry, self.config.close_timeout_s)
         with self.book.lock:
             entry = self.book.pop(request_id)
             if entry is not None:
                 self._by_tid.pop(entry.ctx.transfer_id, None)
-            return entry
 
-    def live(self, tid: int) -> Entry | None:
+    def _live(self, tid: int) -> Entry | None:
         """The entry for ``tid`` if bytes for it may still be written."""
         with self.book.lock:
             entry = self._by_tid.get(tid)
@@ -88,14 +100,14 @@ class Landing(RegisteredKV):
                 return None
             return entry
 
-    def in_flight(self) -> list[Entry]:
-        """The reservations that may still receive bytes (not yet DONE, FAILED or forgotten)."""
+    def _in_flight(self) -> list[Entry]:
+        """The reservations that may still receive bytes (not yet DONE, FAILED or released)."""
         with self.book.lock:
             return [e for e in self._by_tid.values() if e.state < TransferState.DONE]
 
-    def on_hello(self, entry: Entry, sender: KVLayout, peer: Any) -> None:
+    def _on_hello(self, entry: Entry, sender: KVLayout, peer: Any) -> None:
         """Check a sender's layout; raises ``CompatibilityError``/``ValueError`` (caller fails the entry)."""
-        layout = self.require_layout()
+        layout = self._layout()
         layout.check_compatible(sender)
         senders = len(tp_head_map(layout.num_kv_heads, sender.tp_size, layout.tp_size)[layout.tp_rank])
         with self.book.lock:
@@ -106,15 +118,15 @@ class Landing(RegisteredKV):
             if entry.state == TransferState.PENDING:
                 entry.state = TransferState.IN_FLIGHT
 
-    def view(self, frame: Frame) -> torch.Tensor:
+    def _view(self, frame: Frame) -> torch.Tensor:
         """The destination view of an admitted DATA frame."""
-        t = self.kv_caches[frame.layer][frame.kv]
+        t = self.landing.kv_caches[frame.layer][frame.kv]
         return t[frame.dst_start : frame.dst_start + frame.num_blocks, :, frame.head_lo : frame.head_hi]
 
-    def admit(self, entry: Entry, frame: Frame) -> bool:
+    def _admit(self, entry: Entry, frame: Frame) -> bool:
         """Whether a DATA frame lies inside the lease (layer, K/V, heads, blocks, length); if not, the request fails
         and its senders are told."""
-        layout = self.require_layout()
+        layout = self._layout()
         blocks = range(frame.dst_start, frame.dst_start + frame.num_blocks)
         want = frame.num_blocks * (frame.head_hi - frame.head_lo) * layout.block_bytes // layout.local_heads
         if not 0 <= frame.layer < layout.num_layers or frame.kv not in (0, 1):
@@ -130,80 +142,39 @@ class Landing(RegisteredKV):
         self.book.fail(entry, f"receiver: refused DATA: {error}", notify_peer=True)
         return False
 
-    def landed(self, entry: Entry, layer: int, nbytes: int) -> bool:
-        """Account ``nbytes`` landed in ``layer``; True when this made the request DONE."""
+    def _landed(self, entry: Entry, frame: Frame) -> None:
+        """Account a DATA frame's bytes; when that made the request DONE, ACK every sender."""
         with self.book.lock:
             if entry.state >= TransferState.DONE:
-                return False
+                return
             res: Reservation = entry.ctx
-            before = res.layer_bytes[layer]
-            res.layer_bytes[layer] = before + nbytes
-            entry.nbytes += nbytes
+            before = res.layer_bytes[frame.layer]
+            res.layer_bytes[frame.layer] = before + frame.payload_len
+            entry.nbytes += frame.payload_len
             if entry.state == TransferState.PENDING:
                 entry.state = TransferState.IN_FLIGHT
-            if before < res.layer_expected <= res.layer_bytes[layer]:
+            if before < res.layer_expected <= res.layer_bytes[frame.layer]:
                 entry.layers_done += 1
-            if entry.layers_done == len(res.layer_bytes):
-                return self.book.done(entry)
-            return False
-
-    def on_finish(self, entry: Entry) -> None:
-        with self.book.lock:
-            res: Reservation = entry.ctx
-            res.finishes += 1
-            if entry.state < TransferState.DONE and res.finishes >= max(res.expected_senders, 1):
-                want = res.layer_expected * len(res.layer_bytes)
-                self.book.fail(
-                    entry,
-                    f"receiver: sender finished but only {entry.nbytes} of {want} bytes landed "
-                    f"({entry.layers_done}/{len(res.layer_bytes)} layers)",
-                    notify_peer=True,
-                )
-
-
-class LandingReceiver(KVReceiver):
-    """A receiver over one :class:`Landing`; ``endpoint`` is where its senders reach it."""
-
-    endpoint: str
-
-    def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
-        super().__init__(config, on_failed)
-        self.landing = Landing(self.book, self.backend_name)
-
-    def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
-        self.landing.register(kv_caches, layout)
-
-    def reserve(self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int,
-                deadline_s: float) -> DestinationInfo:
-        return self.landing.reserve(request_id, dst_block_ids, num_tokens, deadline_s, endpoint=self.endpoint)
-
-    def release(self, request_id: str) -> None:
-        entry = self.book.find(request_id)
-        if entry is not None:
-            self.book.fail(entry, "receiver: released before completion", notify_peer=True, tell_owner=False)
-            self.book.wait_idle(entry, self.config.close_timeout_s)
-        self.landing.forget(request_id)
+            if entry.layers_done < len(res.layer_bytes) or not self.book.done(entry):
+                return
+        self._tell(entry, control(Kind.ACK, frame.transfer_id))
 
     def _send(self, peer: Any, data: bytes) -> None:
         """Send ``peer`` a small control frame (ACK, FAIL) without blocking."""
         peer.send_control(data)
 
-    def _notify_peer(self, entry: Entry, message: str) -> None:
+    def _tell(self, entry: Entry, data: bytes) -> None:
         for peer in list(entry.ctx.peers):
             with contextlib.suppress(OSError):
-                self._send(peer, control(Kind.FAIL, entry.ctx.transfer_id, message.encode()))
+                self._send(peer, data)
 
-    def _landed(self, entry: Entry, frame: Frame) -> None:
-        """Account a DATA frame's bytes; when that made the request DONE, ACK every sender."""
-        if self.landing.landed(entry, frame.layer, frame.payload_len):
-            for peer in list(entry.ctx.peers):
-                with contextlib.suppress(OSError):
-                    self._send(peer, control(Kind.ACK, frame.transfer_id))
+    def _notify_peer(self, entry: Entry, message: str) -> None:
+        self._tell(entry, control(Kind.FAIL, entry.ctx.transfer_id, message.encode()))
 
     def _control_frame(self, frame: Frame, payload: bytes, peer: Any) -> None:
         """A control frame from ``peer``; a HELLO for no live reservation is answered with FAIL at once, so the
         sender does not wait out its lease."""
-        entry = self.landing.live(frame.transfer_id)
+        entry = self._live(frame.transfer_id)
         if entry is not None:
             self._control(entry, frame, payload, peer)
         elif frame.kind == Kind.HELLO:
@@ -219,13 +190,20 @@ class LandingReceiver(KVReceiver):
         self.book.fail(entry, f"receiver: {error}", notify_peer=True)
 
     def _control(self, entry: Entry, frame: Frame, payload: bytes, peer: Any) -> None:
-        """A HELLO, FINISH or FAIL frame from ``peer`` for the live reservation ``entry``."""
+        """A HELLO, FINISH or FAIL frame from ``peer`` for the live reservation ``entry``. A FINISH from every sender
+        with bytes missing fails the request."""
         if frame.kind == Kind.HELLO:
             try:
-                self.landing.on_hello(entry, parse_hello(payload)[0], peer)
+                self._on_hello(entry, parse_hello(payload)[0], peer)
             except ValueError as e:
                 self._refuse_hello(entry, peer, e)
         elif frame.kind == Kind.FINISH:
-            self.landing.on_finish(entry)
+            with self.book.lock:
+                res: Reservation = entry.ctx
+                res.finishes += 1
+                if entry.state < TransferState.DONE and res.finishes >= max(res.expected_senders, 1):
+                    want = res.layer_expected * len(res.layer_bytes)
+                    self.book.fail(entry, f"receiver: sender finished but only {entry.nbytes} of {want} bytes "
+                                   f"landed ({entry.layers_done}/{len(res.layer_bytes)} layers)", notify_peer=True)
         elif frame.kind == Kind.FAIL:
             self.book.fail(entry, f"receiver: sender reported: {payload.decode(errors='replace')}")

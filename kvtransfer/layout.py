@@ -86,11 +86,8 @@ class KVLayout:
 
     def check_compatible(self, other: KVLayout) -> None:
         """Raise :class:`CompatibilityError` naming every mismatching field; TP differences are allowed."""
-        diffs = [
-            f"{name} {getattr(self, name)!r} != {getattr(other, name)!r}"
-            for name in COMPAT_FIELDS
-            if getattr(self, name) != getattr(other, name)
-        ]
+        diffs = [f"{name} {getattr(self, name)!r} != {getattr(other, name)!r}"
+                 for name in COMPAT_FIELDS if getattr(self, name) != getattr(other, name)]
         if diffs:
             raise CompatibilityError("KV layout mismatch: " + "; ".join(diffs))
 

@@ -45,17 +45,15 @@ DUE_EARLY, DUE_LATE = 0.3, 0.6
 @dataclass(slots=True)
 class _LegPlan:
     remote: str
-    src_off: np.ndarray
-    dst_off: np.ndarray
-    lens: np.ndarray
-    nbytes: int  # per layer, K and V
+    bell: tuple[str, int] | None  # the receiver's doorbell (its endpoint), rung when the last layer is written
+    nbytes: int = 0  # per layer, K and V
+    descs: int = 0  # descriptors per layer, K and V
     dlists: tuple[Any, Any] | None = None  # prepared (local, remote) descriptor lists covering every layer
     handles: list[Any] = field(default_factory=list)  # per layer: its prepared WRITE, None once taken to post
     pending: list[tuple[int, Any]] = field(default_factory=list)  # (layer, xfer handle)
     waiting: list[tuple[int, Any, float]] = field(default_factory=list)  # (layer, CUDA event, handed at) to post
     hello_at: float = 0.0  # monotonic, when this leg's HELLO went out
     finish_sent: bool = False
-    bell: tuple[str, int] | None = None  # the receiver's doorbell (its endpoint), rung when the last layer is written
 
 
 def piece_offsets(pieces: Sequence[Piece], src: KVLayout, dst: KVLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -113,13 +111,11 @@ class NixlSender(KVSender):
             except Exception as e:
                 self.book.fail(entry, f"sender: cannot add NIXL agent {d.agent_name}: {e}")
                 return
-            leg.peer = _LegPlan(d.agent_name, np.empty(0, np.uint64), np.empty(0, np.uint64), np.empty(0, np.uint64), 0,
-                                bell=split_endpoint(d.endpoint))
-        layout = self.out.plan(entry)  # raises CompatibilityError after notifying the receiver(s)
+            leg.peer = _LegPlan(d.agent_name, split_endpoint(d.endpoint))
+        self.out.plan(entry)  # raises CompatibilityError after notifying the receiver(s)
         for leg in entry.ctx.legs:
             lp: _LegPlan = leg.peer
-            lp.src_off, lp.dst_off, lp.lens = piece_offsets(leg.pieces, layout, leg.dest.layout)
-            lp.nbytes = 2 * int(lp.lens.sum())
+            lp.nbytes = 2 * sum(p.nbytes for p in leg.pieces)
             try:
                 lp.hello_at = time.monotonic()
                 self._agent.send(lp.remote, control(Kind.HELLO, leg.dest.transfer_id, self._hello))
@@ -165,12 +161,9 @@ class NixlSender(KVSender):
         self._wake.set()  # FINISH goes out, and the ACK is polled for, from now on without backing off
 
     def release(self, request_id: str) -> None:
-        entry = self.book.find(request_id)
-        if entry is None:
-            return
-        self.book.fail(entry, "sender: released before completion", notify_peer=True, tell_owner=False)
-        self._drain(entry)
-        self.book.pop(request_id)
+        entry = self.out.release(request_id)
+        if entry is not None:
+            self._drain(entry)
 
     def close(self) -> None:
         self._stop.set()
@@ -182,25 +175,26 @@ class NixlSender(KVSender):
         self._ringer.close()
         self._agent.close()
 
-    # ---- posting and progress
     def _prepare(self, leg: Leg) -> None:
         """Prepare every layer's WRITE of ``leg``: layer ``i`` is rows ``[i * 2n, (i + 1) * 2n)`` (K runs, V runs)."""
         lp: _LegPlan = leg.peer
-        n, layers = len(lp.lens), len(self._agent.bases)
+        assert self.out.layout is not None  # start() refuses an unregistered sender
+        src_off, dst_off, lens = piece_offsets(leg.pieces, self.out.layout, leg.dest.layout)
+        n, layers = len(lens), len(self._agent.bases)
         local = np.empty((layers * 2 * n, 3), dtype=np.uint64)
         remote = np.empty_like(local)
         for layer, (src_bases, dst_bases) in enumerate(zip(self._agent.bases, leg.dest.regions, strict=True)):
             for kv in (0, 1):
                 at = (2 * layer + kv) * n
-                local[at : at + n, 0] = lp.src_off + np.uint64(src_bases[kv])
-                remote[at : at + n, 0] = lp.dst_off + np.uint64(dst_bases[kv])
-        local[:, 1] = remote[:, 1] = np.tile(lp.lens, 2 * layers)
+                local[at : at + n, 0] = src_off + np.uint64(src_bases[kv])
+                remote[at : at + n, 0] = dst_off + np.uint64(dst_bases[kv])
+        local[:, 1] = remote[:, 1] = np.tile(lens, 2 * layers)
         local[:, 2], remote[:, 2] = self._agent.mem[1], leg.dest.device_id
         with self._agent.lock:
             src = self._agent.nixl.prep_xfer_dlist("NIXL_INIT_AGENT", local, self._agent.mem[0])
             dst = self._agent.nixl.prep_xfer_dlist(lp.remote, remote, leg.dest.mem_type)
         with self.book.lock:
-            lp.dlists = (src, dst)
+            lp.dlists, lp.descs = (src, dst), 2 * n
         handles = [self._make_write(leg, layer) for layer in range(layers)]
         with self.book.lock:
             lp.handles = handles
@@ -209,7 +203,7 @@ class NixlSender(KVSender):
         lp: _LegPlan = leg.peer
         if lp.dlists is None:
             raise RuntimeError("the leg was released")
-        n = 2 * len(lp.lens)
+        n = lp.descs
         rows = np.arange(layer * n, (layer + 1) * n, dtype=np.int32)
         notif = _data_header(leg, layer)
         with self._agent.lock:
@@ -386,6 +380,7 @@ class NixlReceiver(LandingReceiver):
         super().__init__(config, on_failed)
         self._agent = Agent(self.config, "decode")
         self._bell = Doorbell(self.config.host)  # the senders ring it when a transfer's last layer is written
+        self.endpoint = self._bell.endpoint
         self._stop = threading.Event()
         self._reserved = threading.Event()  # set by reserve: the watcher starts polling
         self._pace: dict[int, _Pace] = {}  # transfer id -> timing, from its HELLO on (watcher thread only)
@@ -397,13 +392,14 @@ class NixlReceiver(LandingReceiver):
         self.landing.register(kv_caches, layout)
         self._agent.register(kv_caches)
 
+    def _published(self) -> dict[str, Any]:
+        a = self._agent
+        return {"endpoint": self.endpoint, "agent_name": a.name, "agent_metadata": a.metadata, "regions": a.bases,
+                "mem_type": a.mem[0], "device_id": a.mem[1]}
+
     def reserve(self, request_id: str, dst_block_ids: Sequence[int], num_tokens: int,
                 deadline_s: float) -> DestinationInfo:
-        dest = self.landing.reserve(
-            request_id, dst_block_ids, num_tokens, deadline_s, endpoint=self._bell.endpoint,
-            agent_name=self._agent.name, agent_metadata=self._agent.metadata, regions=self._agent.bases,
-            mem_type=self._agent.mem[0], device_id=self._agent.mem[1],
-        )
+        dest = super().reserve(request_id, dst_block_ids, num_tokens, deadline_s)
         self._reserved.set()
         return dest
 
@@ -429,7 +425,7 @@ class NixlReceiver(LandingReceiver):
         """
         pace = Backoff(self.config.poll_interval_s)
         while not self._stop.is_set():
-            if not self.landing.in_flight():  # a reserve racing this check sets _reserved: no lost wake-up
+            if not self._in_flight():  # a reserve racing this check sets _reserved: no lost wake-up
                 self._reserved.wait(IDLE_POLL_S)
                 self._reserved.clear()
             # Not an Event wait: a timed Event.wait costs about twice the CPU of a plain sleep or a select. Only a
@@ -450,7 +446,7 @@ class NixlReceiver(LandingReceiver):
                             pace.reset()
                     except Exception:
                         log.exception("nixl receiver: bad notification from %s", remote)
-            for tid in [tid for tid in self._pace if self.landing.live(tid) is None]:
+            for tid in [tid for tid in self._pace if self._live(tid) is None]:
                 del self._pace[tid]
 
     def _next_sleep(self, now: float, pace: Backoff) -> float:
@@ -460,7 +456,7 @@ class NixlReceiver(LandingReceiver):
         window = False
         layout = self.landing.layout
         layers = layout.num_layers if layout is not None else 1
-        for entry in self.landing.in_flight():  # a snapshot, taken under the book's lock
+        for entry in self._in_flight():  # a snapshot, taken under the book's lock
             p = self._pace.get(entry.ctx.transfer_id)
             if p is None:  # no HELLO yet
                 best = min(best, tick)
@@ -490,7 +486,7 @@ class NixlReceiver(LandingReceiver):
         """Act on one notification; returns its kind, or None when it was for no live reservation."""
         frame = unpack(msg)
         payload = msg[HEADER_SIZE : HEADER_SIZE + frame.payload_len] if frame.kind != Kind.DATA else b""
-        entry = self.landing.live(frame.transfer_id)
+        entry = self._live(frame.transfer_id)
         if frame.kind == Kind.HELLO:
             try:
                 layout, name, metadata = parse_hello(payload)
@@ -499,7 +495,7 @@ class NixlReceiver(LandingReceiver):
                 if entry is None:  # decode often aborts while the HELLO is queued: FAIL frees the sender's blocks now
                     self._control_frame(frame, payload, name)
                     return None
-                self.landing.on_hello(entry, layout, name)
+                self._on_hello(entry, layout, name)
                 if frame.transfer_id not in self._pace:  # the first sender's HELLO starts the clock
                     self._pace[frame.transfer_id] = _Pace(max(self._poll_prev, entry.started), self._poll_now)
             except ValueError as e:

@@ -55,10 +55,8 @@ class Outbound(RegisteredKV):
         self.book = book
         self.backend = backend
 
-    def open(
-        self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_ids: Sequence[int],
-        deadline_s: float,
-    ) -> Entry:
+    def open(self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], src_ids: Sequence[int],
+             deadline_s: float) -> Entry:
         """Create the entry (deadline = the earlier of ours and every destination's lease)."""
         if self.layout is None:
             raise RuntimeError(f"{self.backend} sender: register() the KV caches first")
@@ -89,6 +87,14 @@ class Outbound(RegisteredKV):
             raise
         return layout
 
+    def release(self, request_id: str) -> Entry | None:
+        """Fail the request if it is in flight (telling the receivers, not the owner) and forget it; its entry."""
+        entry = self.book.find(request_id)
+        if entry is not None:
+            self.book.fail(entry, "sender: released before completion", notify_peer=True, tell_owner=False)
+        self.book.pop(request_id)
+        return entry
+
     def live(self, request_id: str) -> Entry | None:
         with self.book.lock:
             entry = self.book.find(request_id)
@@ -114,7 +120,6 @@ class Outbound(RegisteredKV):
             self.book.fail(entry, f"sender: receiver reported: {bytes(payload).decode(errors='replace')}")
 
 
-
 @dataclass(eq=False)
 class PeerWrites:
     """What one round of a worker sends one peer, in queue order, bounded by the earliest of its requests'
@@ -136,26 +141,26 @@ def writes_for(writes: dict[Any, PeerWrites], peer: Any, deadline: float) -> Pee
 
 
 class QueuedSender(KVSender):
-    """A subclass supplies ``_peer`` (connect), ``_payload`` and ``_flush``; its peers have ``endpoint``,
+    """A subclass supplies ``_connect``, ``_payload`` and ``_flush``; its peers have ``endpoint``,
     ``alive``, ``legs`` (transfer id -> the entry and leg it carries), ``replies(stop)`` (block for the receiver's
     next frames) and ``close()``."""
 
-    cannot_reach: ClassVar[str] = "cannot reach receiver"  # how a failed ``_peer`` is reported, per transport
+    cannot_reach: ClassVar[str] = "cannot reach receiver"  # how a failed ``_connect`` is reported, per transport
 
     def __init__(self, config: TransferConfig | None = None, on_failed: OnFailed | None = None) -> None:
         """Starts the worker: a subclass sets up what its worker reads before calling this."""
         super().__init__(config, on_failed)
         self.out = Outbound(self.book, self.backend_name)
         self._stop = threading.Event()
-        self._lock = threading.RLock()  # guards _peers; a subclass may hold it while it connects
+        self._lock = threading.RLock()  # guards _peers
         self._queue: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._peers: dict[str, Any] = {}
         self._threads: list[threading.Thread] = []
         self._worker = start_io_thread(self.config.io_cpus, self._work, f"kv-{self.backend_name}-send")
         self.book.start(self.config)
 
-    def _peer(self, endpoint: str) -> Any:
-        """The live connection to the receiver at ``endpoint``, made if needed; raises if it cannot be made."""
+    def _connect(self, endpoint: str) -> Any:
+        """A new peer connected to the receiver at ``endpoint``; raises if it cannot be made."""
         raise NotImplementedError
 
     def _payload(self, w: PeerWrites, layer: int, kv: int, piece: Piece, t: torch.Tensor) -> None:
@@ -197,7 +202,10 @@ class QueuedSender(KVSender):
         entry = self.out.open(request_id, dest, src_block_ids, deadline_s)
         for leg in entry.ctx.legs:
             try:
-                peer = self._peer(leg.dest.endpoint)
+                with self._lock:  # held while connecting: two starts towards one receiver must not both connect
+                    peer = self._peers.get(leg.dest.endpoint)
+                    if peer is None or not peer.alive:
+                        peer = self._keep(self._connect(leg.dest.endpoint))
             except Exception as e:
                 self.book.fail(entry, f"sender: {self.cannot_reach} {leg.dest.endpoint}: {e}".splitlines()[0])
                 return
@@ -308,12 +316,9 @@ class QueuedSender(KVSender):
         self._queue.put(("finish", request_id, None))
 
     def release(self, request_id: str) -> None:
-        entry = self.book.find(request_id)
-        if entry is None:
-            return
-        self.book.fail(entry, "sender: released before completion", notify_peer=True, tell_owner=False)
-        with self.book.lock:
-            for leg in entry.ctx.legs:
-                if leg.peer is not None:
-                    leg.peer.legs.pop(leg.dest.transfer_id, None)
-            self.book.pop(request_id)
+        entry = self.out.release(request_id)
+        if entry is not None:
+            with self.book.lock:
+                for leg in entry.ctx.legs:
+                    if leg.peer is not None:
+                        leg.peer.legs.pop(leg.dest.transfer_id, None)

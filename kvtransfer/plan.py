@@ -99,12 +99,8 @@ def plan_leg(src: KVLayout, dst: KVLayout, src_ids: Sequence[int], dst_ids: Sequ
     src.check_compatible(dst)
     hs = slice_between(src.num_kv_heads, src.tp_size, src.tp_rank, dst.tp_size, dst.tp_rank)
     if hs is None:
-        raise ValueError(
-            f"source rank {src.tp_rank}/{src.tp_size} holds none of the heads of destination rank "
-            f"{dst.tp_rank}/{dst.tp_size}"
-        )
+        raise ValueError(f"source rank {src.tp_rank}/{src.tp_size} holds none of the heads of destination rank "
+                         f"{dst.tp_rank}/{dst.tp_size}")
     per_block = src.block_size * hs.num_heads * src.head_dim * src.element_size
-    return [
-        Piece(s, d, n, hs.src_heads, hs.dst_heads, n * per_block) for s, d, n in paired_runs(src_ids, dst_ids)
-    ]
+    return [Piece(s, d, n, hs.src_heads, hs.dst_heads, n * per_block) for s, d, n in paired_runs(src_ids, dst_ids)]
 

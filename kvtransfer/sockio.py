@@ -16,17 +16,9 @@ from kvtransfer.io_cpus import start_io_thread
 from kvtransfer.landing import LandingReceiver
 
 
-class PeerClosed(ConnectionError):
-    """The peer closed the connection (cleanly at a frame boundary when ``clean`` is True)."""
-
-    def __init__(self, message: str, clean: bool = False) -> None:
-        super().__init__(message)
-        self.clean = clean
-
-
 def recv_exact(sock: socket.socket, mv: memoryview, stop: threading.Event, at_boundary: bool = False) -> None:
-    """Fill ``mv`` from ``sock`` (one ``MSG_WAITALL`` call on a blocking socket); raises :class:`PeerClosed` on EOF
-    and ``InterruptedError`` when stopped."""
+    """Fill ``mv`` from ``sock`` (one ``MSG_WAITALL`` call on a blocking socket); raises ``ConnectionError`` on EOF
+    (saying whether it came mid-frame) and ``InterruptedError`` when stopped."""
     off, n = 0, len(mv)
     while off < n:
         try:
@@ -39,7 +31,7 @@ def recv_exact(sock: socket.socket, mv: memoryview, stop: threading.Event, at_bo
             if stop.is_set():
                 raise InterruptedError("stopped")
             clean = at_boundary and off == 0
-            raise PeerClosed("peer closed the connection" + ("" if clean else f" mid-frame ({off}/{n} bytes)"), clean)
+            raise ConnectionError("peer closed the connection" + ("" if clean else f" mid-frame ({off}/{n} bytes)"))
         off += got
 
 

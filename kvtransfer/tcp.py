@@ -62,11 +62,7 @@ class TcpSender(QueuedSender):
     backend_name: ClassVar[str] = "tcp"
     cannot_reach: ClassVar[str] = "cannot connect to receiver"
 
-    def _peer(self, endpoint: str) -> _Link:
-        with self._lock:
-            link = self._peers.get(endpoint)
-            if link is not None and link.alive:
-                return link
+    def _connect(self, endpoint: str) -> _Link:
         host, port = endpoint.rsplit(":", 1)
         cfg = self.config
         sock = socket.create_connection((host, int(port)), timeout=cfg.connect_timeout_s)
@@ -78,7 +74,7 @@ class TcpSender(QueuedSender):
                 raise
             sock = cast(socket.socket, tls)
         tune(sock, cfg.io_timeout_s)  # the worker re-arms the timeout to each request's deadline
-        return self._keep(_Link(endpoint, sock))
+        return _Link(endpoint, sock)
 
     def _flush(self, writes: dict[Any, PeerWrites]) -> None:
         """One gathered ``sendmsg`` run per connection, then the per-layer progress of what went out."""
@@ -146,12 +142,12 @@ class TcpReceiver(ListeningReceiver):
             self._control_frame(frame, bytes(payload), conn)
 
     def _data(self, conn: _Inbound, frame: Frame, scratch: memoryview) -> None:
-        entry = self.landing.live(frame.transfer_id)
+        entry = self._live(frame.transfer_id)
         if entry is None or not self.book.begin_write(entry):
             discard(conn.sock, frame.payload_len, self._stop, scratch)
             return
         try:
-            if not self.landing.admit(entry, frame):
+            if not self._admit(entry, frame):
                 discard(conn.sock, frame.payload_len, self._stop, scratch)
                 return
             conn.writing = entry
@@ -160,7 +156,7 @@ class TcpReceiver(ListeningReceiver):
             if direct is not None:
                 recv_exact(conn.sock, direct, self._stop)
             else:
-                view = self.landing.view(frame)
+                view = self._view(frame)
                 staging = torch.empty(view.shape, dtype=view.dtype)
                 recv_exact(conn.sock, flat_bytes(staging), self._stop)
                 view.copy_(staging)

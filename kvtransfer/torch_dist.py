@@ -136,25 +136,21 @@ class TorchSender(QueuedSender):
         self._inflight: list[tuple[_OutPair, list[Any], PeerWrites]] = []  # read by the worker: set before it starts
         super().__init__(config, on_failed)
 
-    def _peer(self, endpoint: str) -> _OutPair:
-        with self._lock:  # held while the group forms: two starts towards one receiver must not both make a pair
-            pair = self._peers.get(endpoint)
-            if pair is not None and pair.alive:
-                return pair
-            cfg = self.config
-            store = store_client(endpoint, cfg.connect_timeout_s)
-            index = int(store.add(PAIRS_KEY, 1)) - 1
-            host, port = bytes(store.get(CONTROL_KEY)).decode().rsplit(":", 1)
-            link = ControlLink(socket.create_connection((host, int(port)), cfg.connect_timeout_s), endpoint)
-            try:
-                link.put(PAIR_INDEX.pack(index), time.monotonic() + cfg.connect_timeout_s)
-                cuda = bool(self.out.kv_caches) and self.out.kv_caches[0][0].is_cuda
-                group = make_group(PrefixStore(f"tandem/pair/{index}", store_client(endpoint, cfg.connect_timeout_s)),
-                                   1, cuda, cfg.connect_timeout_s, cfg.io_cpus)
-            except Exception:
-                link.close()
-                raise
-            return self._keep(_OutPair(endpoint, store, group, link))
+    def _connect(self, endpoint: str) -> _OutPair:
+        cfg = self.config
+        store = store_client(endpoint, cfg.connect_timeout_s)
+        index = int(store.add(PAIRS_KEY, 1)) - 1
+        host, port = bytes(store.get(CONTROL_KEY)).decode().rsplit(":", 1)
+        link = ControlLink(socket.create_connection((host, int(port)), cfg.connect_timeout_s), endpoint)
+        try:
+            link.put(PAIR_INDEX.pack(index), time.monotonic() + cfg.connect_timeout_s)
+            cuda = bool(self.out.kv_caches) and self.out.kv_caches[0][0].is_cuda
+            group = make_group(PrefixStore(f"tandem/pair/{index}", store_client(endpoint, cfg.connect_timeout_s)),
+                               1, cuda, cfg.connect_timeout_s, cfg.io_cpus)
+        except Exception:
+            link.close()
+            raise
+        return _OutPair(endpoint, store, group, link)
 
     def _idle(self) -> None:
         self._complete()  # nothing queued behind: wait for the layers in flight
@@ -248,13 +244,13 @@ class TorchReceiver(ListeningReceiver):
         slots: list[tuple[Frame, Entry | None, torch.Tensor | None, torch.Tensor]] = []
         try:
             for frame in frames:
-                entry = self.landing.live(frame.transfer_id)
+                entry = self._live(frame.transfer_id)
                 if entry is not None and not self.book.begin_write(entry):
                     entry = None
-                if entry is not None and not self.landing.admit(entry, frame):
+                if entry is not None and not self._admit(entry, frame):
                     self.book.end_write(entry)
                     entry = None
-                view = None if entry is None else self.landing.view(frame)
+                view = None if entry is None else self._view(frame)
                 if view is not None and view.is_contiguous():
                     target = as_bytes(view)
                 else:

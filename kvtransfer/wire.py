@@ -41,10 +41,8 @@ class Frame:
     payload_len: int = 0
 
     def pack(self) -> bytes:
-        return _HEADER.pack(
-            MAGIC, WIRE_VERSION, int(self.kind), self.kv, self.transfer_id, self.layer, self.dst_start,
-            self.num_blocks, self.head_lo, self.head_hi, self.payload_len,
-        )
+        return _HEADER.pack(MAGIC, WIRE_VERSION, int(self.kind), self.kv, self.transfer_id, self.layer, self.dst_start,
+                            self.num_blocks, self.head_lo, self.head_hi, self.payload_len)
 
 
 def unpack(buf: bytes | bytearray | memoryview) -> Frame:

@@ -120,7 +120,7 @@ class Gateway:
             ("POST", "/v1/unload_lora_adapter"): self.unload_lora_adapter}
         self.lora_admin = LoRAAdmin(dispatcher.pool, config.model_name)
         self.extras = UtilityEndpoints(tokenizer, config.model_name, config.max_model_len, config.vocab_size,
-                                       config.max_prompt_bytes)
+                                       config.max_prompt_bytes, lambda: _PoolAdapters(dispatcher.pool))
         if config.metrics_on_main_port:
             self.routes[("GET", "/metrics")] = self.render_metrics
         self.paths = frozenset(path for _, path in self.routes) | {"/metrics"}

@@ -4,13 +4,15 @@ response shapes), ``/version`` and ``GET /v1/models/{id}``.
 ``/tokenize`` takes ``{"prompt": str, "add_special_tokens": bool}`` or chat ``{"messages": [...],
 "add_generation_prompt": bool}`` (tokenised exactly as ``/v1/chat/completions`` would) and answers ``{"count",
 "max_model_len", "tokens", "token_strs"}``; ``/detokenize`` takes ``{"tokens": [...]}`` and answers ``{"prompt"}``.
-A ``model`` other than the served one is a 404, as on the generation endpoints. Tokenisation of a large body runs
+A ``model`` other than the served one or one of its LoRA adapters (the tokenizer is the base model's) is a 404,
+as on the generation endpoints. Tokenisation of a large body runs
 off the event loop (the ``tokenizers`` library releases the GIL).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Collection
 from importlib import metadata
 from typing import Any
 
@@ -35,7 +37,9 @@ VERSION = _version()
 
 class UtilityEndpoints:
     def __init__(self, tokenizer: Tokenizer, model_name: str, max_model_len: int, vocab_size: int,
-                 max_prompt_bytes: int) -> None:
+                 max_prompt_bytes: int, adapters: Callable[[], Collection[str]] = frozenset) -> None:
+        """``adapters``: the LoRA adapters served now (a ``model`` may name one)."""
+        self.adapters = adapters
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -80,7 +84,7 @@ class UtilityEndpoints:
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object")
         model = body.get("model")
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.adapters():
             raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
                            "model", code="model_not_found")
         return body

@@ -101,7 +101,7 @@ def test_models_list_the_adapter_and_model_a_runs_under_it(
     assert _complete(client, base) == _text(checkpoint, expected[""])
     # chat: the same adapter on the chat template's token ids gives the completion of those ids
     messages = [{"role": "user", "content": "Tell me about adapters"}]
-    ids = httpx.post(served.url + "/tokenize", json={"model": base, "messages": messages,
+    ids = httpx.post(served.url + "/tokenize", json={"model": "a", "messages": messages,
                                                      "add_generation_prompt": True},
                      headers={"authorization": f"Bearer {USER}"}, timeout=30).json()["tokens"]
     chat = client.chat.completions.create(model="a", messages=messages,  # type: ignore[arg-type]

@@ -12,13 +12,19 @@ as at start (worker/server.py ``lora_config``): prefill and decode roles do not 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from proto.tandem.v1 import worker_pb2 as pb
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
-    from worker.service import WorkerService
+
+
+class Host(Protocol):
+    """What the ops need of the worker's service (worker/service.py): its role and its ranks."""
+
+    role: str
+    replica: Any  # engine.parallel.replica.ServedReplica when the engine has ranks, else None
 
 
 class AdapterInUse(RuntimeError):
@@ -45,14 +51,14 @@ def adapter_hashes(engine: LLMEngine) -> dict[str, str]:
     return {a.name: a.content_hash for a in adapter_infos(engine)}
 
 
-def _check_role(svc: WorkerService) -> None:
+def _check_role(svc: Host) -> None:
     if svc.role != "both":
         raise AdaptersRefused(f"a {svc.role} worker does not apply LoRA adapters (only --role both does)")
     if svc.replica is not None:
         raise AdaptersRefused("LoRA adapters run on a single-rank worker only (no --tp/--pp/--ep)")
 
 
-def load_op(svc: WorkerService, name: str, path: str) -> Callable[[LLMEngine], list[pb.LoRAAdapterInfo]]:
+def load_op(svc: Host, name: str, path: str) -> Callable[[LLMEngine], list[pb.LoRAAdapterInfo]]:
     """The engine command of ``LoadLoRAAdapter``: ValueError naming a bad name, directory or adapter."""
 
     def load(eng: LLMEngine) -> list[pb.LoRAAdapterInfo]:
@@ -71,7 +77,7 @@ def load_op(svc: WorkerService, name: str, path: str) -> Callable[[LLMEngine], l
     return load
 
 
-def unload_op(svc: WorkerService, name: str) -> Callable[[LLMEngine], list[pb.LoRAAdapterInfo]]:
+def unload_op(svc: Host, name: str) -> Callable[[LLMEngine], list[pb.LoRAAdapterInfo]]:
     """The engine command of ``UnloadLoRAAdapter``: UnknownAdapterError for a name not served, AdapterInUse while
     unfinished requests name it."""
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
+from lora_reference import peft_greedy
 
 from cli.main import main as tandem
 from engine.llm import LLM
@@ -39,27 +38,6 @@ def adapters(checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPat
     return out
 
 
-_PEFT_MODELS: dict[tuple[Path, Path | None], Any] = {}
-
-
-def _peft_greedy(base: Path, adapter: Path | None, prompt: list[int], max_new: int) -> list[int]:
-    """transformers (+ peft for an adapter) greedy continuation, float32, one prompt at a time."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = _PEFT_MODELS.get((base, adapter))
-    if model is None:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-        if adapter is not None:
-            model = PeftModel.from_pretrained(model, str(adapter)).eval()
-        _PEFT_MODELS[(base, adapter)] = model
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                             min_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 def test_init_lora_writes_a_peft_adapter_directory(adapters: dict[str, Path]) -> None:
     conf = json.loads((adapters["attn"] / "adapter_config.json").read_text())
     assert conf["peft_type"] == "LORA" and conf["r"] == 8
@@ -74,11 +52,11 @@ def test_mixed_batch_of_adapters_and_base_equals_peft(checkpoint: Callable[[str]
     names: list[str | None] = ["attn", None, "mlp", "qv", "attn", None]
     prompts = PROMPTS + PROMPTS[:2]
     outs = llm.generate(prompts, GREEDY, lora=names)
-    expected = [_peft_greedy(base, adapters[n] if n else None, p, GREEDY.max_tokens)
+    expected = [peft_greedy(base, adapters[n] if n else None, p, GREEDY.max_tokens)
                 for p, n in zip(prompts, names, strict=True)]
     assert [o.token_ids for o in outs] == expected
     # the adapters really change the output, or the comparison above proves nothing
-    assert outs[0].token_ids != _peft_greedy(base, None, prompts[0], GREEDY.max_tokens)
+    assert outs[0].token_ids != peft_greedy(base, None, prompts[0], GREEDY.max_tokens)
 
 
 def test_resident_set_is_bounded_and_swaps_least_recently_used(checkpoint: Callable[[str], Path],
@@ -107,7 +85,7 @@ def test_prefix_cached_under_one_adapter_is_not_reused_for_another(checkpoint: C
     other = llm.generate([prompt], GREEDY, lora="mlp")[0]
     base = llm.generate([prompt], GREEDY)[0]
     assert other.num_cached_tokens == 0 and base.num_cached_tokens == 0
-    assert other.token_ids == _peft_greedy(checkpoint("llama"), adapters["mlp"], prompt, GREEDY.max_tokens)
+    assert other.token_ids == peft_greedy(checkpoint("llama"), adapters["mlp"], prompt, GREEDY.max_tokens)
 
 
 def test_unknown_and_bad_adapters_are_refused(checkpoint: Callable[[str], Path], adapters: dict[str, Path],

@@ -1,7 +1,7 @@
 """A real ``tandem worker --role both --lora NAME=DIR`` process: a Generate names its adapter in ``lora``, concurrent
 streams of two adapters and the base model each equal the in-process engine (itself token-exact with transformers +
-peft, tests/test_lora.py), an unknown adapter is refused with INVALID_ARGUMENT, and a prefill or decode worker
-refuses --lora at start (disaggregated adapters are not implemented)."""
+peft, tests/test_lora.py), an unknown adapter is refused with INVALID_ARGUMENT, and a multi-rank worker refuses
+--lora at start (exit 2). Prefill and decode workers with adapters: tests/test_lora_disaggregated.py."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_worker_serves_adapters_by_name_and_refuses_unknown_ones(checkpoint: Cal
     assert got == expected
     assert expected[0] != expected[1] or expected[2] != expected[1]
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    refused = subprocess.run([sys.executable, "-m", "cli.main", "worker", "--role", "prefill", "--model", str(base),
-                              "--port", "0", "--kv-backend", "tcp", "--lora", f"a={tmp_path / 'a'}"],
+    refused = subprocess.run([sys.executable, "-m", "cli.main", "worker", "--role", "decode", "--model", str(base),
+                              "--port", "0", "--kv-backend", "tcp", "--tp", "2", "--lora", f"a={tmp_path / 'a'}"],
                              capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2 and "--lora needs --role both" in refused.stderr
+    assert refused.returncode == 2 and "--lora runs on a single-rank worker" in refused.stderr, refused.stderr

@@ -234,6 +234,8 @@ class AioWorker(pb_grpc.WorkerServicer):
         parent = self._trace_parent(context)
         try:
             resp = await self._on_loop(svc.reserve_op(request, params, rid))
+        except CompatibilityError as e:  # the request's LoRA adapter differs from ours (worker/lora_handoff.py)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV handshake refused: {e}")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if resp is None:

@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "installed, else tcp)")
     _add_speculative_flags(up)  # handed to every worker (prefill workers ignore it)
     up.add_argument("--lora", action="append", default=None, metavar="NAME=DIR",
-                    help="serve a PEFT LoRA adapter under NAME on every decode replica (repeatable); a request selects "
-                         "it with model: NAME")
+                    help="serve a PEFT LoRA adapter under NAME on every worker replica (repeatable); a request "
+                         "selects it with model: NAME")
     from cli.autoscale import add_autoscale_flags
 
     add_autoscale_flags(up)

@@ -84,9 +84,8 @@ class ControllerConfig:
     # Each worker's own /metrics (tandem worker --metrics-port): None: not served; 0: a free port (tandem up, on
     # loopback; advertised as Replica.metrics_address); a fixed port in a pod, where Prometheus finds it by name.
     worker_metrics_port: int | None = None
-    # LoRA adapters (``NAME=DIR``, DIR on every node) that every decode replica serves: its worker runs as
-    # ``--role both`` with ``--lora NAME=DIR`` each (prefill and decode roles do not apply adapters yet, so prefill
-    # replicas get none and the router runs an adapter's requests colocated)
+    # LoRA adapters (``NAME=DIR``, DIR on every node) that every replica of every tier serves (--lora NAME=DIR each):
+    # prefill and decode both apply a disaggregated request's adapter (worker/lora_handoff.py)
     lora: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -314,11 +313,9 @@ class Controller:
 
         from controlplane.replica import ReplicaSpec, WorkerReplica
 
-        adapters = self.cfg.lora if r.tier == "decode" else ()
-        spec = ReplicaSpec("both" if adapters else r.tier, self.cfg.model, self.cfg.kv_backend_of(r.tier),
-                           self.cfg.cpus_per_replica, (*self._flags(), *self.cfg.parallel_flags(r.tier),
-                                                       *(f for a in adapters for f in ("--lora", a))),
-                           self.cfg.worker_host)
+        spec = ReplicaSpec(r.tier, self.cfg.model, self.cfg.kv_backend_of(r.tier), self.cfg.cpus_per_replica,
+                           (*self._flags(), *self.cfg.parallel_flags(r.tier),
+                            *(f for a in self.cfg.lora for f in ("--lora", a))), self.cfg.worker_host)
         try:
             r.placement_group = placement_group(self.cfg.bundles(r.tier), strategy="PACK",
                                                 name=f"tandem-{r.replica_id}")

@@ -79,7 +79,7 @@ class UpConfig:
     decode_tp: int = 1
     pp: int = 1
     ep: int = 1
-    # LoRA adapters every decode replica serves, ``NAME=DIR`` each (tandem up --lora; controlplane/controller.py)
+    # LoRA adapters every worker replica serves, ``NAME=DIR`` each (tandem up --lora; controlplane/controller.py)
     lora: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

@@ -16,10 +16,13 @@ Per choice (``n`` > 1 fans out into independent choices):
    for greedy decoding; a sampled continuation is drawn afresh).
 4. **Cancel**: if the client goes away, the request is aborted on every worker it touched, freeing its blocks.
 
-A request of a LoRA adapter (``lora``) runs colocated on a decode worker that serves the adapter (prefill and decode
-workers do not apply adapters yet, so it is never disaggregated), chosen with the adapter in the block hash (prefixes
-cached under that adapter) and the adapter term in the cost (router/cost.py: a worker holding the adapter loaded
-wins over one that must read it from disk, unless it is busier by more than that); reason ``lora_adapter``.
+A request of a LoRA adapter (``lora``) has its candidates narrowed to the workers that serve it: decode workers that
+list it, and prefill workers that list the same content (hash) as the chosen decode worker, so it is disaggregated
+only where both sides apply the same adapter (the hand-off carries it as a ``LoRARef`` that both workers check:
+worker/lora_handoff.py; a decode worker that does not echo it in ``ReserveResponse.lora`` does not apply adapters,
+and the attempt fails rather than decode without it). Each choice hashes the prompt with the adapter in the block
+hash's extra keys (prefixes cached under that adapter) and adds the adapter term to the cost (router/cost.py: a
+worker holding the adapter loaded wins over one that must read it from disk, unless it is busier by more than that).
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ class Plan:
     prefill: Worker | None = None
     decode_decision: Any = None
     prefill_decision: Any = None
+    lora: str = ""  # the request's LoRA adapter (empty: the base model)
 
     @property
     def breakdown(self) -> str:
@@ -142,31 +146,27 @@ class Dispatcher:
         if not decoders:
             raise DispatchError(503, "no decode worker is available", retry_after=1.0)
         if lora:
-            return self._plan_adapter(prompt, decoders, lora)
+            decoders = [w for w in decoders if lora in w.loras]
+            if not decoders:
+                raise DispatchError(503, f"no available worker serves the LoRA adapter {lora!r} now",
+                                    retry_after=1.0)
         by_id = {w.worker_id: w for w in decoders}
-        d = self.decode_selector.select(prompt, list(by_id))
+        d = _select(self.decode_selector, prompt, decoders, lora)
         decode = by_id[d.worker_id]
         bs = self.decode_selector.block_size
         uncached = len(prompt) - d.overlap_blocks * bs
         prefillers = [w for w in self.pool.available("prefill") if w.address not in exclude]
+        if lora:  # the same adapter files as the decode worker's (the hand-off checks it too)
+            prefillers = [w for w in prefillers if w.loras.get(lora) == decode.loras[lora]]
         if not prefillers:
-            return self._decided(Plan("colocated", "no_prefill_worker", decode, decode_decision=d))
+            return self._decided(Plan("colocated", "no_prefill_worker", decode, decode_decision=d, lora=lora))
         if uncached < self.config.min_uncached_tokens:
             reason = "prefix_hit_on_decode" if d.overlap_blocks else "short_prompt"
-            return self._decided(Plan("colocated", reason, decode, decode_decision=d))
+            return self._decided(Plan("colocated", reason, decode, decode_decision=d, lora=lora))
         by_pid = {w.worker_id: w for w in prefillers}
-        p = self.prefill_selector.select(prompt, list(by_pid))
+        p = _select(self.prefill_selector, prompt, prefillers, lora)
         return self._decided(Plan("disaggregated", "long_uncached_prompt", decode, by_pid[p.worker_id],
-                                  decode_decision=d, prefill_decision=p))
-
-    def _plan_adapter(self, prompt: list[int], decoders: list[Worker], lora: str) -> Plan:
-        """Colocated on a worker that serves ``lora``, preferring those that hold it loaded."""
-        serving = {w.worker_id: w for w in decoders if lora in w.loras}
-        if not serving:
-            raise DispatchError(503, f"no available worker serves the LoRA adapter {lora!r} now", retry_after=1.0)
-        holders = [wid for wid, w in serving.items() if lora in w.resident_loras]
-        d = self.decode_selector.select(prompt, list(serving), lora=lora, holders=holders)
-        return self._decided(Plan("colocated", "lora_adapter", serving[d.worker_id], decode_decision=d))
+                                  decode_decision=d, prefill_decision=p, lora=lora))
 
     def _decided(self, plan: Plan) -> Plan:
         self.stats.decisions[plan.reason] = self.stats.decisions.get(plan.reason, 0) + 1
@@ -333,12 +333,17 @@ class Dispatcher:
         t = self.config.rpc_timeout_s
         meta = trace or None
         lease = self.config.lease_ms
+        lora = pb.LoRARef(name=plan.lora, content_hash=plan.prefill.loras.get(plan.lora, "")) if plan.lora else None
         reserve = await _unary(plan.decode, "Reserve", plan.decode.stub.Reserve(
-            pb.ReserveRequest(request_id=rid, prompt_token_ids=prompt, params=params, lease_ms=lease), timeout=t,
-            metadata=meta))
+            pb.ReserveRequest(request_id=rid, prompt_token_ids=prompt, params=params, lease_ms=lease, lora=lora),
+            timeout=t, metadata=meta))
+        if plan.lora and reserve.lora.name != plan.lora:  # a decode worker that does not apply adapters
+            raise _WorkerFailed(plan.decode, "Reserve", grpc.StatusCode.FAILED_PRECONDITION,
+                                f"the decode worker did not take LoRA adapter {plan.lora!r} for the hand-off")
         first = await _unary(plan.prefill, "Prefill", plan.prefill.stub.Prefill(
             pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params,
-                              destination=reserve.destination, lease_ms=lease), timeout=t, metadata=meta))
+                              destination=reserve.destination, lease_ms=lease,
+                              lora=reserve.lora if plan.lora else None), timeout=t, metadata=meta))
         dreq = pb.DecodeRequest(request_id=rid, first_token_id=first.first_token_id,
                                 min_chunk_tokens=min_chunk_tokens, first_token_sent=True)
         if first.HasField("first_logprob"):
@@ -350,6 +355,14 @@ class Dispatcher:
                 if not chunk.num_cached_tokens:
                     chunk.num_cached_tokens = first.num_cached_tokens
                 yield chunk
+
+
+def _select(selector: Selector, prompt: list[int], workers: list[Worker], lora: str) -> Any:
+    """``selector.select`` over ``workers``; for a LoRA adapter with its keys and its holders (router/cost.py)."""
+    ids = [w.worker_id for w in workers]
+    if not lora:
+        return selector.select(prompt, ids)
+    return selector.select(prompt, ids, lora=lora, holders=[w.worker_id for w in workers if lora in w.resident_loras])
 
 
 def first_chunk(first: pb.PrefillResponse, num_prompt_tokens: int) -> pb.TokenChunk:

@@ -2,10 +2,11 @@
 request shapes (``{"lora_name": NAME, "lora_path": DIR}``, and ``{"lora_name": NAME}`` to unload).
 
 The gateway lets only an admin key through (auth/api_keys.py; without keys configured every caller is an admin, as
-for ``x-tandem-explain``). The router forwards the call to every available ``--role both`` worker of its pool (the
-only role that applies adapters; worker/lora_admin.py) over the workers' ``LoadLoRAAdapter``/``UnloadLoRAAdapter``
-admin RPCs, concurrently, and takes each worker's answer (its adapter list) into the pool at once, so ``/v1/models``
-and routing see the change before the call returns. ``lora_path`` is a directory on the workers' hosts.
+for ``x-tandem-explain``). The router forwards the call to every available worker of its pool, whatever its role
+(prefill and decode apply a disaggregated request's adapter: worker/lora_handoff.py), over the workers'
+``LoadLoRAAdapter``/``UnloadLoRAAdapter`` admin RPCs (worker/lora_admin.py), concurrently, and takes each worker's
+answer (its adapter list) into the pool at once, so ``/v1/models`` and routing see the change before the call
+returns. ``lora_path`` is a directory on the workers' hosts.
 
 All or nothing, as far as it can be: a load that any worker refuses (bad path or adapter: 400 naming it) is undone
 on the workers that took it. An unload that a worker refuses because requests still run under the adapter (409)
@@ -42,10 +43,9 @@ class LoRAAdmin:
         self.served_model = served_model
 
     def _targets(self) -> list[Worker]:
-        workers = [w for w in self.pool.workers.values() if w.healthy and w.role == "both" and w.stub is not None]
+        workers = [w for w in self.pool.workers.values() if w.healthy and w.stub is not None]
         if not workers:
-            raise APIError(503, "no available --role both worker to change LoRA adapters on (prefill and decode "
-                           "workers do not apply adapters)", retry_after=1.0)
+            raise APIError(503, "no available worker to change LoRA adapters on", retry_after=1.0)
         return workers
 
     async def load(self, body: Any) -> dict[str, Any]:

@@ -86,8 +86,8 @@ def test_bad_loads_are_refused_naming_the_problem(checkpoint: Callable[[str], Pa
     with pytest.raises(ValueError, match="PREFIX_TUNING"):
         load_op(svc, "x", str(wrong))(llm.engine)
     assert adapter_hashes(llm.engine) == {}  # nothing was half added
-    svc.role = "prefill"
-    with pytest.raises(AdaptersRefused, match="prefill worker does not apply"):
+    svc.replica = object()  # a worker with ranks (--tp/--pp/--ep)
+    with pytest.raises(AdaptersRefused, match="single-rank"):
         load_op(svc, "a", str(adapters["a"]))(llm.engine)
 
 

@@ -4,8 +4,8 @@ HTTP and the gRPC gateway.
 
 - ``/v1/models`` lists the adapter with ``parent`` the base model; ``model: a`` (completions, chat, gRPC) gives the
   in-process engine's output for adapter ``a`` (itself token-exact with transformers + peft: tests/test_lora.py);
-- an unknown model is a 404 naming it; the route explains itself (``lora_adapter``) and the router's KV index holds
-  the prompt's blocks under the adapter's keys, never the base model's;
+- an unknown model is a 404 naming it; the router's KV index holds the prompt's blocks under the adapter's keys,
+  never the base model's;
 - ``/v1/load_lora_adapter`` refuses a user key (403) and no key (401), names a bad path (400), loads ``b`` (then
   served, equal to the engine), and ``/v1/unload_lora_adapter`` unloads it (then a 404 again, and unloading again
   is a 404)."""
@@ -114,13 +114,13 @@ def test_models_list_the_adapter_and_model_a_runs_under_it(
     assert e.value.body["code"] == "model_not_found"  # type: ignore[index]
 
 
-def test_the_route_explains_the_adapter_and_the_index_keys_its_blocks_by_it(
+def test_the_index_keys_an_adapter_requests_blocks_by_the_adapter(
         served: RouterThread, checkpoint: Callable[[str], Path]) -> None:
     prompt = [t + 100 for t in PROMPT]  # never run under the base model
     body = {"model": "a", "prompt": prompt, "max_tokens": 2, "temperature": 0}
     r = httpx.post(served.url + "/v1/completions", json=body, timeout=60,
                    headers={"authorization": f"Bearer {ADMIN}", "x-tandem-explain": "1"})
-    assert r.status_code == 200 and r.headers["x-tandem-route"].startswith("colocated:lora_adapter:")
+    assert r.status_code == 200 and r.headers["x-tandem-route"].startswith("colocated:no_prefill_worker:")
     selector = served.call(lambda router: router.dispatcher.decode_selector)
     under_a = hash_blocks(prompt, 16, selector.keys_for("a"))
     under_base = hash_blocks(prompt, 16, selector.keys_for(None))

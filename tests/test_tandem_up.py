@@ -5,8 +5,8 @@ One cluster is started for the module (``--min-uncached-tokens`` is left at its 
 colocated on the decode worker and long ones disaggregated through the prefill worker). It runs with
 ``--speculative ngram --num-speculative-tokens 3``, so that every greedy answer checked against transformers below
 is also a check of speculative decoding (requests with logprobs are never speculated), and one test reads the
-acceptance counters off the decode worker's own /metrics. It also serves a LoRA adapter (``--lora a=DIR``: the
-decode replica runs as ``--role both``), listed by /v1/models and selected by ``model: a``. The last test stops it
+acceptance counters off the decode worker's own /metrics. It also serves a LoRA adapter (``--lora a=DIR``, on both
+workers), listed by /v1/models and selected by ``model: a``, colocated and disaggregated. The last test stops it
 with SIGINT and checks that every process it started is gone.
 """
 
@@ -113,9 +113,10 @@ def test_models_lists_the_served_checkpoint(client: openai.OpenAI, checkpoint: C
 
 def test_the_lora_adapter_given_to_tandem_up_is_listed_and_served_exactly(
         client: openai.OpenAI, checkpoint: Callable[[str], Path], adapter: Path) -> None:
-    """``--lora a=DIR`` reaches the decode replica through the controller: /v1/models lists ``a`` with the base
-    model as parent, and ``model: a`` answers what the in-process engine answers under the adapter (itself
-    token-exact with transformers + peft: tests/test_lora.py), unlike the base model."""
+    """``--lora a=DIR`` reaches both workers through the controller: /v1/models lists ``a`` with the base model as
+    parent, and ``model: a`` answers what the in-process engine answers under the adapter (itself token-exact with
+    transformers + peft: tests/test_lora.py), unlike the base model, for a short prompt (colocated) and a long one
+    (disaggregated: prefill and decode both apply the adapter)."""
     from engine.llm import LLM
     from engine.lora.config import LoRAConfig
     from engine.sampling_params import SamplingParams
@@ -124,15 +125,19 @@ def test_the_lora_adapter_given_to_tandem_up_is_listed_and_served_exactly(
     base = checkpoint("llama").name
     models = {m.id: m.model_dump() for m in client.models.list()}
     assert set(models) == {base, "a"} and models["a"]["parent"] == base
-    prompt = Tokenizer(checkpoint("llama")).encode("hello adapter")
-    llm = LLM(str(checkpoint("llama")), num_kv_blocks=32, lora=LoRAConfig((("a", str(adapter)),)))
-    want = {name: llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-                               lora=name or None)[0].text for name in ("a", "")}
-    assert want["a"] != want[""]
-    for model, name in (("a", "a"), (base, "")):
-        r = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
-                                      extra_body={"ignore_eos": True})
-        assert r.choices[0].text == want[name], model
+    tok = Tokenizer(checkpoint("llama"))
+    llm = LLM(str(checkpoint("llama")), num_kv_blocks=64, lora=LoRAConfig((("a", str(adapter)),)))
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for text, mode in (("hello adapter", "colocated"), ("adapter " * 40, "disaggregated")):  # 81 tokens: past 64
+        prompt = tok.encode(text)
+        want = {name: llm.generate([prompt], greedy, lora=name or None)[0].text for name in ("a", "")}
+        assert want["a"] != want[""]
+        for model, name in (("a", "a"), (base, "")):
+            r = client.completions.with_raw_response.create(
+                model=model, prompt=prompt, max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True}, extra_headers={"x-tandem-explain": "1"})
+            assert r.parse().choices[0].text == want[name], (model, mode)
+            assert r.headers["x-tandem-route"].startswith(mode), r.headers["x-tandem-route"]
 
 
 def test_a_bad_lora_flag_is_refused_before_anything_starts(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
@@ -430,7 +435,7 @@ def test_a_real_prometheus_scrapes_the_gateway_and_sees_every_worker(cluster: Cl
         assert float(counted[0]["value"][1]) >= n_before + 3
         free = prom.wait_for("tandem_kv_blocks_free")
         roles = {s["metric"]["role"] for s in free}
-        assert roles == {"prefill", "both"}, roles  # the decode replica serves a LoRA adapter: --role both
+        assert roles == {"prefill", "decode"}, roles
         assert all(float(s["value"][1]) > 0 for s in free)
         healthy = prom.wait_for("tandem_worker_up == 1")
         assert len(healthy) == 2

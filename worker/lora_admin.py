@@ -5,8 +5,9 @@ Both changes run on the engine loop's thread between steps (``EngineLoop.call``)
 half added or removed. A worker started without ``--lora`` gets its :class:`~engine.lora.manager.LoRAManager` (hooks
 attached to the model, default ``max_loras``) on its first load. Unloading is refused while any unfinished request
 (waiting, running or paused) names the adapter: the caller retries once they finish, rather than the worker cutting
-them off or holding the call open for their whole length. Only a single-rank ``--role both`` worker takes adapters,
-as at start (worker/server.py ``lora_config``): prefill and decode roles do not apply them yet.
+them off or holding the call open for their whole length. Every role takes adapters (prefill and decode apply them
+to a disaggregated request's two halves: worker/lora_handoff.py), on a single-rank worker only, as at start
+(worker/server.py ``lora_config``).
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ if TYPE_CHECKING:
 
 
 class Host(Protocol):
-    """What the ops need of the worker's service (worker/service.py): its role and its ranks."""
+    """What the ops need of the worker's service (worker/service.py): its ranks."""
 
-    role: str
     replica: Any  # engine.parallel.replica.ServedReplica when the engine has ranks, else None
 
 
@@ -32,7 +32,7 @@ class AdapterInUse(RuntimeError):
 
 
 class AdaptersRefused(RuntimeError):
-    """This worker cannot take adapters at run time (its role or its ranks)."""
+    """This worker cannot take adapters at run time (it has ranks)."""
 
 
 def adapter_infos(engine: LLMEngine) -> list[pb.LoRAAdapterInfo]:
@@ -52,8 +52,6 @@ def adapter_hashes(engine: LLMEngine) -> dict[str, str]:
 
 
 def _check_role(svc: Host) -> None:
-    if svc.role != "both":
-        raise AdaptersRefused(f"a {svc.role} worker does not apply LoRA adapters (only --role both does)")
     if svc.replica is not None:
         raise AdaptersRefused("LoRA adapters run on a single-rank worker only (no --tp/--pp/--ep)")
 

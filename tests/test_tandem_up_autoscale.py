@@ -43,7 +43,7 @@ def _decode_workers(url: str) -> dict[str, float]:
     generated: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.labels.get("role") != "decode":
+            if s.labels.get("role") not in ("decode", "both"):  # both: a decode replica serving adapters
                 continue
             if s.name == "tandem_worker_up" and s.value == 1:
                 up.add(s.labels["worker"])

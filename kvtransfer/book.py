@@ -175,13 +175,6 @@ class TransferBook:
         with self.lock:
             entry.busy -= 1
 
-    def wait_idle(self, entry: Entry, timeout_s: float) -> bool:
-        """Wait (bounded) until no write into ``entry``'s blocks is in progress."""
-        end = time.monotonic() + timeout_s
-        while entry.busy and time.monotonic() < end:
-            time.sleep(0.001)
-        return not entry.busy
-
     def _deliver(self) -> None:
         while True:
             try:

@@ -105,14 +105,12 @@ class FakeSender(KVSender):
             return
         k, v = self.out.kv_caches[layer]
         for leg in entry.ctx.legs:
-            sent = 0
             for p in leg.pieces:
                 for kv, t in enumerate((k, v)):
                     frame = Frame(Kind.DATA, leg.dest.transfer_id, layer, kv, p.dst_start, p.num_blocks,
                                   p.dst_heads[0], p.dst_heads[1], p.nbytes)
                     leg.peer.deliver(frame, p.src_view(t), (self, entry, leg))
-                    sent += p.nbytes
-            self.out.leg_sent_layer(entry, leg, sent)
+            self.out.leg_sent_layer(entry, leg, 2 * sum(p.nbytes for p in leg.pieces))
 
     def finish(self, request_id: str) -> None:
         entry = self.out.live(request_id)

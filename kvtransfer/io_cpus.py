@@ -25,10 +25,7 @@ _LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platfo
 def parse_cpu_list(spec: str) -> tuple[int, ...]:
     """``"0,2-3"`` → ``(0, 2, 3)``: the Linux cpu-list syntax (as ``taskset -c`` and cgroup cpusets take it)."""
     cpus: set[int] = set()
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
+    for part in filter(None, map(str.strip, spec.split(","))):
         lo, _, hi = part.partition("-")
         try:
             first, last = int(lo), int(hi or lo)

@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import os
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,7 +87,9 @@ class LandingReceiver(KVReceiver):
         entry = self.book.find(request_id)
         if entry is not None:
             self.book.fail(entry, "receiver: released before completion", notify_peer=True, tell_owner=False)
-            self.book.wait_idle(entry, self.config.close_timeout_s)
+            end = time.monotonic() + self.config.close_timeout_s
+            while entry.busy and time.monotonic() < end:  # a write in progress on a receiver thread ends first
+                time.sleep(0.001)
         with self.book.lock:
             entry = self.book.pop(request_id)
             if entry is not None:
@@ -96,9 +99,7 @@ class LandingReceiver(KVReceiver):
         """The entry for ``tid`` if bytes for it may still be written."""
         with self.book.lock:
             entry = self._by_tid.get(tid)
-            if entry is None or entry.state >= TransferState.DONE:
-                return None
-            return entry
+            return entry if entry is not None and entry.state < TransferState.DONE else None
 
     def _in_flight(self) -> list[Entry]:
         """The reservations that may still receive bytes (not yet DONE, FAILED or released)."""

@@ -208,15 +208,13 @@ class Ringer:
         if address is None:
             return
         fam = _family(address[0])
-        try:
+        with contextlib.suppress(OSError):  # unreachable, buffer full, closed: the receiver's polling finds the layer
             with self._lock:
                 sock = self._socks.get(fam)
                 if sock is None:
                     sock = self._socks[fam] = socket.socket(fam, socket.SOCK_DGRAM)
                     sock.setblocking(False)
             sock.sendto(b"\x01", address)
-        except OSError:  # unreachable, buffer full, closed: the receiver's polling still finds the layer
-            pass
 
     def close(self) -> None:
         with self._lock:

@@ -203,11 +203,10 @@ class NixlSender(KVSender):
         lp: _LegPlan = leg.peer
         if lp.dlists is None:
             raise RuntimeError("the leg was released")
-        n = lp.descs
-        rows = np.arange(layer * n, (layer + 1) * n, dtype=np.int32)
-        notif = _data_header(leg, layer)
+        rows = np.arange(layer * lp.descs, (layer + 1) * lp.descs, dtype=np.int32)
         with self._agent.lock:
-            return self._agent.nixl.make_prepped_xfer("WRITE", lp.dlists[0], rows, lp.dlists[1], rows, notif)
+            return self._agent.nixl.make_prepped_xfer("WRITE", lp.dlists[0], rows, lp.dlists[1], rows,
+                                                       _data_header(leg, layer))
 
     def _post(self, entry: Entry, leg: Leg, layer: int, handed: float) -> None:
         """Post ``layer``'s WRITE; its DATA notification carries when the layer was handed over (see
@@ -451,11 +450,8 @@ class NixlReceiver(LandingReceiver):
 
     def _next_sleep(self, now: float, pace: Backoff) -> float:
         """This tick's sleep, by the rules of :meth:`_watch`."""
-        tick = self.config.poll_interval_s
-        best = MAX_SLEEP_S
-        window = False
-        layout = self.landing.layout
-        layers = layout.num_layers if layout is not None else 1
+        tick, best, window = self.config.poll_interval_s, MAX_SLEEP_S, False
+        layers = len(self._agent.bases) or 1  # registered layers
         for entry in self._in_flight():  # a snapshot, taken under the book's lock
             p = self._pace.get(entry.ctx.transfer_id)
             if p is None:  # no HELLO yet
@@ -465,9 +461,8 @@ class NixlReceiver(LandingReceiver):
             if timing is None and now < p.hello_seen + HELLO_WINDOW_S:
                 window = True
                 continue
-            if timing is None:
-                missing = layers - entry.layers_done
-                cand = ACTIVE_POLL_S if missing <= 1 else max((now - p.hello_lo) / 2, tick)
+            if timing is None:  # fewer than two layers reported
+                cand = ACTIVE_POLL_S if layers - entry.layers_done <= 1 else max((now - p.hello_lo) / 2, tick)
             else:
                 due, lt = timing
                 opens = due - DUE_EARLY * lt

@@ -98,9 +98,7 @@ class Outbound(RegisteredKV):
     def live(self, request_id: str) -> Entry | None:
         with self.book.lock:
             entry = self.book.find(request_id)
-            if entry is None or entry.state >= TransferState.DONE:
-                return None
-            return entry
+            return entry if entry is not None and entry.state < TransferState.DONE else None
 
     def leg_sent_layer(self, entry: Entry, leg: Leg, nbytes: int) -> None:
         with self.book.lock:
@@ -204,8 +202,11 @@ class QueuedSender(KVSender):
             try:
                 with self._lock:  # held while connecting: two starts towards one receiver must not both connect
                     peer = self._peers.get(leg.dest.endpoint)
-                    if peer is None or not peer.alive:
-                        peer = self._keep(self._connect(leg.dest.endpoint))
+                    if peer is None or not peer.alive:  # a new peer: record it and start its reader thread
+                        peer = self._peers[leg.dest.endpoint] = self._connect(leg.dest.endpoint)
+                        reader = start_io_thread(self.config.io_cpus, self._read, f"kv-{self.backend_name}-ack-"
+                                                 f"{peer.endpoint}", peer)
+                        self._threads = [t for t in self._threads if t.is_alive()] + [reader]
             except Exception as e:
                 self.book.fail(entry, f"sender: {self.cannot_reach} {leg.dest.endpoint}: {e}".splitlines()[0])
                 return
@@ -222,22 +223,11 @@ class QueuedSender(KVSender):
                 self._queue.put(("control", leg.peer, control(Kind.FAIL, leg.dest.transfer_id, message.encode())))
 
     def _on_reply(self, peer: Any, frame: Frame, payload: bytes | bytearray) -> None:
-        with self.book.lock:
-            found = peer.legs.get(frame.transfer_id)
-        if found is None:
-            return
-        self.out.on_reply(found[0], found[1], frame, payload)
-        if frame.kind == Kind.ACK:
-            with self.book.lock:
-                peer.legs.pop(frame.transfer_id, None)
-
-    def _keep(self, peer: Any) -> Any:
-        """Record a new ``peer`` and start its reader thread; returns it."""
-        with self._lock:
-            self._peers[peer.endpoint] = peer
-        t = start_io_thread(self.config.io_cpus, self._read, f"kv-{self.backend_name}-ack-{peer.endpoint}", peer)
-        self._threads = [x for x in self._threads if x.is_alive()] + [t]
-        return peer
+        with self.book.lock:  # an ACK ends the leg on this peer
+            tid = frame.transfer_id
+            found = peer.legs.pop(tid, None) if frame.kind == Kind.ACK else peer.legs.get(tid)
+        if found is not None:
+            self.out.on_reply(found[0], found[1], frame, payload)
 
     def _read(self, peer: Any) -> None:
         try:

@@ -42,8 +42,7 @@ def send_vectored(sock: socket.socket, buffers: Sequence[bytes | memoryview], de
     """Send ``buffers`` gathered (``sendmsg``) before ``deadline``; returns the bytes sent. Any error leaves the
     stream unusable, so the caller drops the connection."""
     pending = [memoryview(b).cast("B") for b in buffers if len(b)]
-    total = 0
-    i = 0
+    total = i = 0
     while i < len(pending):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -51,14 +50,11 @@ def send_vectored(sock: socket.socket, buffers: Sequence[bytes | memoryview], de
         sock.settimeout(remaining)
         sent = sock.sendmsg(pending[i : i + IOV_CHUNK])
         total += sent
-        while sent and i < len(pending):
-            n = len(pending[i])
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                pending[i] = pending[i][sent:]
-                sent = 0
+        while i < len(pending) and sent >= len(pending[i]):  # whole buffers sent
+            sent -= len(pending[i])
+            i += 1
+        if sent:  # the rest of a buffer the call ended in
+            pending[i] = pending[i][sent:]
     return total
 
 

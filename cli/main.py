@@ -195,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_spec_args(bsub.add_parser("spec", help="speculative decoding against none: repetitive and random text, "
                                                "speed-up and acceptance"))
+    from bench.lora import add_lora_args
+
+    add_lora_args(bsub.add_parser("lora", help="a batch mixing 4 LoRA adapters against the base model alone"))
     sb = bsub.add_parser("structured", help="per-step cost of JSON-schema constrained decoding vs unconstrained")
     sb.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in tiny model)")
     sb.add_argument("--batch-sizes", default="1,32")
@@ -327,6 +330,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         report = run_spec_bench(args)
         print(json.dumps(report) if args.json else format_spec_report(report))
+        return 0
+    if args.bench_command == "lora":
+        from bench.lora import format_lora_report, run_lora_bench
+
+        try:
+            lora_report = run_lora_bench(args)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(lora_report) if args.json else format_lora_report(lora_report))
         return 0
     if args.bench_command == "quant":
         from bench.quant import format_quant_report, run_quant_bench

@@ -17,6 +17,9 @@
   accepts the token and moves it to Running. A request whose first token does not arrive within its lease fails.
 - **Running**: an ordinary engine request; the next token is computed from the received KV.
 
+A replica with TP ranks (``decode_worker/ranks.py``) reserves on every rank, answers one destination per rank, and
+counts a request landed only once every rank landed its heads; a failure on any rank fails it, released everywhere.
+
 While the only requests wait for KV the engine has nothing to compute, and a loop stepping empty schedules back to
 back would take a core and the GIL from the transport threads that land the bytes. ``remote_wait_s`` lets the
 engine loop sleep instead: every RPC is a command that wakes it, and so is a finished transfer (the receiver's
@@ -31,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from decode_worker.ranks import DecodeRanks
 from engine.kv_connector import EngineKV, FinishedTransfers, KVConnector, LoadDone, LoadFailed
 from engine.request import Request, TokenLogprobs
 from kvtransfer.base import DestinationInfo, KVReceiver, TransferState
@@ -48,6 +52,7 @@ class Landing:
     deadline_s: float
     dest: DestinationInfo
     num_blocks: int
+    more: tuple[DestinationInfo, ...] = ()  # the follower decode ranks' destinations (rank 1 first)
     first_token: int | None = None
     first_logprob: TokenLogprobs | None = None
     reserved_at: float = 0.0  # time.monotonic() when the blocks were reserved (the landing wait's start)
@@ -69,12 +74,17 @@ class Transfer:
     def __init__(self) -> None:
         self.entries: dict[str, Landing] = {}
 
-    def poll(self, receiver: KVReceiver, now: float) -> tuple[list[str], list[LoadFailed]]:
-        """Requests whose KV landed, and those whose transfer failed or outlived its lease."""
+    def poll(self, receiver: KVReceiver, now: float,
+             ranks: DecodeRanks | None = None) -> tuple[list[str], list[LoadFailed]]:
+        """Requests whose KV landed (on every rank), and those whose transfer failed (on any rank) or outlived its
+        lease."""
         landed, failed = [], []
         for rid, entry in self.entries.items():
             st = receiver.poll(rid)
-            if st.state == TransferState.DONE:
+            everywhere, failure = (True, None) if ranks is None else ranks.state(rid)
+            if failure is not None:
+                failed.append(LoadFailed(rid, f"KV transfer failed: {failure}"))
+            elif st.state == TransferState.DONE and everywhere:
                 landed.append(rid)
             elif st.state == TransferState.FAILED:
                 failed.append(LoadFailed(rid, f"KV transfer failed: {st.error}"))
@@ -103,8 +113,10 @@ class Waiting:
 class DecodeConnector(KVConnector):
     remote_wait_s = REMOTE_ONLY_WAIT_S
 
-    def __init__(self, receiver: KVReceiver, layout: KVLayout, wake: Callable[[], object]) -> None:
+    def __init__(self, receiver: KVReceiver, layout: KVLayout, wake: Callable[[], object],
+                 ranks: DecodeRanks | None = None) -> None:
         self.receiver = receiver
+        self.ranks = ranks  # a replica with TP ranks: their receives (decode_worker/ranks.py)
         self.layout = layout
         self.prealloc = Prealloc()
         self.transfer = Transfer()
@@ -130,9 +142,14 @@ class DecodeConnector(KVConnector):
         self.prealloc.deadlines.pop(request_id, None)
 
     def destination(self, request_id: str) -> tuple[DestinationInfo, int] | None:
-        """Where prefill writes ``request_id``'s KV, and how many blocks (None unless it is in Transfer)."""
+        """Where prefill writes ``request_id``'s KV on rank 0, and how many blocks (None unless it is in Transfer)."""
         entry = self.transfer.entries.get(request_id)
         return None if entry is None else (entry.dest, entry.num_blocks)
+
+    def destinations(self, request_id: str) -> tuple[DestinationInfo, ...]:
+        """Every decode rank's destination for ``request_id``, rank 0 first (empty unless it is in Transfer)."""
+        entry = self.transfer.entries.get(request_id)
+        return () if entry is None else (entry.dest, *entry.more)
 
     def deliver(self, request_id: str, first_token: int, first_logprob: TokenLogprobs | None) -> str | None:
         """``Decode`` brought the first token; None, or why there is nothing to decode."""
@@ -143,7 +160,13 @@ class DecodeConnector(KVConnector):
         return None
 
     def in_transfer(self) -> int:
-        return len(self.transfer.entries)
+        """Requests whose KV is landing, or (with ranks) whose reservation a follower still holds."""
+        return max(len(self.transfer.entries), self.ranks.outstanding() if self.ranks is not None else 0)
+
+    def _release(self, request_id: str) -> None:
+        self.receiver.release(request_id)
+        if self.ranks is not None:
+            self.ranks.release(request_id)
 
     # ---- scheduler side ------------------------------------------------------------------------------------
 
@@ -153,7 +176,7 @@ class DecodeConnector(KVConnector):
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         rid = request.request_id
         if self.transfer.entries.pop(rid, None) is not None:
-            self.receiver.release(rid)
+            self._release(rid)
         self.waiting.entries.pop(rid, None)
         return False
 
@@ -169,14 +192,21 @@ class DecodeConnector(KVConnector):
         rid = request.request_id
         deadline = self.prealloc.deadlines.pop(rid)
         dest = self.receiver.reserve(rid, block_ids, request.num_prompt_tokens, deadline)
-        self.transfer.entries[rid] = Landing(deadline, dest, len(block_ids), reserved_at=time.monotonic())
+        more: tuple[DestinationInfo, ...] = ()
+        if self.ranks is not None:
+            try:
+                more = tuple(self.ranks.reserve(rid, block_ids, request.num_prompt_tokens, deadline))
+            except Exception:  # refuses the request: its blocks are freed, no rank keeps a reservation
+                self.receiver.release(rid)
+                raise
+        self.transfer.entries[rid] = Landing(deadline, dest, len(block_ids), more, reserved_at=time.monotonic())
 
     def get_finished(self) -> FinishedTransfers:
         done = FinishedTransfers()
         if not self.transfer.entries and not self.waiting.entries:
             return done
         now = time.time()
-        landed, failed = self.transfer.poll(self.receiver, now)
+        landed, failed = self.transfer.poll(self.receiver, now, self.ranks)
         if self.on_landing:
             waited = time.monotonic()
             for ok, rids in ((True, landed), (False, [f.request_id for f in failed])):
@@ -185,7 +215,7 @@ class DecodeConnector(KVConnector):
                         landing_hook(ok, waited - self.transfer.entries[rid].reserved_at)
         for rid in landed:
             self.waiting.entries[rid] = self.transfer.entries.pop(rid)
-            self.receiver.release(rid)
+            self._release(rid)
         for hook in self.on_landed:
             for rid in landed:
                 hook(rid, True)
@@ -197,7 +227,7 @@ class DecodeConnector(KVConnector):
         for f in failed + failed_waiting:
             log.info("request %s failed: %s", f.request_id, f.message)
             if self.transfer.entries.pop(f.request_id, None) is not None:
-                self.receiver.release(f.request_id)
+                self._release(f.request_id)
             self.waiting.entries.pop(f.request_id, None)
             self.failed[f.request_id] = f.message
             while len(self.failed) > FAILED_MEMORY:

@@ -18,11 +18,16 @@
   ``get_finished``: every path frees the blocks. The sender wakes the engine loop the moment a transfer is DONE
   (that moment ends the request's :class:`TransferTiming`), so an idle loop frees the hold then.
 
+A replica with TP ranks (``prefill_worker/ranks.py``) sends each rank's heads from that rank: rank 0 keeps its own
+legs and gives each follower its legs with the step that completes the prompt; the hold ends once every rank's send
+ended. Decode's destination may be several, one per decode rank (:meth:`Bootstrap.accept`).
+
 The connector sees block ids only: the engine owns the pool, the tables and the cache tensors throughout.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
@@ -33,8 +38,10 @@ from engine.kv_connector import EngineKV, FinishedTransfers, KVConnector
 from engine.request import Request
 from kvtransfer.base import DestinationInfo, KVSender, TransferState
 from kvtransfer.layout import KVLayout
+from prefill_worker.ranks import PrefillRanks
 
 log = logging.getLogger(__name__)
+MAX_DECODE_RANKS = 64  # destinations one Prefill may name (one per decode rank)
 
 
 class Bootstrap:
@@ -43,21 +50,41 @@ class Bootstrap:
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
 
-    def accept(self, destination: bytes) -> DestinationInfo:
-        """The destination, checked (CompatibilityError on a layout mismatch, ValueError if malformed)."""
-        dest = DestinationInfo.from_bytes(destination)
-        self.layout.check_compatible(dest.layout)
-        return dest
+    def accept(self, destination: bytes) -> tuple[DestinationInfo, ...]:
+        """The destination (one per decode rank: a JSON array of them from a decode replica with TP ranks,
+        ``decode_worker.ranks.encode_destinations``), checked (CompatibilityError on a layout mismatch, ValueError
+        if malformed or if the ranks are not exactly one of each of the decode replica's TP ranks)."""
+        if destination[:1] != b"[":
+            dests: tuple[DestinationInfo, ...] = (DestinationInfo.from_bytes(destination),)
+        else:
+            try:
+                docs = json.loads(destination)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"destinations are not valid JSON: {e}") from None
+            if not isinstance(docs, list) or not 1 <= len(docs) <= MAX_DECODE_RANKS:
+                raise ValueError(f"destinations must be a list of 1 to {MAX_DECODE_RANKS} destinations")
+            dests = tuple(DestinationInfo.from_bytes(json.dumps(d).encode()) for d in docs)
+        tp = dests[0].layout.tp_size
+        if sorted((d.layout.tp_size, d.layout.tp_rank) for d in dests) != [(tp, r) for r in range(tp)]:
+            raise ValueError(f"destinations must be one per decode rank of tp={tp}, got ranks "
+                             f"{[(d.layout.tp_rank, d.layout.tp_size) for d in dests]}")
+        if len({d.request_id for d in dests}) != 1:
+            raise ValueError("destinations name different requests")
+        for d in dests:
+            self.layout.check_compatible(d.layout)
+        return dests
 
 
 @dataclass(slots=True)
 class Waiting:
-    """Requests in the engine whose KV goes to ``dest`` once their prompt's last chunk is computed."""
+    """Requests in the engine whose KV goes to ``dests`` (one per decode rank) once their prompt's last chunk is
+    computed; ``mine``: the legs this rank sends (all of them, unless the replica has ranks)."""
 
-    dest: DestinationInfo
+    dests: tuple[DestinationInfo, ...]
     deadline_s: float
     started: bool = False
     started_at: float = 0.0  # perf_counter when its first layer went to the sender
+    mine: tuple[DestinationInfo, ...] = ()
 
 
 @dataclass(slots=True)
@@ -87,8 +114,10 @@ class TransferTiming:
 
 
 class PrefillConnector(KVConnector):
-    def __init__(self, sender: KVSender, layout: KVLayout, wake: Callable[[], object]) -> None:
+    def __init__(self, sender: KVSender, layout: KVLayout, wake: Callable[[], object],
+                 ranks: PrefillRanks | None = None) -> None:
         self.sender = sender
+        self.ranks = ranks  # a replica with TP ranks: their sends (prefill_worker/ranks.py)
         self.layout = layout
         self.bootstrap = Bootstrap(layout)
         self.waiting: dict[str, Waiting] = {}
@@ -109,9 +138,10 @@ class PrefillConnector(KVConnector):
         self.on_transfer: list[Callable[[TransferTiming], object]] = []  # each finished timing (metrics, traces)
         sender.set_on_done(self._on_done)
 
-    def expect(self, request_id: str, dest: DestinationInfo, deadline_s: float) -> None:
+    def expect(self, request_id: str, dest: DestinationInfo | Sequence[DestinationInfo], deadline_s: float) -> None:
         """``request_id``, just added to the engine, sends its prompt's KV to ``dest`` (Bootstrap → Waiting)."""
-        self.waiting[request_id] = Waiting(dest, deadline_s)
+        dests = (dest,) if isinstance(dest, DestinationInfo) else tuple(dest)
+        self.waiting[request_id] = Waiting(dests, deadline_s, mine=dests)
 
     def cancel(self, request_id: str) -> bool:
         """Stop ``request_id``'s send wherever it is (abort); its held blocks are freed at the next step."""
@@ -121,6 +151,8 @@ class PrefillConnector(KVConnector):
             self._gone.append(request_id)
         self._done_at.pop(request_id, None)
         self.sender.release(request_id)
+        if self.ranks is not None:
+            self.ranks.stop(request_id)
         return found
 
     # ---- scheduler side ------------------------------------------------------------------------------------
@@ -130,6 +162,10 @@ class PrefillConnector(KVConnector):
         infl = self.inflight.get(rid)
         if infl is not None:
             infl.held_blocks = len(block_ids)
+            return True
+        if self.ranks is not None and self.ranks.owes(rid):  # its send failed here, a follower may still read
+            self.ranks.stop(rid)
+            self._gone.append(rid)
             return True
         if self.waiting.pop(rid, None) is not None:  # ended before its final prefill step (aborted, failed)
             self.sender.release(rid)
@@ -149,6 +185,14 @@ class PrefillConnector(KVConnector):
         if self.waiting:
             self._sends = [r for r, n in zip(requests, num_new_tokens, strict=True)
                            if r.num_computed_tokens + n == r.num_tokens and r.request_id in self.waiting]
+        if self.ranks is not None and self._sends:
+            kv = self._kv
+            assert kv is not None  # registered when the connector was attached
+            for req in self._sends:  # the followers' legs go with this step's rows
+                w = self.waiting[req.request_id]
+                nblocks = -(-req.num_prompt_tokens // kv.block_size)
+                w.mine = self.ranks.split(req.request_id, w.dests, kv.block_ids(req.request_id)[:nblocks],
+                                          w.deadline_s)
 
     def save_kv_layer(self, layer: int) -> None:
         if not self._sends:
@@ -165,7 +209,7 @@ class PrefillConnector(KVConnector):
             try:
                 if not w.started:
                     nblocks = -(-req.num_prompt_tokens // kv.block_size)
-                    self.sender.start(rid, w.dest, kv.block_ids(rid)[:nblocks], w.deadline_s)
+                    self.sender.start(rid, w.mine, kv.block_ids(rid)[:nblocks], w.deadline_s)
                     w.started, w.started_at = True, time.perf_counter()
                 if not delay:
                     self.sender.send_layer(rid, layer)
@@ -188,7 +232,12 @@ class PrefillConnector(KVConnector):
     def get_finished(self) -> FinishedTransfers:
         done = FinishedTransfers()
         if self._gone:
-            done.sent, self._gone = self._gone, []
+            ranks = self.ranks
+            done.sent = [rid for rid in self._gone if ranks is None or not ranks.owes(rid)]
+            self._gone = [rid for rid in self._gone if ranks is not None and ranks.owes(rid)]
+            for rid in done.sent:
+                if ranks is not None:
+                    ranks.close(rid)
         if self._delayed:
             self._send_delayed()
         if not self.inflight:
@@ -196,11 +245,18 @@ class PrefillConnector(KVConnector):
         now = time.time()
         for rid, infl in list(self.inflight.items()):
             st = self.sender.poll(rid)
-            if st.state < TransferState.DONE and now <= infl.deadline_s + 1.0:
+            failure = None if self.ranks is None else self.ranks.failure(rid)
+            if st.state < TransferState.DONE and now <= infl.deadline_s + 1.0 and failure is None:
                 continue
-            ok = st.state == TransferState.DONE
+            ok = st.state == TransferState.DONE and failure is None
+            if self.ranks is not None and self.ranks.owes(rid):  # a follower still reads the held blocks
+                if not ok:
+                    self.ranks.stop(rid)
+                continue
+            if self.ranks is not None:
+                self.ranks.close(rid)
             if not ok:
-                log.info("KV transfer of %s failed: %s", rid, st.error or "lease expired")
+                log.info("KV transfer of %s failed: %s", rid, failure or st.error or "lease expired")
             done_at = self._done_at.pop(rid, None)
             end = done_at if ok and done_at is not None else time.perf_counter()
             timing = TransferTiming(rid, infl.compute_done, end, ok, infl.started_at, st.bytes_sent)

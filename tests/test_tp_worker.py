@@ -95,7 +95,8 @@ def test_sigkill_of_a_rank_takes_the_worker_down_and_leaves_no_rank(tp_worker: t
     (["--role", "both", "--tp", "3"], "divide"),
     (["--role", "both", "--pp", "99"], "above the number of layers"),
     (["--role", "both", "--ep", "2"], "needs a MoE model"),
-    (["--role", "prefill", "--tp", "2"], "a prefill worker would send only rank 0's KV heads"),
+    (["--role", "prefill", "--pp", "2"], "a prefill worker with ranks: --pp above 1"),
+    (["--role", "decode", "--tp", "2", "--kv-backend", "torch"], "--kv-backend torch cannot move it"),
 ])
 def test_a_split_the_model_cannot_take_is_refused_before_any_rank_starts(
         checkpoint: Callable[[str], Path], flags: list[str], message: str) -> None:

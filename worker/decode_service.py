@@ -17,8 +17,10 @@ from typing import Any, TypeVar
 import grpc
 
 from decode_worker.connector import DecodeConnector
+from decode_worker.ranks import DecodeRanks, encode_destinations
 from engine.engine_loop import OutputSink
 from engine.llm_engine import LLMEngine
+from engine.parallel.replica import ServedReplica
 from kvtransfer.base import KVReceiver
 from kvtransfer.layout import CompatibilityError, KVLayout
 from proto.tandem.v1 import worker_pb2 as pb
@@ -33,14 +35,16 @@ class DecodeService(WorkerService):
     role = "decode"
 
     def __init__(self, engine: LLMEngine, receiver: KVReceiver | None, layout: KVLayout, kv_backend: str,
-                 worker_id: str | None = None, role: str = "decode") -> None:
+                 worker_id: str | None = None, role: str = "decode", replica: ServedReplica | None = None) -> None:
         self.role = role
         super().__init__(engine, kv_backend, worker_id)
         self.receiver = receiver
         self.layout = layout
         self.connector: DecodeConnector | None = None
         if receiver is not None:
-            self.connector = DecodeConnector(receiver, layout, wake=lambda: self.loop.call(_noop))
+            wake = lambda: self.loop.call(_noop)  # noqa: E731
+            ranks = DecodeRanks(replica, wake) if replica is not None else None  # the followers' receives
+            self.connector = DecodeConnector(receiver, layout, wake=wake, ranks=ranks)
             engine.attach_connector(self.connector)
 
     @property
@@ -87,10 +91,10 @@ class DecodeService(WorkerService):
                 connector.forget(rid)
             where = connector.destination(rid)
             assert where is not None  # the engine reserved the blocks and the connector opened the receive
-            dest, num_blocks = where
             self.loop.open_stream(rid)
-            return pb.ReserveResponse(destination=dest.to_bytes(), compat_hash=self.compat_hash,
-                                      num_blocks=num_blocks, lora=lora_ref(eng, lora))
+            # one destination per decode rank (a replica with TP ranks lands each rank's heads in that rank)
+            return pb.ReserveResponse(destination=encode_destinations(connector.destinations(rid)),
+                                      compat_hash=self.compat_hash, num_blocks=where[1], lora=lora_ref(eng, lora))
 
         return reserve
 

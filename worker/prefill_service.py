@@ -23,9 +23,11 @@ import grpc
 
 from engine.engine_loop import END, OutputSink
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.parallel.replica import ServedReplica
 from kvtransfer.base import DestinationInfo, KVSender
 from kvtransfer.layout import CompatibilityError, KVLayout
 from prefill_worker.connector import PrefillConnector, TransferTiming
+from prefill_worker.ranks import PrefillRanks
 from proto.tandem.v1 import worker_pb2 as pb
 from worker.convert import logprob_to_proto
 from worker.lora_handoff import accept_lora, request_lora
@@ -37,11 +39,13 @@ class PrefillService(WorkerService):
     refuse_colocated = "a prefill worker does not decode; use a decode or colocated (--role both) worker"
 
     def __init__(self, engine: LLMEngine, sender: KVSender, layout: KVLayout, kv_backend: str,
-                 worker_id: str | None = None) -> None:
+                 worker_id: str | None = None, replica: ServedReplica | None = None) -> None:
         super().__init__(engine, kv_backend, worker_id)
         self.sender = sender
         self.layout = layout
-        self.connector = PrefillConnector(sender, layout, wake=lambda: self.loop.call(_noop))
+        wake = lambda: self.loop.call(_noop)  # noqa: E731
+        ranks = PrefillRanks(replica, layout, wake) if replica is not None else None  # the followers' sends
+        self.connector = PrefillConnector(sender, layout, wake=wake, ranks=ranks)
         engine.attach_connector(self.connector)
 
     @property
@@ -83,7 +87,7 @@ class PrefillService(WorkerService):
 
     # ---- Prefill's parts, shared by the thread-per-call servicer above and worker/aio_service.py -------------
 
-    def destination(self, request: pb.PrefillRequest) -> DestinationInfo | None:
+    def destination(self, request: pb.PrefillRequest) -> tuple[DestinationInfo, ...] | None:
         """The request's KV destination, checked against our layout and the request's LoRA adapter against ours
         (CompatibilityError, ValueError)."""
         if not request.destination:
@@ -92,8 +96,9 @@ class PrefillService(WorkerService):
         accept_lora(self.engine, request_lora(request), "prefill")  # reads the adapters' hashes: safe off the loop
         return dest
 
-    def prefill_op(self, request: pb.PrefillRequest, rid: str, params: Any, dest: DestinationInfo | None,
-                   lease_s: float, sink: OutputSink) -> Callable[[LLMEngine], None]:
+    def prefill_op(self, request: pb.PrefillRequest, rid: str, params: Any,
+                   dest: tuple[DestinationInfo, ...] | None, lease_s: float,
+                   sink: OutputSink) -> Callable[[LLMEngine], None]:
         """The engine command that starts a prefill: one token, its outputs to ``sink`` (ValueError if refused)."""
         one = dataclasses.replace(params, max_tokens=1, min_tokens=0, stop=(), logprobs=params.logprobs)
         lora = request.lora.name or None  # checked against the decode side's copy in ``destination``

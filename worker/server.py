@@ -14,7 +14,6 @@ command builds its parser with :func:`add_worker_args`, and ``tandem up`` / ``ta
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
 import signal
@@ -104,13 +103,11 @@ def _positive(text: str) -> float:
     return value
 
 
-def kv_layout_for(engine: LLMEngine) -> KVLayout:
-    from kvtransfer.layout import KVLayout
+def kv_layout_for(engine: LLMEngine, tp: int = 1) -> KVLayout:
+    """Rank 0's KV layout (``worker/rank_kv.py`` makes each follower's the same way)."""
+    from worker.rank_kv import kv_layout
 
-    cfg = engine.model_config
-    digest = hashlib.sha256((Path(engine.config.model) / "config.json").read_bytes()).hexdigest()[:12]
-    return KVLayout(model_id=f"{cfg.architecture}:{digest}", dtype=engine.config.dtype, num_layers=cfg.num_layers,
-                    block_size=engine.block_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+    return kv_layout(engine, tp, 0)
 
 
 def transfer_config(args: argparse.Namespace, tls: TLSFiles | None = None) -> TransferConfig:
@@ -160,9 +157,10 @@ def model_key(engine: LLMEngine) -> str:
     return Path(engine.config.model).name
 
 
-def build_service(args: argparse.Namespace, transfer: TransferConfig | None = None) -> WorkerService:
+def build_service(args: argparse.Namespace, transfer: TransferConfig | None = None,
+                  tls: TLSFiles | None = None) -> WorkerService:
     """The worker's engine and service from its flags; ``transfer`` when the caller has already built (and so
-    checked) the KV transport's config from them."""
+    checked) the KV transport's config from them, and ``tls`` its TLS files (a follower rank builds its own)."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
     from kvtransfer import get_backend
@@ -181,28 +179,36 @@ def build_service(args: argparse.Namespace, transfer: TransferConfig | None = No
     parallel = parallel_config(args)
     replica = None
     holder: list[WorkerService] = []  # the service, once built: a rank that dies takes it out of service first
+    transfer = transfer or transfer_config(args)
+    kv_by_rank = True  # a worker with ranks sends or lands remote KV (else: --role both, colocated only)
     if parallel.world_size > 1:
+        from engine.model_config import ModelConfig
         from engine.parallel.replica import ServedReplica
+        from worker.rank_kv import RankKV
 
-        replica = ServedReplica(config, parallel, on_rank_exit=lambda reason: _rank_exited(reason, holder))
+        kv_by_rank = rank_kv_refusal(parallel, ModelConfig.from_dir(args.model).num_kv_heads, args.kv_backend) is None
+        # each follower rank holds its own heads' KV, so it sends (prefill) or lands (decode) them itself
+        role = "prefill" if args.role == "prefill" else "decode"
+        extension = RankKV(role, args.kv_backend, parallel.tp, transfer.io_cpus, tls) if kv_by_rank else None
+        replica = ServedReplica(config, parallel, on_rank_exit=lambda reason: _rank_exited(reason, holder),
+                                extension=extension)
         engine = replica.engine
     else:
         engine = LLMEngine(config)
-    layout = kv_layout_for(engine)
+    layout = kv_layout_for(engine, parallel.tp if kv_by_rank else 1)
     sender_cls, receiver_cls = get_backend(args.kv_backend)
-    transfer = transfer or transfer_config(args)
     service: WorkerService
     if args.role == "prefill":
         # The service attaches its KV connector to the engine, which registers the KV cache with the sender.
-        prefill = PrefillService(engine, sender_cls(transfer), layout, args.kv_backend, args.worker_id)
+        prefill = PrefillService(engine, sender_cls(transfer), layout, args.kv_backend, args.worker_id, replica)
         if args.debug_stall_after_layer is not None:
             prefill.connector.stall = (args.debug_stall_after_layer, args.debug_stall_seconds)
         prefill.connector.transfer_delay_s = args.debug_transfer_delay_ms / 1000.0
         service = prefill
     else:
-        # A replica with ranks takes no remote KV yet: a receiver would land it in rank 0's heads only.
-        receiver = receiver_cls(transfer) if replica is None else None
-        service = DecodeService(engine, receiver, layout, args.kv_backend, args.worker_id, role=args.role)
+        receiver = receiver_cls(transfer) if kv_by_rank else None
+        service = DecodeService(engine, receiver, layout, args.kv_backend, args.worker_id, role=args.role,
+                                replica=replica)
     service.parking.stall_timeout_s = args.stream_stall_timeout
     service.replica = replica
     holder.append(service)
@@ -217,11 +223,25 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
 
     parallel = ParallelConfig(tp=args.tp, ep=args.ep, pp=args.pp)
     if parallel.world_size > 1:
-        if args.role == "prefill":
-            raise ValueError("--tp/--pp/--ep above 1 serve --role both or decode (colocated): a prefill worker "
-                             "would send only rank 0's KV heads")
-        parallel.check_model(ModelConfig.from_dir(args.model))
+        cfg = ModelConfig.from_dir(args.model)
+        parallel.check_model(cfg)
+        why = rank_kv_refusal(parallel, cfg.num_kv_heads, args.kv_backend)
+        if why is not None and args.role != "both":
+            raise ValueError(f"a {args.role} worker with ranks: {why}")
     return parallel
+
+
+def rank_kv_refusal(parallel: ParallelConfig, num_kv_heads: int, kv_backend: str) -> str | None:
+    """Why this replica's ranks cannot each send or land their own heads' KV (None: they can). A prefill or decode
+    worker is refused then; a ``--role both`` one serves colocated requests only."""
+    if parallel.pp > 1 or parallel.ep not in (1, parallel.tp):
+        return ("--pp above 1, or --ep without the same --tp, gives ranks whose KV is not split by TP, and KV moves "
+                "between tiers TP rank to TP rank (use --tp, with --ep equal to it)")
+    if parallel.tp > num_kv_heads:
+        return f"--tp {parallel.tp} is above the model's {num_kv_heads} KV heads (replicated heads do not move)"
+    if kv_backend == "torch":
+        return "--kv-backend torch cannot move it (the ranks' torch.distributed group is the process's): tcp or nixl"
+    return None
 
 
 RANK_EXIT_GRACE_S = 1.0  # a dead rank's worker answers NOT_SERVING this long before it exits (a router's probe)
@@ -279,7 +299,7 @@ def serve(args: argparse.Namespace, catalogue: Mapping[str, FamilySpec] | None =
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    service = build_service(args, transfer)
+    service = build_service(args, transfer, creds.tls)
     service.start()
     tracer = None
     if args.otlp_endpoint:  # the OpenTelemetry SDK is an optional extra (.[tracing]): imported only when asked for

@@ -9,6 +9,24 @@ tokens to compute, their positions and block-table row). A follower rank allocat
 so rank 0's block ids address its cache too; it keeps only its heads' KV there. The collectives in the forward pass
 (gloo on CPU, NCCL on CUDA) keep the hidden states and logits identical on every rank.
 
+KV between tiers (prefill and decode replicas of any TP, "kvtransfer moves KV rank to rank"): every rank that holds
+KV has its own transfer endpoint, made in its own process by a :class:`RankExtension` (``worker/rank_kv.py``) for
+its own ``KVLayout(tp_size, tp_rank)``; the engine knows nothing of kvtransfer. Rank 0 talks to the followers' ends
+over the same pipes, in three kinds of message, and the rest follows from kvtransfer's head mapping:
+
+- *with a step*: rank 0 attaches items to the next step's rows (:meth:`ServedReplica.attach_to_step`). Prefill
+  attaches, for each request whose prompt completes in that step, the legs that rank sends (the decode ranks whose
+  heads overlap its own), so each follower starts its send at layer 0 of the same forward and hands over each layer
+  as it finishes it, as rank 0 does;
+- *calls*: rank 0 asks every follower and waits for each answer (:meth:`ServedReplica.call`). Decode's ``Reserve``
+  asks each follower to open a receive on the same block ids; the reply is one destination per decode rank;
+- *reports and tells*: a follower reports what its transport saw (a leg landed or failed, a send ended, a release
+  done) whenever it happens (``on_report``), and rank 0 tells followers to release a request (fire and forget).
+
+Rank 0 stays the only owner of blocks: a decode request is landed only once every decode rank reported it landed,
+a prefill request's blocks stay held until every prefill rank reported its send ended, and any failure fails that
+request alone and releases it on every rank (``prefill_worker/ranks.py``, ``decode_worker/ranks.py``).
+
 Failure: a follower that exits is seen by a watchdog thread on rank 0 (its process sentinel), which stops the other
 ranks and calls ``on_rank_exit`` (the worker exits non-zero, and the controller replaces the replica as a whole).
 A follower stops when rank 0 goes: its pipe ends, a collective fails, or, if rank 0 was killed, the kernel sends it
@@ -29,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -106,6 +124,26 @@ class _RowRequest:
         self.prompt_token_ids = row.prompt_token_ids
 
 
+class RankExtension(Protocol):
+    """What a follower rank runs besides its shard of each step (its KV transfer endpoint): made on rank 0, pickled
+    into every follower process, started there once the engine is built."""
+
+    def start(self, rank: int, engine: LLMEngine, report: Callable[[object], None]) -> None:
+        """This rank is up; ``report(payload)`` sends rank 0 a report from any thread."""
+
+    def before_step(self, items: list[object]) -> Callable[[int], None] | None:
+        """The items rank 0 attached to this step; returns the hook run after each layer's forward, if any."""
+
+    def call(self, payload: object) -> object:
+        """Answer a call of rank 0 (it waits for the answer)."""
+
+    def tell(self, payload: object) -> None:
+        """A message of rank 0 that needs no answer."""
+
+    def close(self) -> None:
+        """The rank is stopping."""
+
+
 class _NoSampler:
     """A follower samples nothing: rank 0's sampler decides every token."""
 
@@ -116,27 +154,78 @@ class _NoSampler:
         return None
 
 
+class _Link:
+    """Rank 0's end of one follower's pipe: sends (locked: the engine loop, the watchdog and ``close`` all send),
+    and, once the rank is ready, a reader thread that hands answers to the waiting :meth:`answer` and reports to
+    ``on_report``."""
+
+    def __init__(self, rank: int, conn: Connection) -> None:
+        self.rank = rank
+        self.conn = conn
+        self._send_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._answers: dict[int, tuple[bool, object]] = {}
+        self._gone = False
+
+    def send(self, msg: object) -> None:
+        with self._send_lock:
+            self.conn.send(msg)
+
+    def read(self, on_report: Callable[[int, object], None]) -> None:
+        try:
+            while True:
+                kind, *rest = self.conn.recv()
+                if kind == "answer":
+                    with self._cv:
+                        self._answers[rest[0]] = (rest[1], rest[2])
+                        self._cv.notify_all()
+                elif kind == "report":
+                    on_report(self.rank, rest[0])
+        except (EOFError, OSError):
+            pass
+        finally:
+            with self._cv:
+                self._gone = True
+                self._cv.notify_all()
+
+    def answer(self, seq: int, deadline: float) -> object:
+        with self._cv:
+            while seq not in self._answers:
+                left = deadline - time.monotonic()
+                if self._gone:
+                    raise RuntimeError(f"rank {self.rank} is gone")
+                if left <= 0:
+                    raise TimeoutError(f"rank {self.rank} did not answer in time")
+                self._cv.wait(left)
+            ok, value = self._answers.pop(seq)
+        if not ok:
+            raise RuntimeError(f"rank {self.rank}: {value}")
+        return value
+
+
 class LeaderRunner:
     """Rank 0's model runner: sends every follower the step's rows, then runs its own shard of the step."""
 
-    def __init__(self, runner: ModelRunner, conns: list[Connection]) -> None:
+    def __init__(self, runner: ModelRunner, links: list[_Link]) -> None:
         self.runner = runner
-        self.conns = conns
+        self.links = links
+        self.extra: list[list[object]] = [[] for _ in links]  # per follower: items for the next step
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("runner", "conns"):
+        if name in ("runner", "links", "extra"):
             object.__setattr__(self, name, value)
         else:
             setattr(self.runner, name, value)  # e.g. a test's logit recorder replacing the sampler
 
     def execute_spec(self, out: SchedulerOutput, after_layer: Callable[[int], None] | None = None,
                      drafts: dict[str, list[int]] | None = None) -> Any:
-        msg = ("step", describe(out, self.runner.block_ids), drafts)
-        for conn in self.conns:
-            conn.send(msg)
+        rows = describe(out, self.runner.block_ids)
+        for i, link in enumerate(self.links):
+            items, self.extra[i] = self.extra[i], []
+            link.send(("step", rows, drafts, items))
         return self.runner.execute_spec(out, after_layer, drafts)
 
     def execute(self, out: SchedulerOutput, after_layer: Callable[[int], None] | None = None) -> Any:
@@ -156,10 +245,18 @@ def _bind_cpus(rank: int, parallel: ParallelConfig, config: EngineConfig) -> Eng
     return replace(config, num_threads=max(1, len(cpus) // parallel.world_size) if shared else len(cpus))
 
 
-def follower_main(rank: int, parallel: ParallelConfig, port: int, config: EngineConfig, conn: Connection) -> None:
-    """A follower rank: join the group, load this rank's shard, run each step rank 0 sends until it says close."""
+def follower_main(rank: int, parallel: ParallelConfig, port: int, config: EngineConfig, conn: Connection,
+                  extension: RankExtension | None = None) -> None:
+    """A follower rank: join the group, load this rank's shard, run each step rank 0 sends until it says close;
+    ``extension`` answers rank 0's calls and tells, and runs after each layer of a step it was given items for."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    send_lock = threading.Lock()
+
+    def send(msg: object) -> None:
+        with send_lock:
+            conn.send(msg)
+
     try:
         config = _bind_cpus(rank, parallel, config)
         comms = join(rank, parallel, port, config.device)
@@ -171,7 +268,9 @@ def follower_main(rank: int, parallel: ParallelConfig, port: int, config: Engine
         runner.sampler = _NoSampler()  # type: ignore[assignment]
         tables: dict[str, list[int]] = {}
         runner.block_ids = tables.__getitem__
-        conn.send(("ready", engine.pool.num_blocks))
+        if extension is not None:
+            extension.start(rank, engine, lambda payload: send(("report", payload)))
+        send(("ready", engine.pool.num_blocks))
         while True:
             try:
                 cmd, *args = conn.recv()
@@ -179,18 +278,34 @@ def follower_main(rank: int, parallel: ParallelConfig, port: int, config: Engine
                 break
             if cmd == "close":
                 break
+            if cmd == "call":
+                seq, payload = args
+                try:
+                    if extension is None:
+                        raise RuntimeError("this rank has no extension to answer calls")
+                    send(("answer", seq, True, extension.call(payload)))
+                except Exception as e:  # the caller (rank 0) raises it; this rank goes on
+                    send(("answer", seq, False, f"{type(e).__name__}: {e}"))
+                continue
+            if cmd == "tell":
+                if extension is not None:
+                    extension.tell(args[0])
+                continue
             rows: list[StepRow] = args[0]
             drafts: dict[str, list[int]] | None = args[1]
+            after_layer = extension.before_step(args[2]) if extension is not None and args[2] else None
             tables.clear()
             for row in rows:
                 tables[row.request_id] = row.block_ids
             out = SchedulerOutput(requests=cast(list[Request], [_RowRequest(r) for r in rows]),
                                   num_new_tokens=[len(r.token_ids) for r in rows])
-            runner.execute_spec(out, None, drafts)  # a speculated request's drafts: the same rows as rank 0's
+            runner.execute_spec(out, after_layer, drafts)  # a speculated request's drafts: the same rows as rank 0's
     except BaseException:
         log.exception("rank %d failed", rank)
         raise
     finally:
+        if extension is not None:
+            extension.close()
         leave()
 
 
@@ -198,23 +313,29 @@ class ServedReplica:
     """Rank 0's side of a replica: starts the follower ranks, joins their group and builds rank 0's engine."""
 
     def __init__(self, config: EngineConfig, parallel: ParallelConfig,
-                 on_rank_exit: Callable[[str], None], start_timeout_s: float = 300.0) -> None:
+                 on_rank_exit: Callable[[str], None], start_timeout_s: float = 300.0,
+                 extension: RankExtension | None = None) -> None:
         parallel.check_model(ModelConfig.from_dir(config.model))
         self.parallel = parallel
         self.on_rank_exit = on_rank_exit
+        # (rank, payload) of every follower report, on that rank's reader thread: set by whoever made the extension
+        self.on_report: Callable[[int, object], None] = lambda rank, payload: None
         self._closing = threading.Event()
+        self._seq = 0
         ctx = mp.get_context("spawn")
         port = free_port()
         self.conns: list[Connection] = []
+        self.links: list[_Link] = []
         self.procs: list[BaseProcess] = []
         try:
             for rank in range(1, parallel.world_size):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=follower_main, args=(rank, parallel, port, config, child),
+                proc = ctx.Process(target=follower_main, args=(rank, parallel, port, config, child, extension),
                                    name=f"tandem-rank{rank}", daemon=True)
                 proc.start()
                 child.close()
                 self.conns.append(parent)
+                self.links.append(_Link(rank, parent))
                 self.procs.append(proc)
             config = _bind_cpus(0, parallel, config)
             comms = self._join(parallel, port, config.device, start_timeout_s)
@@ -226,8 +347,30 @@ class ServedReplica:
         except BaseException:
             self.close()
             raise
-        self.engine.runner = LeaderRunner(self.engine.runner, self.conns)  # type: ignore[assignment]
+        self.leader = LeaderRunner(self.engine.runner, self.links)
+        self.engine.runner = self.leader  # type: ignore[assignment]
+        for link in self.links:
+            threading.Thread(target=link.read, args=(lambda r, p: self.on_report(r, p),),
+                             name=f"rank{link.rank}-reader", daemon=True).start()
         threading.Thread(target=self._watch, name="rank-watchdog", daemon=True).start()
+
+    def attach_to_step(self, rank: int, item: object) -> None:
+        """Send ``item`` to follower ``rank`` with the next step's rows (its extension's ``before_step``)."""
+        self.leader.extra[rank - 1].append(item)
+
+    def call(self, payload: object, timeout_s: float = 10.0) -> list[object]:
+        """Ask every follower's extension and wait for each answer (rank 1 first); raises if one fails or is gone."""
+        self._seq += 1
+        for link in self.links:
+            link.send(("call", self._seq, payload))
+        deadline = time.monotonic() + timeout_s
+        return [link.answer(self._seq, deadline) for link in self.links]
+
+    def tell(self, rank: int, payload: object) -> None:
+        """Send follower ``rank``'s extension ``payload``; no answer (a rank already gone is ignored: the
+        watchdog takes the replica down)."""
+        with contextlib.suppress(OSError):
+            self.links[rank - 1].send(("tell", payload))
 
     @property
     def pids(self) -> list[int]:
@@ -290,9 +433,9 @@ class ServedReplica:
         leave()
 
     def _stop_followers(self, timeout_s: float) -> None:
-        for conn in self.conns:
+        for link in self.links:
             with contextlib.suppress(OSError):
-                conn.send(("close",))
+                link.send(("close",))
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))

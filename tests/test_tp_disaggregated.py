@@ -1,0 +1,145 @@
+"""Heterogeneous P/D with real ranks: a prefill replica at TP=2 feeds a decode replica at TP=1, and TP=1 feeds TP=2,
+each rank sending or landing its own heads' KV on its own endpoint (tcp and nixl), through the real gRPC handoff.
+
+Per backend one set of real ``tandem worker`` processes: prefill TP=1 and TP=2, decode TP=1 and TP=2 (the TP=2 ones
+each rank 0 and a rank process, gloo on loopback). Greedy tokens equal transformers' fp32 ones except at a
+demonstrated near-tie (``tests/parallel_parity.py``; the top-2 logprob gap is the top-2 logit gap). Afterwards, and
+after an aborted request and a request whose leg to one decode rank cannot be sent, no block is in use or held and no
+transfer is pending on any worker, the follower ranks' reservations included (``Load.transfers_in_flight`` of a
+decode replica counts every rank's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from parallel_parity import assert_greedy_matches
+
+from kvtransfer.base import DestinationInfo
+from proto.tandem.v1 import worker_pb2 as pb
+from router.handoff import WorkerClient, disaggregated_generate
+from worker.launcher import WorkerProcess, start_worker
+
+pytestmark = pytest.mark.slow
+MAX_NEW = 8
+BLOCKS = 64
+FLAGS = ["--num-kv-blocks", str(BLOCKS), "--max-num-batched-tokens", "48", "--session-port", "-1"]
+GREEDY = pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+class Tiers:
+    """Prefill and decode workers at TP=1 and TP=2 on one KV backend."""
+
+    def __init__(self, model: Path, backend: str) -> None:
+        self.procs: dict[str, WorkerProcess] = {}
+        self.clients: dict[str, WorkerClient] = {}
+        try:
+            for role in ("prefill", "decode"):
+                for tp in (1, 2):
+                    name = f"{role}{tp}"
+                    self.procs[name] = start_worker(role, str(model), backend, [*FLAGS, "--tp", str(tp)],
+                                                    timeout_s=300)
+                    self.clients[name] = WorkerClient.connect(self.procs[name].address)
+        except BaseException:
+            self.close()
+            raise
+
+    def generate(self, prefill: str, decode: str, rid: str, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+        chunks = list(disaggregated_generate(self.clients[prefill], self.clients[decode], rid, prompt, GREEDY,
+                                             lease_ms=60_000, rpc_timeout_s=120))
+        ids = [t for c in chunks for t in c.token_ids]
+        tops = torch.tensor([[top.logprob for top in lp.top[:2]] for c in chunks for lp in c.logprobs])
+        return ids, tops
+
+    def assert_all_free(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            loads = {n: c.stub.Load(pb.LoadRequest(), timeout=10) for n, c in self.clients.items()}
+            busy = {n: ld for n, ld in loads.items()
+                    if ld.used_blocks or ld.held_blocks or ld.transfers_in_flight or ld.running or ld.waiting
+                    or ld.waiting_for_kv or ld.free_blocks != BLOCKS}
+            if not busy:
+                return
+            if time.monotonic() > deadline:
+                pytest.fail(f"blocks or transfers left: {busy}")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+        for p in self.procs.values():
+            p.stop(timeout=30)
+
+
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def tiers(request: pytest.FixtureRequest, checkpoint: Callable[[str], Path]) -> Iterator[tuple[Path, Tiers]]:
+    path = checkpoint("llama")
+    t = Tiers(path, request.param)
+    yield path, t
+    t.close()
+
+
+def test_prefill_tp2_to_decode_tp1_and_tp1_to_tp2_equal_transformers(
+        tiers: tuple[Path, Tiers], hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
+    path, t = tiers
+    rng = random.Random(27)
+    prompts = [[rng.randrange(2040) for _ in range(n)] for n in (5, 33, 70)]
+    pairs = [("prefill2", "decode1"), ("prefill1", "decode2"), ("prefill2", "decode2")]
+    jobs = [(p, d, i, prompt) for p, d in pairs for i, prompt in enumerate(prompts)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda j: t.generate(j[0], j[1], f"{j[0]}-{j[1]}-{j[2]}", j[3]), jobs))
+    for (p, d, _, prompt), (ids, tops) in zip(jobs, results, strict=True):
+        assert tops.shape == (MAX_NEW, 2)
+        assert_greedy_matches(ids, hf_greedy(path, prompt, MAX_NEW), tops, f"{p} -> {d}, {len(prompt)} tokens")
+    t.assert_all_free()
+
+
+def test_an_aborted_request_is_freed_on_every_rank(tiers: tuple[Path, Tiers]) -> None:
+    _, t = tiers
+    prompt = list(range(1, 41))
+    dec = t.clients["decode2"].stub
+    dec.Reserve(pb.ReserveRequest(request_id="abort-reserved", prompt_token_ids=prompt, params=GREEDY,
+                                  lease_ms=60_000), timeout=60)
+    assert dec.Abort(pb.AbortRequest(request_id="abort-reserved"), timeout=10).found
+    stream = disaggregated_generate(t.clients["prefill2"], t.clients["decode2"], "abort-streaming", prompt, GREEDY,
+                                    lease_ms=60_000, rpc_timeout_s=120)
+    next(stream)  # the first token: prefill done, its KV sent; then the client goes away
+    stream.close()
+    for name in ("prefill2", "decode2"):
+        t.clients[name].stub.Abort(pb.AbortRequest(request_id="abort-streaming"), timeout=10)
+    t.assert_all_free()
+
+
+def test_a_leg_that_cannot_be_sent_fails_its_request_alone(tiers: tuple[Path, Tiers]) -> None:
+    """Rank 1's destination points at a closed port: the request fails explicitly on both tiers, and a request
+    alongside it is untouched."""
+    _, t = tiers
+    if t.procs["decode2"].proc.args[t.procs["decode2"].proc.args.index("--kv-backend") + 1] != "tcp":
+        pytest.skip("a destination's endpoint is a tcp address")
+    prompt = list(range(3, 40))
+    params = pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    res = t.clients["decode2"].stub.Reserve(pb.ReserveRequest(request_id="broken", prompt_token_ids=prompt,
+                                                              params=params, lease_ms=5_000), timeout=60)
+    dests = [DestinationInfo.from_bytes(json.dumps(d).encode()) for d in json.loads(res.destination)]
+    assert [d.layout.tp_rank for d in dests] == [0, 1]
+    dests[1] = dataclasses.replace(dests[1], endpoint="127.0.0.1:1")
+    broken = b"[" + b",".join(d.to_bytes() for d in dests) + b"]"
+    with ThreadPoolExecutor(1) as pool:
+        fine = pool.submit(t.generate, "prefill2", "decode2", "alongside", list(range(50, 80)))
+        with pytest.raises(grpc.RpcError):
+            first = t.clients["prefill2"].stub.Prefill(pb.PrefillRequest(
+                request_id="broken", prompt_token_ids=prompt, params=params, destination=broken, lease_ms=5_000),
+                timeout=60)
+            list(t.clients["decode2"].stub.Decode(pb.DecodeRequest(
+                request_id="broken", first_token_id=first.first_token_id, first_token_sent=True), timeout=60))
+        assert len(fine.result(timeout=120)[0]) == MAX_NEW
+    t.assert_all_free()

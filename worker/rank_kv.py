@@ -171,7 +171,10 @@ class RankKV:
                 watched = list(self.watch.items())
             now = time.time()
             for rid, w in watched:
-                st = self.side.poll(rid)
+                try:
+                    st = self.side.poll(rid)
+                except KeyError:  # released by rank 0 since the snapshot
+                    continue
                 expired = st.state < TransferState.DONE and now > w.deadline_s + 1.0
                 if st.state < TransferState.DONE and not expired:
                     continue

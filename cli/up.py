@@ -152,3 +152,6 @@ def check_parallel(cfg: UpConfig) -> None:
             ParallelConfig(tp=tp, pp=cfg.pp, ep=cfg.ep).check_model(model)
         except ValueError as e:
             raise ValueError(f"{tier}: {e}") from None
+        if cfg.prefill and tp > model.num_kv_heads:  # each rank sends or lands its own heads' KV
+            raise ValueError(f"{tier}: tp {tp} is above the model's {model.num_kv_heads} KV heads, whose KV cannot "
+                             "move between the tiers rank to rank (or prefill = 0: colocated)")

@@ -93,8 +93,12 @@ class UpConfig:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         if self.prefill and max(self.prefill_tp, self.decode_tp, self.pp, self.ep) > 1:
-            raise ValueError("replicas with ranks (tp/pp/ep above 1) serve colocated only, with prefill = 0: KV "
-                             "transfer between the tiers moves one rank's heads today, not each rank's")
+            # KV moves between the tiers TP rank to TP rank (engine/parallel/replica.py), at any two TP degrees
+            if self.pp > 1 or any(self.ep not in (1, tp) for tp in (self.prefill_tp, self.decode_tp)):
+                raise ValueError("with prefill replicas, ranks move KV TP rank to TP rank: pp must be 1 and ep 1 or "
+                                 "equal to each tier's tp (or prefill = 0: colocated replicas take any split)")
+            if self.kv_backend == "torch":
+                raise ValueError("kv_backend torch cannot move the KV of replicas with ranks: use tcp, nixl or auto")
         check_lora(self.lora)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")

@@ -1,8 +1,10 @@
 """``tandem up --prefill 0 --decode 2 --decode-tp 2``: a real local cluster (Ray, the controller, the router) whose
 decode replicas are workers with two rank processes each (rank 1 the worker's child, gloo on loopback), served to
 the official openai client exactly; a rank killed under load has its replica replaced with no request failing, and
-SIGINT leaves no process behind, ranks included. A split the model cannot take, or ranks with a prefill tier, are
-refused before anything starts (flags and --config).
+SIGINT leaves no process behind, ranks included. ``tandem up --prefill 1 --prefill-tp 2 --decode 1``: a prefill
+replica of two ranks feeds a TP=1 decode replica, each prefill rank sending its own heads' KV (its prefill worker's
+/metrics count the transfers), and serves the openai client exactly. A split the model cannot take, or ranks whose
+KV cannot move between the tiers rank to rank, are refused before anything starts (flags and --config).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,7 +37,8 @@ pytestmark = pytest.mark.slow
     (["--prefill", "0", "--decode-tp", "3"], "decode: tensor parallel size 3"),
     (["--prefill", "0", "--pp", "99"], "above the number of layers"),
     (["--prefill", "0", "--ep", "2"], "needs a MoE model"),
-    (["--decode-tp", "2"], "prefill = 0"),
+    (["--decode-tp", "2", "--pp", "2"], "pp must be 1"),
+    (["--prefill-tp", "8"], "prefill: tp 8 is above the model's 4 KV heads"),
     (["--prefill", "0", "--decode-tp", "0"], "decode_tp must be an int >= 1"),
 ])
 def test_a_bad_split_is_refused_before_anything_starts(checkpoint: Callable[[str], Path], tmp_path: Path,
@@ -54,6 +58,39 @@ def test_the_config_file_takes_the_same_settings_and_checks(checkpoint: Callable
     done = subprocess.run([sys.executable, "-m", "cli.main", "up", "--model", str(checkpoint("llama")), "--config",
                            str(cfg)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2 and "decode: tensor parallel size 3 must divide" in done.stderr, done.stderr
+
+
+def test_a_prefill_tp2_replica_feeds_a_tp1_decode_replica_through_the_openai_client(
+        checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory,
+        hf_greedy: Callable[..., list[int]]) -> None:
+    path = checkpoint("llama")
+    c = Cluster(path, tmp_path_factory.mktemp("tandem-home"),
+                ("--prefill", "1", "--prefill-tp", "2", "--decode", "1"))
+    try:
+        workers = list(c.state["worker_pids"])
+        assert sorted("--tp 2" in " ".join(psutil.Process(w).cmdline()) for w in workers) == [False, True]
+        pids = [c.proc.pid, *workers, *[p.pid for w in workers for p in psutil.Process(w).children()]]
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        tok = Tokenizer(path)
+        # above the router's 64 uncached tokens: each goes disaggregated
+        prompts = [[random.Random(i).randrange(2000) for _ in range(n)] for i, n in ((1, 70), (2, 90))]
+        for prompt in prompts:
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert r.choices[0].text == tok.decode(hf_greedy(path, prompt, 8))
+        targets = json.loads(Path(c.state["prometheus_targets"]).read_text())
+        (prefill_metrics,) = [t for g in targets if g["labels"].get("tier") == "prefill" for t in g["targets"]]
+        text = urllib.request.urlopen(f"http://{prefill_metrics}/metrics", timeout=10).read().decode()
+        sent = [line for line in text.splitlines() if line.startswith("tandem_kv_transfer_seconds_count")]
+        assert sent and sum(float(line.split()[-1]) for line in sent) >= len(prompts), text[:2000]
+    finally:
+        code = c.stop()
+    assert code == 0
+    deadline = time.monotonic() + 30
+    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, f"processes left behind: {alive}"
 
 
 def test_tp2_replicas_serve_openai_exactly_and_a_rank_killed_under_load_fails_no_request(

@@ -7,8 +7,8 @@ HTTP and the gRPC gateway.
 - an unknown model is a 404 naming it; the router's KV index holds the prompt's blocks under the adapter's keys,
   never the base model's;
 - ``/v1/load_lora_adapter`` refuses a user key (403) and no key (401), names a bad path (400), loads ``b`` (then
-  served, equal to the engine), and ``/v1/unload_lora_adapter`` unloads it (then a 404 again, and unloading again
-  is a 404)."""
+  served, equal to the engine); ``/v1/unload_lora_adapter`` refuses while a stream of ``b`` runs (409), unloads it
+  once the stream's client left (then a 404 again, and unloading again is a 404)."""
 
 from __future__ import annotations
 
@@ -178,7 +178,18 @@ def test_load_use_unload_an_adapter_at_run_time_with_an_admin_key_only(
 
     r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=user, timeout=60)
     assert r.status_code == 403
-    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=admin, timeout=60)
+    # in use: a stream of b that has thousands of tokens to go holds it; its end (the client leaves) frees it
+    long = {"model": "b", "prompt": PROMPT, "max_tokens": 3500, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=long, headers=user, timeout=60) as stream:
+        lines = stream.iter_lines()  # kept: a dropped generator closes the stream (the client leaves)
+        assert next(lines).startswith("data: ")
+        r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=admin, timeout=60)
+        assert r.status_code == 409 and "in use by 1 unfinished" in r.json()["error"]["message"], r.text
+    deadline = time.monotonic() + 30
+    while (r := httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=admin,
+                           timeout=60)).status_code == 409:
+        assert time.monotonic() < deadline, "the abandoned stream's request never ended on the worker"
+        time.sleep(0.1)
     assert r.status_code == 200 and r.json()["workers"] == ["lora-0"]
     assert {m.id for m in client.models.list()} == {checkpoint("llama").name, "a"}
     with pytest.raises(openai.NotFoundError, match="'b' does not exist"):

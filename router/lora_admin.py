@@ -12,6 +12,10 @@ All or nothing, as far as it can be: a load that any worker refuses (bad path or
 on the workers that took it. An unload that a worker refuses because requests still run under the adapter (409)
 leaves the adapter on that worker, and where others unloaded it already it is simply served by fewer workers until
 the call is repeated (the requests finish; unloading again is safe). An unknown name on every worker is a 404.
+
+A run-time adapter lives as long as the workers that loaded it: a worker that joins later (a scale-up, a replaced
+replica) serves only its start-up ``--lora`` adapters, so the router sends it no request of the run-time one (it
+routes by each worker's own list) until the load is repeated.
 """
 
 from __future__ import annotations

@@ -15,11 +15,13 @@ import dataclasses
 import json
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import grpc
+import psutil
 import pytest
 import torch
 from parallel_parity import assert_greedy_matches
@@ -40,6 +42,7 @@ class Tiers:
     """Prefill and decode workers at TP=1 and TP=2 on one KV backend."""
 
     def __init__(self, model: Path, backend: str) -> None:
+        self.backend = backend
         self.procs: dict[str, WorkerProcess] = {}
         self.clients: dict[str, WorkerClient] = {}
         try:
@@ -110,8 +113,9 @@ def test_an_aborted_request_is_freed_on_every_rank(tiers: tuple[Path, Tiers]) ->
     dec.Reserve(pb.ReserveRequest(request_id="abort-reserved", prompt_token_ids=prompt, params=GREEDY,
                                   lease_ms=60_000), timeout=60)
     assert dec.Abort(pb.AbortRequest(request_id="abort-reserved"), timeout=10).found
-    stream = disaggregated_generate(t.clients["prefill2"], t.clients["decode2"], "abort-streaming", prompt, GREEDY,
-                                    lease_ms=60_000, rpc_timeout_s=120)
+    stream = cast(Generator[pb.TokenChunk, None, None], disaggregated_generate(
+        t.clients["prefill2"], t.clients["decode2"], "abort-streaming", prompt, GREEDY, lease_ms=60_000,
+        rpc_timeout_s=120))
     next(stream)  # the first token: prefill done, its KV sent; then the client goes away
     stream.close()
     for name in ("prefill2", "decode2"):
@@ -123,7 +127,7 @@ def test_a_leg_that_cannot_be_sent_fails_its_request_alone(tiers: tuple[Path, Ti
     """Rank 1's destination points at a closed port: the request fails explicitly on both tiers, and a request
     alongside it is untouched."""
     _, t = tiers
-    if t.procs["decode2"].proc.args[t.procs["decode2"].proc.args.index("--kv-backend") + 1] != "tcp":
+    if t.backend != "tcp":
         pytest.skip("a destination's endpoint is a tcp address")
     prompt = list(range(3, 40))
     params = pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -142,4 +146,54 @@ def test_a_leg_that_cannot_be_sent_fails_its_request_alone(tiers: tuple[Path, Ti
             list(t.clients["decode2"].stub.Decode(pb.DecodeRequest(
                 request_id="broken", first_token_id=first.first_token_id, first_token_sent=True), timeout=60))
         assert len(fine.result(timeout=120)[0]) == MAX_NEW
+    t.assert_all_free()
+
+
+def test_a_prefill_rank_killed_mid_transfer_fails_its_request_alone(tiers: tuple[Path, Tiers],
+                                                                    checkpoint: Callable[[str], Path]) -> None:
+    """A prefill TP=2 worker stalls after handing over layer 1 (fault injection on rank 0; rank 1 has sent its
+    layers 0 and 1 by then) and its rank 1 is killed with SIGKILL: the prefill worker exits 3, the decode TP=2
+    replica fails that request explicitly and frees it on every rank, and a request through the other prefill
+    worker alongside it is untouched. Over tcp the landing rank sees its sender's connection go, well within the
+    lease; a NIXL receiver has no connection to watch, so there the request's (short) lease ends it."""
+    _, t = tiers
+    lease_ms, within_s = (120_000, 30.0) if t.backend == "tcp" else (15_000, 45.0)
+    stalled = start_worker("prefill", str(checkpoint("llama")), t.backend,
+                           [*FLAGS, "--tp", "2", "--debug-stall-after-layer", "1", "--debug-stall-seconds", "120"],
+                           timeout_s=300)
+    try:
+        client = WorkerClient.connect(stalled.address)
+        prompt = list(range(5, 60))
+        params = pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        dec = t.clients["decode2"].stub
+        res = dec.Reserve(pb.ReserveRequest(request_id="killed", prompt_token_ids=prompt, params=params,
+                                            lease_ms=lease_ms), timeout=60)
+        with ThreadPoolExecutor(2) as pool:
+            prefill = pool.submit(client.stub.Prefill, pb.PrefillRequest(
+                request_id="killed", prompt_token_ids=prompt, params=params, destination=res.destination,
+                lease_ms=lease_ms), timeout=120)
+            time.sleep(3.0)  # rank 0 is in its stall
+            (rank1,) = [c for c in psutil.Process(stalled.proc.pid).children()
+                        if "resource_tracker" not in " ".join(c.cmdline())]
+            killed_at = time.monotonic()
+            rank1.kill()
+            fine = pool.submit(t.generate, "prefill1", "decode2", "beside-the-kill", list(range(70, 100)))
+            assert stalled.proc.wait(60) == 3
+            with pytest.raises(grpc.RpcError):
+                prefill.result(timeout=60)
+            while True:
+                try:
+                    list(dec.Decode(pb.DecodeRequest(request_id="killed", first_token_id=1, first_token_sent=True),
+                                    timeout=within_s))
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        assert "KV transfer" in (e.details() or ""), e.details()
+                        break
+                    raise
+                pytest.fail("a request whose prefill rank died decoded")  # pragma: no cover
+            assert time.monotonic() - killed_at < within_s, "the failure came too late"
+            assert len(fine.result(timeout=120)[0]) == MAX_NEW
+        client.close()
+    finally:
+        stalled.stop(timeout=30)
     t.assert_all_free()

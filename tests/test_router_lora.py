@@ -103,3 +103,31 @@ def test_model_names_an_adapter_or_gets_a_404_naming_it(checkpoint: Callable[[st
     with pytest.raises(APIError) as e:
         parse_request(body, False, tok, "tiny", 256, 512)  # no adapter served
     assert e.value.status == 404 and "'a' does not exist" in e.value.message
+
+
+def test_dispatch_narrows_both_tiers_to_the_adapter_and_its_content() -> None:
+    """Decode candidates serve the adapter; prefill candidates serve the same content (hash) as the chosen decode
+    worker, else the request runs colocated; an adapter no worker serves is a 503 (the gateway 404s unknown ones)."""
+    from router.dispatch import DisaggConfig, Dispatcher, DispatchError
+    from router.pool import Worker, WorkerPool
+
+    pool = WorkerPool([])
+    for wid, role, loras in (("d1", "decode", {"a": "h1"}), ("d2", "decode", {}), ("p1", "prefill", {"a": "h2"}),
+                             ("p2", "prefill", {"a": "h1"}), ("p3", "prefill", {})):
+        pool.workers[wid] = Worker(wid, role=role, worker_id=wid, healthy=True, loras=loras,
+                                   resident_loras=frozenset(loras))
+    index, load = KVIndex(1000), LoadTracker()
+    dispatcher = Dispatcher(pool, Selector(index, load, CostConfig(block_size=BS), BS, KEYS),
+                            Selector(index, load, CostConfig(block_size=BS), BS, KEYS),
+                            DisaggConfig(min_uncached_tokens=64))
+    long = list(range(200))
+    plan = dispatcher.plan(long, set(), lora="a")
+    assert (plan.mode, plan.decode.worker_id, plan.prefill and plan.prefill.worker_id) == ("disaggregated", "d1", "p2")
+    assert plan.lora == "a"
+    plan = dispatcher.plan(long, {"p2"}, lora="a")  # p1 holds other content under the name: not a candidate
+    assert (plan.mode, plan.reason, plan.decode.worker_id) == ("colocated", "no_prefill_worker", "d1")
+    with pytest.raises(DispatchError) as e:
+        dispatcher.plan(long, set(), lora="zz")
+    assert e.value.status == 503 and "'zz'" in e.value.message
+    base = dispatcher.plan(long, set())  # the base model: every worker is a candidate
+    assert base.mode == "disaggregated" and base.lora == ""

@@ -318,7 +318,7 @@ def test_planner_scales_decode_up_within_budget_resumes_after_restart_and_drains
     one, so decode stops at 3 of its max 4) with the reason in status and a ScaledUp Event; the operator restarts
     and the new one resumes the old one's state (the decode tier's cool-down since its scale-up, read from
     .status.autoscaling.state); the load ends and, once sustained and past the cool-down, decode drains to its
-    minimum through the controller's drain (replicas DRAINING, GPUs held until they are gone), never below it."""
+    minimum, one hysteresis step per decision (3 -> 2 -> 1), through the controller's drain (replicas DRAINING, GPUs held until they are gone), never below it."""
     router = FakeRouterMetrics()
     prom = Prometheus([f"127.0.0.1:{router.port}"], tmp_path)
     token = new_token()
@@ -362,14 +362,22 @@ def test_planner_scales_decode_up_within_budget_resumes_after_restart_and_drains
                             what=f"the resumed cool-down ({changed=}, {restarted=}, decode's reasons: {reasons})")
                 # the cool-down is measured from the scale-up the first operator made
                 assert api.autoscaling()["state"]["tiers"]["decode"]["lastChangeTime"] == changed
-                await until(lambda: ("decode", 1) in control.calls, timeout=40, what="SetReplicas(decode, 1)")
+                # one hysteresis step (20%) per decision, the reactive mode's, which bounds the predictive one:
+                # 3 -> 2, and after another cool-down 2 -> 1
+                def downs() -> list[int]:  # decode's SetReplicas since its scale-up, repeats folded
+                    ns = [n for t, n in control.calls if t == "decode"]
+                    ns = ns[len(ns) - ns[::-1].index(3):]
+                    return [n for i, n in enumerate(ns) if not i or ns[i - 1] != n]
+
+                await until(lambda: downs()[-1:] == [1], timeout=90, what=f"SetReplicas(decode, 1) ({control.calls})")
+                assert downs() == [2, 1], control.calls
                 drained = await until(lambda: api.events("Draining"), what="a Draining Event")
-                assert "drain 2 of 3 decode replicas -> 1" in drained[0]["message"]
+                assert "drain 1 of 3 decode replicas -> 2" in drained[0]["message"]
                 # not before the cool-down since the first operator's change
                 assert api.autoscaling()["state"]["tiers"]["decode"]["lastChangeTime"] - changed >= 20
                 st = api.autoscaling()
-                assert st["tiers"]["decode"]["drain"] in (0, 2)  # 2 when decided, 0 on the next decision
-                await until(lambda: control.draining_seen["decode"] == 2, what="two decode replicas draining")
+                assert st["tiers"]["decode"]["drain"] in (0, 1)  # 1 when decided, 0 on the next decision
+                await until(lambda: control.draining_seen["decode"] == 1, what="a decode replica draining")
                 await until(lambda: (api.obj("tandemtiers", "llama-decode") or {}).get("spec", {}).get(
                     "replicas") == 1, what="the TandemTier scaled to 1")
                 await asyncio.sleep(2.5)  # more decisions at no load: the minimum holds

@@ -1,6 +1,10 @@
 """The decision: observations and the previous state in, desired replicas per tier (with reasons) and the next state
 out. Pure: no clock, no I/O; the caller stamps ``Observations.time_s``.
 
+Sizing (``sizing.py``): in predictive mode each tier is sized ``max(predictive, reactive)``, so the predictive mode
+is bounded below by the reactive one, before the guards and, the guards being monotone in the sized count, after
+them (the budget's rebalance below aside: when the budget binds, one tier's GPUs are the other's).
+
 Guards, applied per tier after sizing (``sizing.py``), in this order:
 
 1. **min/max**: the desired count is clamped into ``[min_replicas, max_replicas]``; a tier outside its bounds is
@@ -105,12 +109,12 @@ def plan(cfg: PlannerConfig, obs: Observations, state: PlannerState | None = Non
         t = obs.tier(tier.name) or TierObservation(tier.name, ready=0)
         current = t.current
         ts = state.tiers.get(tier.name, TierState())
-        floor, all_low = reactive(cfg, tier, obs, t)
+        floor, _ = reactive(cfg, tier, obs, t)
         pred = predictive(cfg, tier, obs, sizing_rate) if cfg.mode is Mode.PREDICTIVE else None
         if pred is None:
             sized, reason = floor.replicas, floor.reason
-        elif (floor.replicas > current and floor.replicas > pred.replicas) or (not all_low and pred.replicas < current):
-            sized, reason = max(floor.replicas, current), f"{floor.reason} (floor over {pred.reason})"
+        elif floor.replicas > pred.replicas:  # the reactive answer bounds the predictive one from below
+            sized, reason = floor.replicas, f"{floor.reason} (floor over {pred.reason})"
         else:
             sized, reason = pred.replicas, pred.reason
         desired = min(max(sized, tier.min_replicas), tier.max_replicas)

@@ -9,13 +9,17 @@ Predictive, for a forecast rate ``r`` (requests/s), mean prompt ``I`` and output
 Reactive, per tier, from what the tier reports now: the pressure is the largest of queue per ready replica over
 ``queue_high``, KV utilisation over ``kv_high`` and the tier's latency p90 over its SLO (TTFT for prefill while its
 own queue holds prompts, ITL for decode, the larger for colocated). Pressure above 1 asks for
-``max(ceil(ready · min(pressure, reactive_max_step)), ready + 1)`` replicas: the signals are measured on the ready
-replicas, so replicas still starting count toward the answer (a tier waiting out a start-up does not ask again for
-what is on its way), and one decision at most doubles the tier (by default). Every signal below its low mark (queue
-under ``queue_low``, KV under ``kv_low``, latency under half its SLO) lets the tier shrink by one; anything between
-holds. In predictive mode the
-reactive answer is the floor: a forecast never sizes a tier below what its queues and latencies demand now, and never
-shrinks a tier whose signals are not low.
+``max(ceil(ready · min(pressure, reactive_max_step)), ready + 1, current)`` replicas: the signals are measured on the
+ready replicas, so replicas still starting count toward the answer (a tier waiting out a start-up does not ask again
+for what is on its way, and is never shrunk under pressure), and one decision at most doubles the tier (by default).
+Every signal below its low mark (queue under ``queue_low``, KV under ``kv_low``, latency under half its SLO) lets the
+tier shrink by one hysteresis step, ``min(current - 1, floor(current · (1 - hysteresis)))`` (one replica fewer
+would never pass the hysteresis guard on a tier of more than ``1 / hysteresis`` replicas); anything between holds.
+
+In predictive mode the reactive answer is a lower bound: the tier is sized ``max(predictive, reactive)``, so a
+forecast never sizes a tier below what its queues and latencies demand now, never shrinks a tier whose signals are
+not low, and never shrinks one faster than the reactive mode would (``tests/test_planner.py`` checks the bound on
+random observations).
 """
 
 from __future__ import annotations
@@ -75,9 +79,10 @@ def reactive(cfg: PlannerConfig, tier: TierConfig, obs: Observations, t: TierObs
     worst = max(signals, key=lambda k: signals[k])
     pressure = signals[worst]
     if pressure > 1:
-        replicas = max(math.ceil(max(t.ready, 1) * min(pressure, cfg.reactive_max_step) - 1e-9), t.ready + 1)
+        replicas = max(math.ceil(max(t.ready, 1) * min(pressure, cfg.reactive_max_step) - 1e-9), t.ready + 1, current)
         return Sizing(replicas, f"reactive: {worst} at {pressure:.2f}x its high mark"), False
     low = queue <= cfg.queue_low and t.kv_utilisation <= cfg.kv_low and latency <= 0.5
     if low:
-        return Sizing(max(current - 1, 0), "reactive: queue, KV and latency all low"), True
+        step_down = min(current - 1, math.floor(current * (1 - cfg.hysteresis) + 1e-9))
+        return Sizing(max(step_down, 0), "reactive: queue, KV and latency all low"), True
     return Sizing(current, "reactive: within thresholds"), False

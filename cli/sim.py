@@ -89,34 +89,40 @@ def run_sim(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace, scn: Any) -> int:
-    from sim.scenario import simulate
+    from dataclasses import asdict
+
+    from sim.sweep import SweepRow, goodput, sweep
     from sim.trace import load_mooncake
 
     if not args.trace:
         print("error: --sweep-speedups needs --trace", file=sys.stderr)
         return 2
-    rows = []
-    for x in (float(v) for v in args.sweep_speedups.split(",")):
-        trace = load_mooncake(args.trace, x, args.duration, args.limit)
-        _, r = simulate(scn, trace)
-        rate = len(trace) / r["trace_duration_s"]
-        gpus = sum(t["replicas"] for t in r["config"]["tiers"].values()) * r["config"]["tp"]
-        rows.append({"speedup": x, "rate_rps": rate, "rate_per_gpu": rate / gpus, "attainment": r["slo_attainment"],
-                     "goodput_rps": r["goodput_rps"], "ttft_p90_s": r["ttft_s"]["p90"],
-                     "tpot_p90_s": r["tpot_s"]["p90"], "wall_s": r["wall_s"]})
+
+    def show(row: SweepRow) -> None:
         if not args.json:
-            print(f"speedup {x:g}: {rate:.2f} req/s ({rate / gpus:.4f}/GPU), attainment {r['slo_attainment']:.1%}, "
-                  f"TTFT p90 {r['ttft_s']['p90']:.2f} s, TPOT p90 {r['tpot_s']['p90']:.3f} s", flush=True)
-    ok = [row for row in rows if row["attainment"] >= 0.9]
-    best = max(ok, key=lambda row: row["rate_rps"]) if ok else None
-    summary = {"runs": rows, "goodput_rps_at_90": best["rate_rps"] if best else 0.0,
-               "goodput_per_gpu_at_90": best["rate_per_gpu"] if best else 0.0}
+            print(f"speedup {row.speedup:g}: {row.rate_rps:.2f} req/s ({row.rate_per_gpu:.4f}/GPU), attainment "
+                  f"{row.attainment:.1%}, TTFT p90 {_num(row.ttft_p90_s, 2)} s, TPOT p90 {_num(row.tpot_p90_s, 3)} s",
+                  flush=True)
+
+    try:
+        speedups = [float(v) for v in args.sweep_speedups.split(",")]
+        rows = sweep(scn, lambda x: load_mooncake(args.trace, x, args.duration, args.limit), speedups, show)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    best = goodput(rows)
+    summary = {"runs": [asdict(r) for r in rows], "goodput_rps_at_90": best.rate_rps if best else 0.0,
+               "goodput_per_gpu_at_90": best.rate_per_gpu if best else 0.0}
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
         print(f"goodput at >= 90% attainment: {summary['goodput_rps_at_90']:.2f} req/s "
               f"({summary['goodput_per_gpu_at_90']:.4f} per GPU)")
     return 0
+
+
+def _num(v: float | None, digits: int) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
 
 
 def _print_summary(r: dict[str, Any]) -> None:

@@ -23,7 +23,9 @@ Not speculated: requests with penalties, logprobs, prompt logprobs or a grammar 
 position depends on the tokens emitted before it in the same step, or they need per-token logprobs), and steps
 where a request asks for prompt logprobs (their rows' offsets). A disaggregated decode engine speculates like a
 colocated one once a request's KV has landed (its connector saves nothing per layer); a prefill worker is never
-given speculation (it never decodes).
+given speculation (it never decodes). A migrated request arrives at its new worker as a new request (prompt + the
+tokens so far): no proposal, back-off or rejected slot's KV comes with it, since none of them outlives a step but
+the back-off, which is held with its request (tests/test_spec_migration.py).
 """
 
 from __future__ import annotations

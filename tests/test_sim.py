@@ -15,12 +15,13 @@ import pytest
 
 from cli.main import main
 from engine.block_hash import hash_blocks
+from sim.cluster import REJECTED
 from sim.hardware import H100
 from sim.results import gpu_seconds_by_life, gpu_seconds_by_timeline
 from sim.roofline import ModelShape, StepModel
 from sim.scenario import Scenario, simulate
 from sim.tokens import prompt_block_hashes, token_ids
-from sim.trace import SyntheticShape, diurnal, load_mooncake
+from sim.trace import SyntheticShape, TraceRequest, diurnal, load_mooncake
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 
@@ -90,3 +91,21 @@ def test_tandem_sim_writes_its_result_and_plots(tmp_path: Path, capsys: pytest.C
     assert printed["done"] == saved["done"] == saved["requests"] > 10
     assert (tmp_path / "replicas.png").stat().st_size > 1000 and (tmp_path / "latency.png").stat().st_size > 1000
     assert main(["sim", "--trace", str(tmp_path / "missing.jsonl")]) == 2
+
+
+@pytest.mark.parametrize("prefill", [1, 0])
+def test_a_prompt_no_replica_can_hold_is_rejected_and_the_books_still_balance(prefill: int) -> None:
+    """Disaggregated (the prefill side refuses it before any decode block is reserved) and colocated (the
+    scheduler's own refusal): the 200k-token prompt is rejected, every other request is done, and every block pool
+    is all-free at the end."""
+    ok = [TraceRequest(0.5 * i, 3000, 8, (7000 + i,)) for i in range(6)]
+    trace = [*ok[:3], TraceRequest(1.6, 200_000, 8, ()), *ok[3:]]
+    trace.sort(key=lambda r: r.arrival_s)
+    cluster, r = simulate(Scenario(prefill=prefill, decode=1), trace)
+    assert (r["done"], r["rejected"], r["unfinished"]) == (6, 1, 0)
+    huge = next(i for i, t in enumerate(trace) if t.input_len == 200_000)
+    assert cluster.books.status[huge] == REJECTED and math.isnan(cluster.books.ttft[huge])
+    for w in cluster.gone:
+        w.pool.check_accounting()
+    assert math.isclose(gpu_seconds_by_life(cluster), gpu_seconds_by_timeline(cluster), rel_tol=1e-9)
+    assert r["slo_attainment"] == pytest.approx(6 / 7)  # a rejected request misses the SLO

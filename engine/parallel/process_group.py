@@ -1,4 +1,5 @@
-"""Joining a replica's rank processes with ``torch.distributed``: gloo on CPU, NCCL on CUDA (when available).
+"""Joining a replica's rank processes with ``torch.distributed``: gloo on CPU, NCCL on CUDA (only where a GPU and
+NCCL are there: never required), each CUDA rank on its own GPU.
 
 Every rank calls :func:`join` with the same loopback rendezvous port. Ranks are numbered stage by stage; each
 pipeline stage's ranks form the group its ``tp_reduce``/``ep_reduce`` sum over, and :class:`StagePipe` links a rank to
@@ -28,10 +29,17 @@ def free_port() -> int:
 
 
 def backend_for(device: str) -> str:
-    """NCCL for CUDA ranks when torch has it, gloo otherwise (CPU, or a build without NCCL)."""
-    if device.startswith("cuda") and dist.is_nccl_available():
+    """NCCL for CUDA ranks where a GPU is there and torch has NCCL; gloo otherwise (CPU, or no GPU or NCCL)."""
+    if device.startswith("cuda") and torch.cuda.is_available() and dist.is_nccl_available():
         return "nccl"
     return "gloo"
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device rank ``rank`` runs on: its own GPU (``cuda:<rank mod GPUs>``) for CUDA, else ``device``."""
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return device
+    return f"cuda:{rank % torch.cuda.device_count()}"
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,13 +52,14 @@ class RankComms:
 class StagePipe:
     """Point-to-point hidden states between stages; the last stage's logits broadcast to every rank."""
 
-    def __init__(self, rank: int, parallel: ParallelConfig) -> None:
+    def __init__(self, rank: int, parallel: ParallelConfig, device: str = "cpu") -> None:
         self.prev = rank - parallel.stage_width
         self.next = rank + parallel.stage_width
         self.logits_src = (parallel.pp - 1) * parallel.stage_width
+        self.device = torch.device(device)  # NCCL moves only tensors on this rank's GPU
 
     def recv_hidden(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-        x = torch.empty(shape, dtype=dtype)
+        x = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(x, src=self.prev)
         return x
 
@@ -58,14 +67,18 @@ class StagePipe:
         dist.send(x.contiguous(), dst=self.next)
 
     def share_logits(self, logits: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
-        out = torch.empty(shape, dtype=torch.float32) if logits is None else logits.contiguous()
+        out = torch.empty(shape, dtype=torch.float32, device=self.device) if logits is None else logits.contiguous()
         dist.broadcast(out, src=self.logits_src)
         return out
 
 
 def join(rank: int, parallel: ParallelConfig, port: int, device: str = "cpu", timeout_s: float = 300.0) -> RankComms:
-    """Join the replica's group rendezvousing on ``127.0.0.1:port``; return this rank's collectives."""
-    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    """Join the replica's group rendezvousing on ``127.0.0.1:port``; return this rank's collectives. ``device``:
+    this rank's (:func:`rank_device`); on CUDA it becomes the current device before NCCL starts."""
+    backend = backend_for(device)
+    if backend == "nccl":  # pragma: no cover - needs GPUs
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=parallel.world_size, timeout=timedelta(seconds=timeout_s))
     width = parallel.stage_width
     group: Any = None  # the whole world when there is one stage
@@ -80,7 +93,7 @@ def join(rank: int, parallel: ParallelConfig, port: int, device: str = "cpu", ti
 
     return RankComms(tp_reduce=all_reduce if parallel.tp > 1 else _identity,
                      ep_reduce=all_reduce if parallel.ep > 1 else _identity,
-                     pipe=StagePipe(rank, parallel) if parallel.pp > 1 else None)
+                     pipe=StagePipe(rank, parallel, device) if parallel.pp > 1 else None)
 
 
 def leave() -> None:

@@ -22,7 +22,7 @@ from engine.llm import LLM
 from engine.models.decoder import AllReduce, Attention, _identity
 from engine.parallel.config import ParallelConfig
 from engine.parallel.logit_recorder import LogitRecorder
-from engine.parallel.process_group import join, leave
+from engine.parallel.process_group import join, leave, rank_device
 
 
 @dataclass(slots=True, frozen=True)
@@ -90,7 +90,8 @@ def rank_main(rank: int, parallel: ParallelConfig, port: int, model: str, llm_kw
         os.sched_setaffinity(0, cpus)
         shared = len(allowed) < parallel.world_size  # ranks share the cores: one thread each
         kwargs = {"num_threads": max(1, len(cpus) // parallel.world_size) if shared else len(cpus), **llm_kwargs}
-        comms = join(rank, parallel, port, str(kwargs.get("device", "cpu")))
+        kwargs["device"] = rank_device(str(kwargs.get("device", "cpu")), rank)  # a CUDA rank: its own GPU
+        comms = join(rank, parallel, port, kwargs["device"])
         tp_reduce, ep_reduce = TimedReduce(comms.tp_reduce), TimedReduce(comms.ep_reduce)
         llm = LLM(model, shard=parallel.shard(rank), tp_reduce=tp_reduce if parallel.tp > 1 else _identity,
                   ep_reduce=ep_reduce if parallel.ep > 1 else _identity, pipe=comms.pipe, **kwargs)

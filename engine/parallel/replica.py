@@ -55,7 +55,7 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.models.decoder import _identity
 from engine.parallel.config import ParallelConfig
-from engine.parallel.process_group import RankComms, free_port, join, leave
+from engine.parallel.process_group import RankComms, free_port, join, leave, rank_device
 from engine.parallel.rank_process import cpus_for
 from engine.request import Request
 from engine.sampler import SampleResult
@@ -258,7 +258,7 @@ def follower_main(rank: int, parallel: ParallelConfig, port: int, config: Engine
             conn.send(msg)
 
     try:
-        config = _bind_cpus(rank, parallel, config)
+        config = replace(_bind_cpus(rank, parallel, config), device=rank_device(config.device, rank))
         comms = join(rank, parallel, port, config.device)
         engine = LLMEngine(config, shard=parallel.shard(rank),
                            tp_reduce=comms.tp_reduce if parallel.tp > 1 else _identity,
@@ -337,7 +337,7 @@ class ServedReplica:
                 self.conns.append(parent)
                 self.links.append(_Link(rank, parent))
                 self.procs.append(proc)
-            config = _bind_cpus(0, parallel, config)
+            config = replace(_bind_cpus(0, parallel, config), device=rank_device(config.device, 0))
             comms = self._join(parallel, port, config.device, start_timeout_s)
             self.engine = LLMEngine(config, shard=parallel.shard(0),
                                     tp_reduce=comms.tp_reduce if parallel.tp > 1 else _identity,

@@ -134,6 +134,8 @@ class RankKV:
             self.report(("released", rid))
 
     def close(self) -> None:
+        if not hasattr(self, "side"):  # the rank failed before its transport was up
+            return
         self.stop.set()
         self.wake.set()
         self.thread.join(1.0)

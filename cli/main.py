@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config", default=None, help="JSON file with any of these settings")
     for tier in ("prefill", "decode"):
         up.add_argument(f"--{tier}-tp", type=int, default=None, help=f"tensor-parallel ranks of each {tier} replica "
-                        "(its worker's child processes, joined by gloo; colocated: --prefill 0)")
+                        "(its worker's child processes, joined by gloo; each sends or lands its own heads' KV)")
     up.add_argument("--pp", type=int, default=None, help="pipeline stages of each replica")
     up.add_argument("--ep", type=int, default=None, help="expert-parallel ranks of each replica (a MoE model)")
     up.add_argument("--kv-backend", default=None, choices=["auto", "nixl", "torch", "tcp"],

@@ -320,7 +320,7 @@ def test_grpc_complete_text_prompt_stop_and_logprobs(gateway: Any, client: opena
 
 def test_grpc_bad_input_gets_a_status_with_the_http_message(gateway: Any, client: openai.OpenAI) -> None:
     """Unknown model: NOT_FOUND; a bad field, a missing prompt or a prompt past the context: INVALID_ARGUMENT;
-    each with the message the HTTP gateway gives. Models lists the served model."""
+    each with the message the HTTP gateway gives. Models lists the served model (and its LoRA adapter)."""
     import grpc
 
     from proto.tandem.v1 import gateway_pb2 as gpb
@@ -339,7 +339,8 @@ def test_grpc_bad_input_gets_a_status_with_the_http_message(gateway: Any, client
             list(gateway.Complete(request, timeout=30))
         assert e.value.code() == code and words in e.value.details(), e.value.details()
     models = gateway.Models(gpb.ModelsRequest(), timeout=10).models
-    assert [m.id for m in models] == [model] and models[0].max_model_len > 0
+    assert [(m.id, m.parent) for m in models] == [(model, ""), ("a", model)]  # the cluster's LoRA adapter too
+    assert models[0].max_model_len > 0
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [

@@ -253,18 +253,17 @@ class PrefillConnector(KVConnector):
                 if not ok:
                     self.ranks.stop(rid)
                 continue
-            if self.ranks is not None:
-                self.ranks.close(rid)
+            nbytes = st.bytes_sent + (self.ranks.close(rid) if self.ranks is not None else 0)  # every rank's legs
             if not ok:
                 log.info("KV transfer of %s failed: %s", rid, failure or st.error or "lease expired")
             done_at = self._done_at.pop(rid, None)
             end = done_at if ok and done_at is not None else time.perf_counter()
-            timing = TransferTiming(rid, infl.compute_done, end, ok, infl.started_at, st.bytes_sent)
+            timing = TransferTiming(rid, infl.compute_done, end, ok, infl.started_at, nbytes)
             self.timings.append(timing)
             for hook in self.on_transfer:
                 hook(timing)
             self.totals["kv_transfers_done" if ok else "kv_transfers_failed"] += 1
-            self.totals["kv_transfer_bytes"] += st.bytes_sent
+            self.totals["kv_transfer_bytes"] += nbytes
             if ok:
                 self.totals["kv_transfer_exposed_us"] += int(1e6 * max(0.0, end - infl.compute_done))
             del self.inflight[rid]

@@ -10,6 +10,7 @@ failed request is released on every rank still sending before its blocks are fre
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 from engine.parallel.ledger import RankLedger
@@ -26,6 +27,8 @@ class PrefillRanks:
         self.ranks = list(range(1, replica.parallel.world_size))
         self.sending = RankLedger(wake)
         self._stopped: set[str] = set()
+        self._lock = threading.Lock()
+        self._bytes: dict[str, int] = {}  # bytes the followers' legs sent, per request (their reports)
         replica.on_report = self._report
 
     def _legs(self, rank: int, dests: Sequence[DestinationInfo]) -> tuple[DestinationInfo, ...]:
@@ -59,15 +62,21 @@ class PrefillRanks:
         for rank in self.ranks:
             self.replica.tell(rank, ("release", request_id))
 
-    def close(self, request_id: str) -> None:
+    def close(self, request_id: str) -> int:
+        """Forget ``request_id``; the bytes its followers' legs sent."""
         self.sending.close(request_id)
         self._stopped.discard(request_id)
+        with self._lock:
+            return self._bytes.pop(request_id, 0)
 
     def _report(self, rank: int, payload: object) -> None:
         if not isinstance(payload, tuple):
             return
         if payload[0] == "sent":
-            _, rid, ok, error, _nbytes = payload
+            _, rid, ok, error, nbytes = payload
+            if self.sending.owes(rid):
+                with self._lock:
+                    self._bytes[rid] = self._bytes.get(rid, 0) + nbytes
             self.sending.settle(rank, rid, ok, error)
         elif payload[0] == "released":
             self.sending.settle(rank, payload[1], True)

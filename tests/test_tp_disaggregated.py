@@ -104,6 +104,11 @@ def test_prefill_tp2_to_decode_tp1_and_tp1_to_tp2_equal_transformers(
         assert tops.shape == (MAX_NEW, 2)
         assert_greedy_matches(ids, hf_greedy(path, prompt, MAX_NEW), tops, f"{p} -> {d}, {len(prompt)} tokens")
     t.assert_all_free()
+    # every prompt's KV went out whole, from every prefill rank: 16-token blocks of 4 layers x K and V x 4 heads x
+    # 32 floats (64 KiB a block), counted in the prefill worker's totals whichever rank sent it
+    per_prompt = sum(-(-len(prompt) // 16) for prompt in prompts) * 64 * 1024
+    sent = {p: t.clients[p].stub.Load(pb.LoadRequest(), timeout=10).kv_transfer_bytes for p in ("prefill1", "prefill2")}
+    assert sent == {"prefill1": per_prompt, "prefill2": 2 * per_prompt}
 
 
 def test_an_aborted_request_is_freed_on_every_rank(tiers: tuple[Path, Tiers]) -> None:

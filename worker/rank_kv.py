@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
-POLL_S = 0.01  # the reporter's backstop tick; a finished transfer wakes it at once
+POLL_S = 0.01  # the reporter's backstop tick while transfers are watched; a finished or failed one wakes it at once
+IDLE_S = 0.5  # its tick with nothing watched (a rank of an idle replica costs no wake-ups)
 
 
 def kv_layout(engine: LLMEngine, tp: int, tp_rank: int) -> KVLayout:
@@ -166,8 +167,9 @@ class RankKV:
     # ---- the reporter ----------------------------------------------------------------------------------------
 
     def _reporter(self) -> None:
+        watched: list[tuple[str, _Watch]] = []
         while not self.stop.is_set():
-            self.wake.wait(POLL_S)
+            self.wake.wait(POLL_S if watched else IDLE_S)
             self.wake.clear()
             with self.lock:
                 watched = list(self.watch.items())

@@ -7,6 +7,7 @@ directly). Both selectors share the index and the load tracker, so prefill and d
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,7 @@ class Router:
     bus: RedisBus | None = None
     http: HTTPServer | None = None
     metrics_http: HTTPServer | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)  # the router's own background work
 
     def app(self) -> ASGIApp:
         """The gateway as an ASGI app (router/asgi.py)."""
@@ -99,6 +101,9 @@ class Router:
         return await self.metrics_http.start(host, port)
 
     async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
         for server in (self.http, self.metrics_http):
             if server is not None:
                 await server.stop()
@@ -158,4 +163,7 @@ async def build_router(cfg: RouterConfig) -> Router:
         from router.tracing import RequestTracer, otlp_provider
 
         gateway.tracer = RequestTracer(otlp_provider(cfg.otlp_endpoint))
-    return Router(pool, index, dispatcher, gateway, cfg.http, bus)
+    router = Router(pool, index, dispatcher, gateway, cfg.http, bus)
+    # run-time LoRA adapters reach the workers that join later (router/lora_admin.py)
+    router.tasks.append(asyncio.create_task(gateway.lora_admin.run()))
+    return router

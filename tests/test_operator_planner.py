@@ -318,7 +318,8 @@ def test_planner_scales_decode_up_within_budget_resumes_after_restart_and_drains
     one, so decode stops at 3 of its max 4) with the reason in status and a ScaledUp Event; the operator restarts
     and the new one resumes the old one's state (the decode tier's cool-down since its scale-up, read from
     .status.autoscaling.state); the load ends and, once sustained and past the cool-down, decode drains to its
-    minimum, one hysteresis step per decision (3 -> 2 -> 1), through the controller's drain (replicas DRAINING, GPUs held until they are gone), never below it."""
+    minimum, one hysteresis step per decision (3 -> 2 -> 1), through the controller's drain (replicas DRAINING, GPUs
+    held until they are gone), never below it."""
     router = FakeRouterMetrics()
     prom = Prometheus([f"127.0.0.1:{router.port}"], tmp_path)
     token = new_token()

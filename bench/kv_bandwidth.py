@@ -141,7 +141,7 @@ def bench_raw_socket(nbytes: int, repeats: int) -> float:
 def _gloo_sink(conn: Any, port: int, nbytes: int, repeats: int) -> None:
     from kvtransfer.torch_dist import make_group, store_client
 
-    group = make_group(store_client(f"127.0.0.1:{port}", 30.0), 1, False, 30.0)
+    group = make_group(store_client(f"127.0.0.1:{port}", 30.0), 1, False, 30.0, "127.0.0.1")
     buf = torch.empty(nbytes, dtype=torch.uint8)
     ack = torch.ones(1, dtype=torch.uint8)
     pending = group.recv([buf], 0, 0)
@@ -164,7 +164,7 @@ def bench_raw_gloo(nbytes: int, repeats: int) -> float:
     proc = _CTX.Process(target=_gloo_sink, args=(child, store.port, nbytes, repeats), daemon=True)
     proc.start()
     try:
-        group = make_group(store, 0, False, 30.0)
+        group = make_group(store, 0, False, 30.0, "127.0.0.1")
         data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
         ack = torch.empty(1, dtype=torch.uint8)
         times = []

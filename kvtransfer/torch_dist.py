@@ -39,10 +39,10 @@ def timedelta_s(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def make_group(store: Any, rank: int, cuda: bool, timeout_s: float, io_cpus: tuple[int, ...] = ()) -> Any:
-    """A 2-rank process group on ``store``: NCCL for CUDA tensors, gloo (bound to the store's host) otherwise. The
-    library threads it starts (gloo's device loop, which reads every received byte, and its work threads) run on
-    ``io_cpus``."""
+def make_group(store: Any, rank: int, cuda: bool, timeout_s: float, host: str, io_cpus: tuple[int, ...] = ()) -> Any:
+    """A 2-rank process group on ``store``: NCCL for CUDA tensors, gloo otherwise, bound to ``host``: the local
+    address of the pair's control connection, which the other end has just reached. The library threads it starts
+    (gloo's device loop, which reads every received byte, and its work threads) run on ``io_cpus``."""
     with io_affinity(io_cpus):
         if cuda:  # pragma: no cover - needs a GPU
             from torch.distributed import ProcessGroupNCCL
@@ -53,7 +53,7 @@ def make_group(store: Any, rank: int, cuda: bool, timeout_s: float, io_cpus: tup
         from torch.distributed import ProcessGroupGloo
 
         gopts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        gopts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        gopts._devices = [ProcessGroupGloo.create_device(hostname=host)]
         gopts._timeout = timedelta_s(timeout_s)
         return ProcessGroupGloo(store, rank, 2, gopts)
 
@@ -146,7 +146,7 @@ class TorchSender(QueuedSender):
             link.put(PAIR_INDEX.pack(index), time.monotonic() + cfg.connect_timeout_s)
             cuda = bool(self.out.kv_caches) and self.out.kv_caches[0][0].is_cuda
             group = make_group(PrefixStore(f"tandem/pair/{index}", store_client(endpoint, cfg.connect_timeout_s)),
-                               1, cuda, cfg.connect_timeout_s, cfg.io_cpus)
+                               1, cuda, cfg.connect_timeout_s, link.sock.getsockname()[0], cfg.io_cpus)
         except Exception:
             link.close()
             raise
@@ -223,7 +223,8 @@ class TorchReceiver(ListeningReceiver):
             self._served.add(index)
         # The group gets a store client of its own: TCPStore clients are not safe for concurrent use.
         group_store = PrefixStore(f"tandem/pair/{index}", store_client(self.endpoint, cfg.connect_timeout_s))
-        group = make_group(group_store, 0, self._cuda, cfg.connect_timeout_s, cfg.io_cpus)
+        group = make_group(group_store, 0, self._cuda, cfg.connect_timeout_s, link.sock.getsockname()[0],
+                           cfg.io_cpus)
         while not self._stop.is_set():
             data: list[Frame] = []  # a run of DATA headers: their recvs are posted together
             for frame, payload in split_frames(link.get(self._stop)):

@@ -7,7 +7,8 @@ replicas):
 - **probe**: each READY or DRAINING replica's ``Load`` (its in-flight count for Status and for choosing what to
   drain) and each READY replica's actor ``alive()`` (its worker process). A dead worker or actor: FAILED.
 - **scale up**: fewer active (STARTING + READY) replicas than desired starts new ones, each in its own task: a
-  placement group with one bundle per rank of that tier (PACK; in Kubernetes each bundle also asks for the tier's
+  placement group with one bundle per rank of that tier (STRICT_PACK when there are several, since the ranks are the
+  worker's child processes on one node; PACK for one; in Kubernetes each bundle also asks for the tier's
   Ray resource ``tandem_<tier>``, so it lands on that tier's pods), a :class:`WorkerReplica` actor in its first
   bundle, the worker process, then ``Health`` until SERVING, then registration (the :class:`Registrar`: the
   in-process router of ``tandem up``; with a Redis URL, its lease in the registry). Only then READY. A placement
@@ -317,7 +318,10 @@ class Controller:
                            (*self._flags(), *self.cfg.parallel_flags(r.tier),
                             *(f for a in self.cfg.lora for f in ("--lora", a))), self.cfg.worker_host)
         try:
-            r.placement_group = placement_group(self.cfg.bundles(r.tier), strategy="PACK",
+            bundles = self.cfg.bundles(r.tier)
+            # A replica's ranks are its worker's child processes, so they run on the first bundle's node: with more
+            # than one rank, STRICT_PACK reserves every bundle there instead of leaving some on another node idle.
+            r.placement_group = placement_group(bundles, strategy="STRICT_PACK" if len(bundles) > 1 else "PACK",
                                                 name=f"tandem-{r.replica_id}")
             await _ray(r.placement_group.ready(), None)  # unbounded: a pending group waits for capacity
             # @ray.remote made WorkerReplica an ActorClass (mypy keeps a decorated class's own type)

@@ -34,7 +34,7 @@ from engine.llm_engine import LLMEngine
 from kvtransfer.layout import CompatibilityError
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
-from worker.aio_stream import AioSink
+from worker.aio_stream import AioSink, LoopWaker
 from worker.convert import chunk_from_outputs, params_from_proto
 from worker.service import WorkerService, without_first_token
 from worker.session import WorkerSession
@@ -56,6 +56,7 @@ class AioWorker(pb_grpc.WorkerServicer):
         self.svc = service
         self.max_unsent_tokens = max_unsent_tokens
         self.tracer = tracer  # --otlp-endpoint: spans of traced requests (worker/tracing.py)
+        self._waker: LoopWaker | None = None  # shared by the sinks of the server's loop (worker/aio_stream.py)
 
     def _trace_parent(self, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         """The router's trace context of this call, when tracing is on and the call carries one."""
@@ -79,15 +80,19 @@ class AioWorker(pb_grpc.WorkerServicer):
 
     def _sink(self, rid: str, bounded: bool = True) -> AioSink:
         """A sink for ``rid``'s outputs; ``bounded``: park the request while its stream cannot send."""
+        running = asyncio.get_running_loop()
+        waker = self._waker
+        if waker is None or waker.loop is not running:
+            waker = self._waker = LoopWaker(running)
         if not bounded:
-            return AioSink(asyncio.get_running_loop())
+            return AioSink(waker)
         loop = self.svc.loop
         parking = self.svc.parking
 
         def caught_up() -> None:  # event loop: the stream sent its backlog
             loop.call(lambda eng: parking.resume(eng, rid))
 
-        return AioSink(asyncio.get_running_loop(), self.max_unsent_tokens,
+        return AioSink(waker, self.max_unsent_tokens,
                        on_backlog=lambda: parking.want(rid),  # loop thread: takes effect at the next hook
                        on_caught_up=caught_up)
 

@@ -1,9 +1,10 @@
 """A request's outputs, from the engine loop thread to a ``grpc.aio`` handler, with a bound on what piles up.
 
 :class:`AioSink` is an ``OutputSink`` (``engine/engine_loop.py``): the loop thread appends to a deque and wakes
-the asyncio side with at most one ``call_soon_threadsafe`` per batch (not one per output); the handler drains
-every output queued since. A handler parked on ``get`` holds no thread, so a worker carries as many concurrent
-streams as its memory allows, where a thread-per-call server stops at its pool's size.
+the asyncio side; the handler drains every output queued since. A handler parked on ``get`` holds no thread, so a
+worker carries as many concurrent streams as its memory allows, where a thread-per-call server stops at its pool's
+size. The sinks of one event loop share a :class:`LoopWaker`: an engine step that feeds 32 streams crosses to the
+event loop with one ``call_soon_threadsafe`` (one self-pipe write and one callback), not 32.
 
 Backpressure: a stream whose client is slower than the engine cannot send, so its outputs pile up here. When the
 tokens produced but not yet taken pass ``high_water`` the sink asks for its request to be parked
@@ -15,7 +16,7 @@ lets the backlog form.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import threading
 from collections import deque
 from collections.abc import Callable
 
@@ -23,15 +24,50 @@ from engine.engine_loop import END
 from engine.llm_engine import RequestOutput
 
 
+class LoopWaker:
+    """Wakes sinks' handlers on one event loop from other threads: the sinks woken before the loop gets to run
+    are woken together by one callback."""
+
+    __slots__ = ("_lock", "_pending", "_scheduled", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[AioSink] = []
+        self._scheduled = False
+
+    def wake(self, sink: AioSink) -> None:
+        """Any thread: ``sink``'s waiter runs soon."""
+        with self._lock:
+            self._pending.append(sink)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._run)
+        except RuntimeError:  # the server's loop is closed: nobody is waiting any more
+            with self._lock:
+                self._pending.clear()
+                self._scheduled = False
+
+    def _run(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._scheduled = False
+        for sink in pending:
+            sink._wake()
+
+
 class AioSink:
-    __slots__ = ("_event", "_items", "_loop", "_scheduled", "high_water", "on_backlog", "on_caught_up",
+    __slots__ = ("_event", "_items", "_scheduled", "_waker", "high_water", "on_backlog", "on_caught_up",
                  "parked", "produced", "taken")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, high_water: int = 0,
+    def __init__(self, loop: asyncio.AbstractEventLoop | LoopWaker, high_water: int = 0,
                  on_backlog: Callable[[], None] | None = None, on_caught_up: Callable[[], None] | None = None) -> None:
-        """``high_water`` > 0 with ``on_backlog`` (called on the loop thread) and ``on_caught_up`` (called on the
-        asyncio thread) bounds the backlog."""
-        self._loop = loop
+        """``loop``: the handler's event loop, or the :class:`LoopWaker` its sinks share. ``high_water`` > 0 with
+        ``on_backlog`` (called on the loop thread) and ``on_caught_up`` (called on the asyncio thread) bounds the
+        backlog."""
+        self._waker = loop if isinstance(loop, LoopWaker) else LoopWaker(loop)
         self._items: deque[RequestOutput | None] = deque()
         self._event = asyncio.Event()
         self._scheduled = False
@@ -51,10 +87,9 @@ class AioSink:
                     and self.produced - self.taken > self.high_water and not item.finished):
                 self.parked = True
                 self.on_backlog()
-        if not self._scheduled:
+        if not self._scheduled:  # one wake-up per batch of this request's outputs, not one per output
             self._scheduled = True
-            with contextlib.suppress(RuntimeError):  # the server's loop is closed: nobody is waiting any more
-                self._loop.call_soon_threadsafe(self._wake)
+            self._waker.wake(self)
 
     def _wake(self) -> None:
         self._scheduled = False

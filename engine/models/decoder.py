@@ -6,7 +6,8 @@ sparse MoE layers, tied embeddings), so one class serves them all.
 Weights load through a per-parameter ``weight_loader`` (attached to each parameter) and a packed-modules mapping:
 HF's separate ``q_proj``/``k_proj``/``v_proj`` land in shards of one ``qkv_proj`` matrix, ``gate_proj``/``up_proj``
 in ``gate_up_proj``, and per-expert matrices in stacked expert tensors. The loaders take a tensor-parallel rank and
-world size and copy only this rank's slice:
+world size and copy only this rank's slice, casting as they copy: a checkpoint tensor arrives memory-mapped and
+uncast, so a rank reads (pages in) only its own rows or columns of it:
 
 - column parallel: attention heads (q, and k/v split across ranks, or replicated when there are fewer KV heads than
   ranks) and MLP gate/up columns;
@@ -387,8 +388,8 @@ class CausalLM(nn.Module):
                 raise ValueError(f"weight {name!r} maps to {pname!r}, which this model does not have")
             param = params[pname]
             loader = getattr(param, "weight_loader", _default_loader)
-            with torch.no_grad():
-                loader(param, tensor.to(param.dtype), shard_id, expert)
+            with torch.no_grad():  # the loader's copy_ casts, so only this rank's slice of ``tensor`` is ever read
+                loader(param, tensor, shard_id, expert)
             seen[pname] = seen.get(pname, 0) + (expected.get(pname, 1) if shard_id == "fused" else 1)
         missing = [p for p, n in expected.items() if seen.get(p, 0) < n]
         if missing:

@@ -56,9 +56,14 @@ def _library() -> ctypes.CDLL | None:
         return None
 
 
-def _bind(lib: ctypes.CDLL, name: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+# The weight layouts of ``wlinear.c`` (its ``fmt`` argument).
+WQ_I8, WQ_U4_PAIRS, WQ_U4_CHUNKS = 8, 4, 5
+U4_CHUNK = 128  # inputs per WQ_U4_CHUNKS chunk
+
+
+def _bind(lib: ctypes.CDLL, name: str, argtypes: list[type]) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     fn = getattr(lib, name)
-    fn.argtypes = [_p, _i, _p, _p, ctypes.c_int, _p, _p, _p, _i, _i, _i, _i]
+    fn.argtypes = argtypes
     fn.restype = None
     return fn
 
@@ -68,7 +73,8 @@ def wq_linear_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """``tandem_wq_linear`` (fp32 inputs; see ``wlinear.c``), or None when native kernels are off or cannot be
     built."""
     lib = _library()
-    return None if lib is None else _bind(lib, "tandem_wq_linear")
+    return None if lib is None else _bind(lib, "tandem_wq_linear",
+                                          [_p, _i, _p, _p, ctypes.c_int, _p, _p, _p, _i, _i, _i, _i])
 
 
 @functools.cache
@@ -77,7 +83,8 @@ def wq_linear_bf16_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-def
     lib = _library()
     if lib is None or not lib.tandem_wq_has_bf16():
         return None
-    return _bind(lib, "tandem_wq_linear_bf16")
+    return _bind(lib, "tandem_wq_linear_bf16",
+                 [_p, _i, _p, ctypes.c_int, _p, _p, _p, ctypes.c_int, _i, _i, _i, _i])
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -92,10 +99,26 @@ def unpack_int4(p: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).view(p.shape[0], -1)
 
 
+def pack_int4_chunks(q: torch.Tensor) -> torch.Tensor:
+    """int8 values in [-8, 7], ``[N, K]`` with K a multiple of 128 -> uint8 ``[N, K / 2]`` in ``wlinear.c``'s
+    WQ_U4_CHUNKS layout: per 128 inputs, 16-bit word t holds inputs t, t + 32, t + 64, t + 96 (bits 0-3 .. 12-15)."""
+    n, k = q.shape
+    u = (q.to(torch.int16) + 8).to(torch.uint8).view(n, k // U4_CHUNK, 4, 32)
+    lo, hi = u[:, :, 0] | (u[:, :, 1] << 4), u[:, :, 2] | (u[:, :, 3] << 4)  # the little-endian word's two bytes
+    return torch.stack((lo, hi), dim=-1).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4_chunks(p: torch.Tensor) -> torch.Tensor:
+    n = p.shape[0]
+    b = p.view(n, -1, 32, 2)
+    parts = [b[..., 0] & 15, b[..., 0] >> 4, b[..., 1] & 15, b[..., 1] >> 4]
+    return (torch.stack(parts, dim=2).to(torch.int8) - 8).reshape(n, -1)
+
+
 class QuantLinear:
     """One quantized weight ready for the kernel: ``y = x @ ((q - zero) * scale).T``."""
 
-    __slots__ = ("bits", "fn", "fn_bf16", "group", "groups", "k", "n", "q", "scale", "zero")
+    __slots__ = ("_args", "bits", "fmt", "fn", "fn_bf16", "group", "groups", "k", "n", "q", "scale", "zero")
 
     def __init__(self, m: QuantizedMatrix, fn: ctypes._CFuncPtr) -> None:  # type: ignore[name-defined]
         self.bits = m.bits
@@ -104,11 +127,19 @@ class QuantLinear:
         self.groups = m.scale.shape[1]
         if self.bits == 4 and self.k % 2:
             raise ValueError(f"an INT4 weight needs an even number of inputs, got {self.k}")
-        self.q = m.q.contiguous() if self.bits == 8 else pack_int4(m.q)
+        if self.bits == 8:
+            self.fmt, self.q = WQ_I8, m.q.contiguous()
+        elif self.k % U4_CHUNK == 0:
+            self.fmt, self.q = WQ_U4_CHUNKS, pack_int4_chunks(m.q)
+        else:
+            self.fmt, self.q = WQ_U4_PAIRS, pack_int4(m.q)
         self.scale = m.scale.float().contiguous()
         self.zero = None if m.zero is None else m.zero.float().contiguous()
         self.fn = fn
         self.fn_bf16 = wq_linear_bf16_kernel() if self.group % 32 == 0 else None
+        # the bf16 kernel's fixed arguments, after x, its row stride and y: (q, fmt, scale, zero)
+        self._args = (self.q.data_ptr(), self.fmt, self.scale.data_ptr(),
+                      None if self.zero is None else self.zero.data_ptr())
 
     @property
     def nbytes(self) -> int:
@@ -116,7 +147,7 @@ class QuantLinear:
                                                                                  else ()))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        q = self.q if self.bits == 8 else unpack_int4(self.q)
+        q = {WQ_I8: lambda p: p, WQ_U4_PAIRS: unpack_int4, WQ_U4_CHUNKS: unpack_int4_chunks}[self.fmt](self.q)
         zero = None if self.zero is None else self.zero.to(torch.int8)
         return QuantizedMatrix(q, self.scale, zero, self.bits).dequantize().to(dtype)
 
@@ -124,17 +155,18 @@ class QuantLinear:
         rows = x.shape[0]
         if rows > MAX_KERNEL_ROWS or x.dim() != 2:
             return F.linear(x, self.dequantize(x.dtype), bias)
-        y = torch.empty(rows, self.n, dtype=torch.float32)
-        if x.dtype is torch.bfloat16 and self.fn_bf16 is not None:
+        if x.dtype is torch.bfloat16 and self.fn_bf16 is not None:  # the decode path: one call, bf16 out
             xb = x if x.stride(1) == 1 else x.contiguous()
-            need_xs = self.zero is not None or self.bits == 4  # INT4 rows carry a +136 bias (see wlinear.c)
-            xs = xb.float().view(rows, self.groups, self.group).sum(-1) if need_xs else None
-            fn, ptr, stride = self.fn_bf16, xb.data_ptr(), xb.stride(0)
-        else:
-            xf = x if x.dtype is torch.float32 and x.stride(1) == 1 else x.float().contiguous()
-            xs = None if self.zero is None else xf.view(rows, self.groups, self.group).sum(-1)
-            fn, ptr, stride = self.fn, xf.data_ptr(), xf.stride(0)
-        fn(ptr, stride, None if xs is None else xs.data_ptr(), self.q.data_ptr(), self.bits, self.scale.data_ptr(),
-           None if self.zero is None else self.zero.data_ptr(), y.data_ptr(), rows, self.n, self.k, self.group)
+            out = torch.empty(rows, self.n, dtype=torch.bfloat16)
+            q, fmt, scale, zero = self._args
+            self.fn_bf16(xb.data_ptr(), xb.stride(0), q, fmt, scale, zero, out.data_ptr(), 1, rows, self.n, self.k,
+                         self.group)
+            return out if bias is None else out.add_(bias)
+        y = torch.empty(rows, self.n, dtype=torch.float32)
+        xf = x if x.dtype is torch.float32 and x.stride(1) == 1 else x.float().contiguous()
+        xs = None if self.zero is None else xf.view(rows, self.groups, self.group).sum(-1)
+        self.fn(xf.data_ptr(), xf.stride(0), None if xs is None else xs.data_ptr(), self.q.data_ptr(), self.fmt,
+                self.scale.data_ptr(), None if self.zero is None else self.zero.data_ptr(), y.data_ptr(), rows,
+                self.n, self.k, self.group)
         out = y if x.dtype is torch.float32 else y.to(x.dtype)
         return out if bias is None else out.add_(bias)

@@ -297,7 +297,9 @@ class Dispatcher:
         attempt += 1
         exclude.add(e.worker.address)
         if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-            self.pool.mark_down(e.worker)
+            # This request moves on (``exclude``); whether the others lose the worker is the probe's call (a
+            # request's own failure, such as its KV transfer's, says nothing about the worker: router/pool.py).
+            self.pool.suspect(e.worker)
         if attempt >= self.config.max_attempts:
             raise DispatchError(503, f"request failed after {attempt} attempts: {e}", retry_after=1.0) from None
         if generated:

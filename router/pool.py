@@ -9,6 +9,13 @@ besides, so that a worker drained by its controller (its ``Drain`` RPC) is seen 
 without a registry; draining is one-way (a worker never leaves it), so the flag, once seen or set here by the
 controller of ``tandem up``, stays set.
 
+Late is not gone: on a loaded host a live worker (or this router's own starved loop) can miss a probe's deadline,
+so a probe that times out takes nothing away by itself; only one the worker refuses (``UNAVAILABLE``: its port is
+closed, the process is gone) or a ``Health`` answer that says so (draining, failed) marks it down at once. One
+request's failure on a worker does not either: the dispatcher asks the pool to probe the worker now
+(:meth:`WorkerPool.suspect`), and the probe's answer decides, so that one client's failed request never turns
+every other client's into ``503 no decode worker is available``.
+
 A worker that answers no probe (``Load`` or ``Health``) and delivers nothing on its streams (its session, its
 ``Decode`` calls) for ``dead_after_s`` is cut off; traffic counts as an answer, so a saturated worker whose probes
 are slow is busy, not dead (the worker answers ``Health`` off its engine loop, worker/aio_service.py). Cut off:
@@ -124,6 +131,7 @@ class WorkerPool:
         tls = self.credentials.tls
         self._ssl = None if tls is None else (client_context(tls), tls.server_name)
         self._closing = False
+        self._suspected: dict[str, asyncio.Task[bool]] = {}  # address -> the Health probe a failure asked for
 
     async def start(self, ready_timeout_s: float = 60.0) -> None:
         for w in self.workers.values():
@@ -159,7 +167,8 @@ class WorkerPool:
         w = self.workers.pop(address, None)
         if w is None:
             return
-        for t in w.tasks:
+        probe = self._suspected.pop(address, None)
+        for t in (*w.tasks, *([probe] if probe is not None else [])):
             t.cancel()
         if self.index is not None and w.worker_id:
             self.index.remove_worker(w.worker_id)
@@ -200,13 +209,32 @@ class WorkerPool:
             log.warning("worker %s (%s) marked down", w.worker_id, w.address)
         w.healthy = False
 
+    def suspect(self, w: Worker) -> None:
+        """A request failed on ``w``: probe its ``Health`` now (one probe at a time per worker) and let the answer
+        decide, instead of taking the worker from every other request on one request's failure (a KV transfer
+        that failed, a stream one client's slowness broke). A refused probe or a NOT_SERVING answer marks it down;
+        a late one changes nothing (silence is judged by ``dead_after_s``)."""
+        probe = self._suspected.get(w.address)
+        if self._closing or w.stub is None or (probe is not None and not probe.done()):
+            return
+        task = self._suspected[w.address] = asyncio.get_running_loop().create_task(self._health(w))
+
+        def done(t: asyncio.Task[bool]) -> None:
+            if self._suspected.get(w.address) is t:
+                del self._suspected[w.address]
+
+        task.add_done_callback(done)
+
     async def _health(self, w: Worker) -> bool:
         """Ask ``w`` for its health and apply the answer; False if it did not answer."""
         assert w.stub is not None
         try:
             h = await w.stub.Health(pb.HealthRequest(), timeout=2.0)
-        except grpc.aio.AioRpcError:
-            w.healthy = False
+        except grpc.aio.AioRpcError as e:
+            # A refusal means the worker is gone; a timeout only that it (or this loop) is slow now: a worker whose
+            # probes keep timing out is cut off after dead_after_s (_unanswered), not on the first late answer.
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                w.healthy = False
             return False
         w.role, w.worker_id, w.draining, w.compat_hash = h.role, h.worker_id, w.draining or h.draining, h.compat_hash
         w.kv_backend = h.kv_backend
@@ -247,15 +275,16 @@ class WorkerPool:
                     self.load.update_from_report(w.worker_id, ld.waiting, ld.running + ld.waiting_for_kv,
                                                  ld.active_tokens, ld.used_blocks, ld.total_blocks)
             except grpc.aio.AioRpcError:
-                # Load waits for the engine's loop; Health does not: a busy worker still answers it, so only a
-                # worker that answers neither is marked down (and, for dead_after_s, counts as silent). A busy one
-                # stays available meanwhile: its requests queue there, rather than failing with "no worker".
+                # Load waits for the engine's loop; Health does not: a busy worker still answers it. One that
+                # answers neither counts as silent (cut off after dead_after_s) and is marked down at once only if
+                # it refused the probe (_health). A slow one stays available meanwhile: its requests queue there,
+                # rather than failing with "no worker".
                 was_healthy = w.healthy
                 if await self._health(w):
                     self._answered(w)
-                else:  # _health marked it down
-                    if was_healthy:
-                        log.warning("worker %s (%s) marked down: it answers no probe", w.worker_id, w.address)
+                else:
+                    if was_healthy and not w.healthy:
+                        log.warning("worker %s (%s) marked down: it refuses probes", w.worker_id, w.address)
                     self._unanswered(w, sent)
             await asyncio.sleep(self.poll_interval_s)
 

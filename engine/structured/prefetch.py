@@ -5,8 +5,8 @@ Per step, with constrained requests in the batch::
     ModelRunner.execute: prepare ──► Sampler.prefetch(rows) ──► forward ──► logits ──► Sampler(rows)
                                          │ submit MaskBatch.fill                           │ take(): the filled masks
                                          ▼                                                  ▼
-                           masks worker thread: llguidance (GIL released) + unpack ──► done (or not yet started:
-                                                                                       the sampler fills inline)
+                           masks worker thread: llguidance (GIL released) ──► done (or not yet started:
+                                                                           the sampler fills inline)
 
 Every matcher has consumed the previous step's token before the step starts (the engine advances them as it accepts
 tokens), and nothing touches a matcher between ``prefetch`` and the sampler, so the masks are exactly those an

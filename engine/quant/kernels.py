@@ -6,14 +6,14 @@ are exact enough (fp32 accumulation, within 1e-4 of dequantize-then-matmul) but,
 shapes on this project's CPU (AMD EPYC, AVX-512 with BF16, no AMX; one thread; 24 weights of 4096x768 cycled so they
 stream from memory), no faster than oneDNN's packed bf16 matmul at one row (INT8 16.8 ms, INT4 9.8 ms, bf16 10.1 ms),
 4x slower at 32 rows (151 / 127 / 34 ms), and their fp32 paths are scalar (10x slower than fp32 MKL).
-``wlinear.c`` widens each weight row once (four rows at a time) and dots it with every input row, so the quantized
-bytes are read once per call: with bf16 inputs the rows widen exactly to bf16 and AVX512-BF16's ``vdpbf16ps`` does
-the products (exact in fp32) and fp32 sums; with fp32 inputs (and where the CPU lacks BF16, or a group is not a
-multiple of 32) rows widen to fp32 and FMA. On the small model's 64 projection weights, one thread, best of 12
-(interleaved with a loaded machine, so ratios are the figure to read): at one row INT8 and INT4 2-7x faster
-than packed bf16 (the spread is the load); at 4 rows about even; at 16-32 rows 0.55-0.9x (the widening is amortised
-but the dot is not blocked over inputs as oneDNN's GEMM is). INT4 rows widen with integer operations only (see
-``widen_u4_bf16``), which brought INT4 level with INT8 per row on this shared CPU.
+``wlinear.c`` reads the quantized bytes once per call. With bf16 inputs the weights widen exactly to bf16 and
+AVX512-BF16's ``vdpbf16ps`` does the products (exact in fp32) and fp32 sums, the group scale applied once per group
+to the partial sum; with fp32 inputs (and where the CPU lacks BF16, or a group is not a multiple of 32) rows widen to
+fp32 and FMA. At one row (single-sequence decode) each block of four rows is widened in registers as it is read,
+with a software prefetch ahead of the stream; at more rows each block is widened once into a buffer and dotted with
+two input rows per pass. INT4 weights whose inputs are a multiple of 128 are repacked at load into 128-input chunks
+(:func:`pack_int4_chunks`) that widen with a shift and one ternary-logic instruction per 32 inputs; others keep
+nibble pairs. Figures: docs/benchmarks.md section 9 (``tandem bench quant --kernels``).
 
 :class:`QuantLinear` is what :func:`engine.models.layers.linear` calls for a weight that carries one (``weight.quant``):
 up to ``MAX_KERNEL_ROWS`` rows (decode batches) the kernel; more rows (prefill) dequantize the weight to the

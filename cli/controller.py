@@ -63,6 +63,9 @@ def add_controller_args(p: argparse.ArgumentParser) -> None:
                    help="the workers record their spans of traced requests and export them over OTLP/gRPC here")
     p.add_argument("--worker-flag", action="append", default=[], metavar="FLAG",
                    help="extra `tandem worker` flag (repeat; e.g. --worker-flag=--dtype --worker-flag=bfloat16)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   help="serve a PEFT LoRA adapter under NAME on every worker replica of every tier (repeatable; DIR "
+                        "as every node sees it); a request selects it with model: NAME. Single-rank workers only")
     from auth.credentials import add_args as add_credential_args
 
     add_credential_args(p)  # the workers get the same TLS files and token file (paths as every node mounts them)
@@ -99,7 +102,25 @@ def controller_config(args: argparse.Namespace, creds: Credentials) -> Controlle
         prefill_kv_backend=args.prefill_kv_backend, decode_kv_backend=args.decode_kv_backend,
         prefill_parallel=(args.prefill_tp, args.prefill_pp, args.prefill_ep),
         decode_parallel=(args.decode_tp, args.decode_pp, args.decode_ep),
-        tier_resources=args.tier_resources, worker_metrics_port=_metrics_port(args))
+        tier_resources=args.tier_resources, worker_metrics_port=_metrics_port(args), lora=_lora(args))
+
+
+def _lora(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--lora NAME=DIR`` each, parsed and named as ``tandem worker`` will (engine/lora/config.py), so a bad value
+    stops the controller here rather than every worker it starts; ControllerConfig refuses a repeated NAME. The
+    directory is not checked: it is a path on the worker nodes, which the worker checks."""
+    from engine.lora.config import check_adapter_name, parse_lora_flag
+
+    adapters = []
+    for value in args.lora:
+        name, path = parse_lora_flag(value)
+        check_adapter_name(name)
+        adapters.append(f"{name}={path}")
+    multi_rank = [f"--{tier}-{dim} {getattr(args, f'{tier}_{dim}')}" for tier in ("prefill", "decode")
+                  for dim in ("tp", "pp", "ep") if getattr(args, f"{tier}_{dim}") > 1]
+    if adapters and multi_rank:  # worker/server.py's rule, for every tier the adapters reach
+        raise ValueError(f"--lora runs on single-rank workers, but {', '.join(multi_rank)}")
+    return tuple(adapters)
 
 
 def _metrics_port(args: argparse.Namespace) -> int:

@@ -75,7 +75,10 @@ def controller_args(spec: DeploymentSpec) -> list[str]:
             "--prefill", str(prefill.replicas if prefill else 0), "--decode", str(decode.replicas),
             "--control-port", str(CONTROL_PORT), "--host", "0.0.0.0", "--kv-backend", decode.kv_backend, *tiers,
             "--tier-resources", "--ray-address", "auto", *pods.credential_flags(spec),
-            *(f"--worker-flag={flag}" for flag in worker_flags)]
+            *(f"--worker-flag={flag}" for flag in worker_flags),
+            # LoRA adapters, in the model volume every pod mounts at the same path; the controller hands each worker
+            # --lora NAME=DIR, and the router learns them from the workers' registry entries.
+            *(f for a in spec.lora for f in ("--lora", f"{a.name}={a.pod_path(spec.model)}"))]
 
 
 def _env(spec: DeploymentSpec) -> dict[str, Any]:

@@ -29,6 +29,12 @@ DEFAULT_MTLS_SECRET = "tandem-mtls"
 DEFAULT_SERVER_NAME = "tandem"  # the DNS name every Tandem server's certificate carries (pod IPs are not known)
 DEFAULT_TOKEN_SECRET = ("tandem-cluster-token", "token")
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)$")
+# A LoRA adapter's name: engine/lora/config.py's rule (the operator does not import the engine; a test checks they
+# agree). Its path: relative, inside the model volume, no '.' or '..' segment, as the CRD's pattern says.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*")
+_SEGMENT = r"(?:[^./][^/]*|\.[^./][^/]*|\.\.[^/]+)"
+ADAPTER_PATH = re.compile(rf"{_SEGMENT}(?:/{_SEGMENT})*/?")
+MAX_ADAPTERS = 64
 
 
 class SpecError(ValueError):
@@ -66,6 +72,33 @@ class ModelSpec:
             raise SpecError(f"spec.model.dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if not self.served_name:
             raise SpecError("spec.model.servedName must not be empty")
+
+
+@dataclass(slots=True, frozen=True)
+class LoRAAdapter:
+    """A PEFT adapter every worker replica serves as ``model: name``: ``path`` is its directory inside the model
+    volume (the pvc's or HF cache's root, or the hostPath model directory), mounted at ``ModelSpec.mount_path``."""
+
+    name: str
+    path: str
+
+    def __post_init__(self) -> None:
+        check_adapter(self.name, self.path, "spec.lora")
+
+    def pod_path(self, model: ModelSpec) -> str:
+        return f"{model.mount_path}/{self.path.rstrip('/')}"
+
+
+def check_adapter(name: Any, path: Any, where: str) -> None:
+    """SpecError unless ``name`` is an adapter name the worker takes and ``path`` a relative path in the volume."""
+    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name) or len(name) > 128:
+        raise SpecError(f"{where}.name {name!r} must be letters, digits, '.', '_' or '-' (starting with a letter or "
+                        f"digit, at most 128)")
+    if not isinstance(path, str) or not path:
+        raise SpecError(f"{where}.path must be a non-empty directory inside the model volume")
+    if not ADAPTER_PATH.fullmatch(path):
+        raise SpecError(f"{where}.path {path!r} must be relative to the model volume, without '.' or '..' "
+                        f"segments or empty ones")
 
 
 @dataclass(slots=True, frozen=True)
@@ -174,10 +207,22 @@ class DeploymentSpec:
     security: SecuritySpec
     slo: dict[str, Any]
     autoscaling: AutoscalingSpec | None = None  # None: absent or disabled (operators.autoscaling)
+    lora: tuple[LoRAAdapter, ...] = ()  # served by every replica of every tier (tandem controller --lora)
 
     def __post_init__(self) -> None:
         if self.router_replicas < 1:
             raise SpecError(f"spec.router.replicas must be >= 1, got {self.router_replicas}")
+        names = [a.name for a in self.lora]
+        if len(set(names)) != len(names):
+            raise SpecError(f"spec.lora: adapter names must be unique, got {names}")
+        if len(names) > MAX_ADAPTERS:
+            raise SpecError(f"spec.lora: at most {MAX_ADAPTERS} adapters, got {len(names)}")
+        if self.model.served_name in names:  # a request's model: NAME would name both
+            raise SpecError(f"spec.lora: adapter {self.model.served_name!r} has the served model's name")
+        multi_rank = [f"spec.{t.name} has tp={t.tp} pp={t.pp} ep={t.ep}" for t in self.tiers
+                      if max(t.tp, t.pp, t.ep) > 1]
+        if self.lora and multi_rank:  # worker/server.py's rule; every tier's workers get the adapters
+            raise SpecError(f"spec.lora: LoRA adapters run on single-rank workers only, but {'; '.join(multi_rank)}")
         backends = {t.name: t.kv_backend for t in self.tiers}
         if len(set(backends.values())) > 1:  # a prefill worker's sender and a decode worker's receiver must match
             raise SpecError(f"spec.prefill.kvBackend ({backends['prefill']}) and spec.decode.kvBackend "
@@ -252,6 +297,7 @@ def _parse(name: str, spec: dict[str, Any]) -> DeploymentSpec:
                               mtls.get("serverName", DEFAULT_SERVER_NAME) if mtls_on else None),
         slo=slo,
         autoscaling=autoscaling,
+        lora=_lora(spec.get("lora")),
     )
 
 
@@ -305,6 +351,20 @@ def _model(m: Any) -> ModelSpec:
         mount, path, default_name = "/hf-cache", s["id"], s["id"].rsplit("/", 1)[-1]
     return ModelSpec(kind=kind, path=path, volume=volume, mount_path=mount,
                      served_name=m.get("servedName") or default_name, dtype=m.get("dtype", "bfloat16"))
+
+
+def _lora(adapters: Any) -> tuple[LoRAAdapter, ...]:
+    if adapters is None:
+        return ()
+    if not isinstance(adapters, list):
+        raise SpecError("spec.lora must be a list of {name, path}")
+    out = []
+    for i, a in enumerate(adapters):
+        if not isinstance(a, dict):
+            raise SpecError(f"spec.lora[{i}] must be an object with name and path")
+        check_adapter(a.get("name"), a.get("path"), f"spec.lora[{i}]")
+        out.append(LoRAAdapter(a["name"], a["path"]))
+    return tuple(out)
 
 
 def _redis(r: Any) -> RedisSpec:

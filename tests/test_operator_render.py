@@ -152,11 +152,132 @@ def test_render_is_deterministic() -> None:
     ({"decode": None}, "spec.decode is required"),
     ({"decode": {"replicas": 1, "kvBackend": "tcp"}}, "spec.prefill.kvBackend (nixl) and spec.decode.kvBackend (tcp)"),
     ({"decode": {"replicas": "many"}}, "spec:"),
+    ({"lora": [{"name": "bad name", "path": "a"}]}, "spec.lora[0].name 'bad name' must be letters, digits"),
+    ({"lora": [{"name": "-x", "path": "a"}]}, "spec.lora[0].name '-x'"),
+    ({"lora": [{"name": "a", "path": "x"}, {"name": "a", "path": "y"}]}, "adapter names must be unique"),
+    ({"lora": [{"name": "a", "path": ""}]}, "spec.lora[0].path must be a non-empty directory"),
+    ({"lora": [{"name": "a"}]}, "spec.lora[0].path must be a non-empty directory"),
+    ({"lora": [{"name": "a", "path": "/etc/adapters"}]}, "spec.lora[0].path '/etc/adapters' must be relative"),
+    ({"lora": [{"name": "a", "path": "adapters/../../etc"}]}, "without '.' or '..' segments"),
+    ({"lora": [{"name": "llama-3-8b", "path": "a"}]}, "adapter 'llama-3-8b' has the served model's name"),
+    ({"lora": [{"name": "a", "path": "a"}]}, "single-rank workers only, but spec.decode has tp=2 pp=1 ep=1"),
+    ({"lora": {"name": "a", "path": "a"}}, "spec.lora must be a list"),
 ])
 def test_bad_specs_raise_a_spec_error_naming_the_field(change: dict[str, Any], message: str) -> None:
     with pytest.raises(SpecError, match=None) as e:
         render(_td(**change), "ns")
     assert message in str(e.value)
+
+
+def _lora_td(source: dict[str, Any] | None = None) -> dict[str, Any]:
+    """BASE at one rank per replica (LoRA adapters run on single-rank workers), serving two adapters."""
+    td = _td(decode={"scaling": {"min": 1, "max": 4}, "kvBackend": "nixl"},
+             lora=[{"name": "sql", "path": "adapters/sql"}, {"name": "chat.v2", "path": "adapters/chat/"}])
+    if source is not None:
+        td["spec"]["model"]["source"] = source
+    return td
+
+
+def _controller_args(td: dict[str, Any]) -> list[str]:
+    args: list[str] = _by_name(render(td, "serving"))[("RayCluster", "llama")]["spec"]["headGroupSpec"]["template"][
+        "spec"]["containers"][1]["args"]
+    return args
+
+
+@pytest.mark.parametrize(("source", "mount"), [
+    (None, "/models"),  # BASE: the pvc's root, where the model is /models/llama-3-8b
+    ({"hostPath": {"path": "/data/llama"}}, "/models/model"),  # the model directory itself
+    ({"hf": {"id": "org/llama", "cacheClaimName": "hf"}}, "/hf-cache"),
+])
+def test_lora_adapters_reach_the_controller_and_through_it_every_worker(
+        source: dict[str, Any] | None, mount: str) -> None:
+    """spec.lora becomes `tandem controller --lora NAME=DIR` with DIR in the model volume as every pod mounts it; the
+    controller's real parser and config take it, and the `--lora` flags it hands each worker (controlplane/
+    controller.py) parse with the worker's real parser."""
+    import argparse
+
+    from auth.credentials import Credentials
+    from cli.controller import add_controller_args, controller_config
+    from worker.server import add_worker_args
+
+    td = _lora_td(source)
+    args = _controller_args(td)
+    flags = [(args[i], args[i + 1]) for i, a in enumerate(args) if a == "--lora"]
+    assert flags == [("--lora", f"sql={mount}/adapters/sql"), ("--lora", f"chat.v2={mount}/adapters/chat")]
+    objs = _by_name(render(td, "serving"))
+    spec = objs[("RayCluster", "llama")]["spec"]
+    pods = [spec["headGroupSpec"]["template"]["spec"]["containers"][1],
+            *(g["template"]["spec"]["containers"][0] for g in spec["workerGroupSpecs"])]
+    for container in pods:  # the controller and every tier's workers mount the model volume at the same path
+        assert {"name": "model", "mountPath": mount, "readOnly": True} in container["volumeMounts"]
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_controller_args(p)
+    cfg = controller_config(p.parse_args(args[1:]), Credentials(None))
+    assert cfg.lora == (f"sql={mount}/adapters/sql", f"chat.v2={mount}/adapters/chat")
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_worker_args(p)
+    w = p.parse_args(["--role", "decode", "--model", cfg.model, *(f for a in cfg.lora for f in ("--lora", a))])
+    assert w.lora == list(cfg.lora)
+    assert "--lora" not in _controller_args(_td(decode={"replicas": 1}))  # none asked: none passed
+
+
+@pytest.mark.parametrize("name", ["sql", "a", "Chat.v2_x-1", "9lives", "bad name", "-x", ".x", "_x", "a/b", "a=b",
+                                  "", "ü"])
+def test_operator_crd_and_engine_agree_on_adapter_names(name: str) -> None:
+    """The operator does not import the engine, so it keeps its own copy of the adapter-name rule: the engine's
+    check_adapter_name, the operator's and the CRD's pattern accept exactly the same names."""
+    import re
+
+    from crd_check import load_crds, root_schema
+
+    from engine.lora.config import check_adapter_name
+    from operators.spec import LoRAAdapter
+
+    try:
+        check_adapter_name(name)
+        engine_ok = True
+    except ValueError:
+        engine_ok = False
+    try:
+        LoRAAdapter(name, "adapters/x")
+        operator_ok = True
+    except SpecError:
+        operator_ok = False
+    pattern = root_schema(load_crds()["TandemDeployment"])["properties"]["spec"]["properties"]["lora"]["items"][
+        "properties"]["name"]["pattern"]
+    assert engine_ok == operator_ok == bool(name and re.search(pattern, name))
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--lora", "bad name=/x"], "adapter name 'bad name' must be letters, digits"),
+    (["--lora", "sql"], "--lora takes NAME=DIR, got 'sql'"),
+    (["--lora", "=/x"], "--lora takes NAME=DIR"),
+    (["--lora", "sql=/x", "--lora", "sql=/y"], "lora adapter names must be unique"),
+    (["--lora", "sql=/x", "--decode-tp", "2"], "--lora runs on single-rank workers, but --decode-tp 2"),
+    (["--lora", "sql=/x", "--prefill-pp", "2"], "--lora runs on single-rank workers, but --prefill-pp 2"),
+])
+def test_tandem_controller_refuses_a_bad_lora_flag(flags: list[str], message: str) -> None:
+    import argparse
+
+    from auth.credentials import Credentials
+    from cli.controller import add_controller_args, controller_config
+
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_controller_args(p)
+    with pytest.raises(ValueError) as e:
+        controller_config(p.parse_args(["--model", "m", "--redis", "redis://127.0.0.1:1", *flags]), Credentials(None))
+    assert message in str(e.value)
+    ok = controller_config(p.parse_args(["--model", "m", "--redis", "redis://r", "--lora", "a=/x", "--lora", "b=/y"]),
+                           Credentials(None))
+    assert ok.lora == ("a=/x", "b=/y")
+
+
+def test_tandem_controller_exits_2_naming_a_bad_lora_before_starting_anything() -> None:
+    """The real command: a bad adapter name is refused before Ray or the Control server starts."""
+    out = subprocess.run([sys.executable, "-m", "cli.main", "controller", "--model", "m", "--redis",
+                          "redis://127.0.0.1:1", "--lora", "sql=/a", "--lora", "bad/name=/b"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "adapter name 'bad/name' must be letters, digits" in out.stderr, out.stderr
 
 
 def test_scale_quantity_keeps_the_suffix() -> None:

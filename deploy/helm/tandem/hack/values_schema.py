@@ -34,6 +34,9 @@ CEL_AS_JSON_SCHEMA: dict[str, dict[str, Any] | None] = {
     "!has(self.ep) || self.ep >= 1": None,  # ep >= 1
     "!has(self.ep) || self.ep == 1 || !has(self.tp) || self.tp == 1 || self.ep == self.tp": None,
     "self.min <= self.max": None,
+    # uniqueItems compares whole items, not one field of each: the API server's list-map keys and this rule refuse a
+    # repeated adapter name, and so does the operator (operators/spec.py)
+    "self.all(a, self.exists_one(b, b.name == a.name))": None,
     "(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (has(self.hf) ? 1 : 0) == 1": {
         "oneOf": [{"required": ["pvc"]}, {"required": ["hostPath"]}, {"required": ["hf"]}]
     },

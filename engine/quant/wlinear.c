@@ -263,15 +263,32 @@ static inline void block_m1(int fmt, const uint16_t *x, const uint8_t *const *ro
                 FOLD();
             }
         }
+    } else if (fmt == WQ_I8) {
+        /* INT8 has no exact integer-only route to bf16, so rows widen to fp32 and FMA with x widened to fp32 (one
+         * shift: bf16 is fp32's upper half); the products are exact either way (8 by 8 significant bits), and this
+         * measured 6-25% faster than widening to bf16 for vdpbf16ps */
+        for (int64_t i = 0; i < k; i += 32) {
+            const __m512i xw = _mm512_loadu_si512((const void *)(x + i));
+            const __m512 xa = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                _mm512_castsi512_si256(xw)), 16));
+            const __m512 xb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                _mm512_extracti64x4_epi64(xw, 1)), 16));
+            if (i % 64 == 0)
+                for (int j = 0; j < RB; j++) _mm_prefetch((const char *)(rows[j] + i + PREFETCH), _MM_HINT_T0);
+            for (int j = 0; j < RB; j++) {
+                const int8_t *r = (const int8_t *)rows[j] + i;
+                const __m512 wa = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)r)));
+                const __m512 wb = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + 16))));
+                d[j] = _mm512_fmadd_ps(xb, wb, _mm512_fmadd_ps(xa, wa, d[j]));
+            }
+            FOLD();
+        }
     } else {
         for (int64_t i = 0; i < k; i += 32) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i));
-            if (i % 64 == 0) /* one cache line of INT8, two of INT4 pairs */
-                for (int j = 0; j < RB; j++)
-                    _mm_prefetch((const char *)(rows[j] + (fmt == WQ_I8 ? i : i / 2) + PREFETCH), _MM_HINT_T0);
-            for (int j = 0; j < RB; j++)
-                d[j] = _mm512_dpbf16_ps(d[j], xv, fmt == WQ_I8 ? widen_i8_vec((const int8_t *)rows[j] + i)
-                                                               : widen_u4_pairs_vec(rows[j] + i / 2));
+            if (i % 128 == 0) /* one cache line of INT4 pairs */
+                for (int j = 0; j < RB; j++) _mm_prefetch((const char *)(rows[j] + i / 2 + PREFETCH), _MM_HINT_T0);
+            for (int j = 0; j < RB; j++) d[j] = _mm512_dpbf16_ps(d[j], xv, widen_u4_pairs_vec(rows[j] + i / 2));
             FOLD();
         }
     }

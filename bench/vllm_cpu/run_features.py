@@ -171,8 +171,8 @@ def _spec(a: argparse.Namespace) -> dict[str, Any]:
             llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
         return len(prompts) * n / (time.perf_counter() - start)
 
-    # One engine at a time: with both alive, the idle one's processes took the CPUs from the other (the engine without
-    # speculation measured 5-15 tok/s beside one with it, 65-150 tok/s, at 72 proposed tokens in all).
+    # One engine at a time: each binds its worker's OpenMP threads to every core and its idle shm reader spins for a
+    # second after each use, so two alive at once compete for the CPUs (as does any other vLLM process on the host).
     runs: dict[str, dict[str, list[float]]] = {"off": {}, "on": {}}
     counters: dict[str, dict[str, float]] = {}
     load_s = 0.0

@@ -25,6 +25,8 @@ from engine.parallel.process_group import free_port
 from engine.parallel.rank_process import RankInfo, rank_main
 from engine.sampling_params import SamplingParams
 
+EXIT_SEEN_S = 3.0  # how long a failure waits for a dead rank's exit to show before naming the ranks
+
 
 class RankFailedError(RuntimeError):
     """A rank raised or exited; the replica has been stopped."""
@@ -110,7 +112,11 @@ class ParallelLLM:
 
     def _fail(self, reason: str) -> NoReturn:
         """Stop every rank and raise, naming first the ranks that exited (the cause; the others' errors follow)."""
-        time.sleep(0.2)  # let a killed rank's exit be seen
+        # A killed rank's peers see their collective break at once, but on a loaded host the killed process may
+        # take a while to be scheduled and exit: wait (bounded) for one to exit so that it is named as the cause.
+        deadline = time.monotonic() + EXIT_SEEN_S
+        while all(p.is_alive() for p in self._procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
         dead = [f"rank {r} (pid {p.pid}) exited with code {p.exitcode}" for r, p in enumerate(self._procs)
                 if not p.is_alive()]
         self.close(timeout_s=5.0)
@@ -127,8 +133,8 @@ class ParallelLLM:
                 if conn.poll(0.05):
                     try:
                         kind, value = conn.recv()
-                    except EOFError:
-                        kind, value = "error", f"rank {rank} closed its pipe (exit code {proc.exitcode})"
+                    except (EOFError, OSError) as e:  # a killed rank's socket pipe may read as reset, not closed
+                        kind, value = "error", f"rank {rank} closed its pipe ({e!r}, exit code {proc.exitcode})"
                     if kind != expect:
                         self._fail(str(value))
                     replies[rank] = value

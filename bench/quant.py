@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.quant_kernels import default_model as _default_model
 from bench.startup import REPO, _vllm_env, vllm_skip_reason
 from bench.throughput import _run_side, make_prompts
 
@@ -51,14 +52,6 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def _default_model() -> Path:
-    from controlplane.paths import DEFAULT_MODEL_DIR
-    from tinymodel.checkpoint import write_tiny_checkpoint
-
-    path = DEFAULT_MODEL_DIR.parent / "small-llama"
-    if not (path / "config.json").is_file():
-        write_tiny_checkpoint(path, arch="llama", size="small")
-    return path
 
 
 def _quantized(model: Path, scheme: str) -> Path:

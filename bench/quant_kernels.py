@@ -145,11 +145,20 @@ def _per_token(results: dict[str, dict[str, dict[str, Any]]], rows_list: list[in
     return out
 
 
+def default_model() -> Path:
+    """The built-in small Llama (~113M parameters), generated on first use: both quant benches' default."""
+    from controlplane.paths import DEFAULT_MODEL_DIR
+    from tinymodel.checkpoint import write_tiny_checkpoint
+
+    path = DEFAULT_MODEL_DIR.parent / "small-llama"
+    if not (path / "config.json").is_file():
+        write_tiny_checkpoint(path, arch="llama", size="small")
+    return path
+
+
 def run_kernel_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run :func:`measure` in a fresh single-threaded process (OpenMP reads its thread count at start)."""
-    from bench.quant import _default_model
-
-    model = Path(args.model) if args.model else _default_model()
+    model = Path(args.model) if args.model else default_model()
     cpu = args.cpu if args.cpu is not None else max(os.sched_getaffinity(0))
     cmd = [sys.executable, "-m", "bench.quant_kernels", "--model", str(model), "--rows", args.rows, "--rounds",
            str(args.rounds), "--cpu", str(cpu), *(["--layers", str(args.layers)] if args.layers else [])]

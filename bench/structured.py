@@ -180,6 +180,7 @@ def format_structured_report(report: dict[str, Any]) -> str:
         cu, cc, co = r["unconstrained_cpu_ms"], r["json_schema_cpu_ms"], r["cpu_overhead_pct"]
         lines.append(f"{r['batch']:>5}  {u['median']:>7.3f} [{u['min']:.2f}, {u['max']:.2f}]  {c['median']:>7.3f} "
                      f"[{c['min']:.2f}, {c['max']:.2f}]  {o['median']:+.1f}% [{o['min']:+.1f}, {o['max']:+.1f}];  "
-                     f"CPU {cu['median']:.3f} {cc['median']:.3f} {co['median']:+.1f}% [{co['min']:+.1f}, "
-                     f"{co['max']:+.1f}]")
+                     f"CPU {cu['median']:.3f} {cc['median']:.3f} " + (
+                         "(too short to count)" if co["median"] is None else
+                         f"{co['median']:+.1f}% [{co['min']:+.1f}, {co['max']:+.1f}]"))
     return "\n".join(lines)

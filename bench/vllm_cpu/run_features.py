@@ -47,6 +47,8 @@ BLOCK = 128  # the CPU backend's default block size; max_model_len is rounded up
 
 
 def _spread(values: list[float], scale: float = 1e3, digits: int = 3) -> dict[str, Any]:
+    if not values:
+        return {"median": None, "min": None, "max": None, "runs": []}
     return {"median": round(statistics.median(values) * scale, digits),
             "min": round(min(values) * scale, digits), "max": round(max(values) * scale, digits),
             "runs": [round(v * scale, digits) for v in values]}
@@ -137,8 +139,9 @@ def _structured(a: argparse.Namespace) -> dict[str, Any]:
         row: dict[str, Any] = {"batch": b, **{f"{n}_step_ms": _spread([w for w, _ in v]) for n, v in rounds.items()},
                                **{f"{n}_cpu_ms": _spread([x for _, x in v]) for n, v in rounds.items()},
                                "overhead_pct": _spread([x[0] / y[0] - 1 for x, y in zip(c, u, strict=True)], 100, 2),
-                               "cpu_overhead_pct": _spread([x[1] / y[1] - 1 for x, y in zip(c, u, strict=True)],
-                                                           100, 2)}
+                               # psutil counts CPU time in clock ticks (10 ms): a short round can read 0
+                               "cpu_overhead_pct": _spread([x[1] / y[1] - 1 for x, y in zip(c, u, strict=True)
+                                                            if y[1] > 0], 100, 2)}
         row["overhead_of_medians_pct"] = round((row["json_schema_step_ms"]["median"]
                                                 / row["unconstrained_step_ms"]["median"] - 1) * 100, 2)
         rows.append(row)

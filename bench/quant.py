@@ -44,6 +44,8 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
                                                        "quantized checkpoint")
     p.add_argument("--kernels", action="store_true", help="instead: the kernels alone on the model's projection "
                                                            "shapes, one pinned thread (bench/quant_kernels.py)")
+    p.add_argument("--interleaved", action="store_true", help="instead: single-sequence decode of bf16 and each scheme "
+                                                               "in one pinned process, interleaved, in CPU time")
     p.add_argument("--rows", default="1,32", help="--kernels: input rows per call, comma-separated")
     p.add_argument("--rounds", type=int, default=30, help="--kernels: interleaved rounds")
     p.add_argument("--layers", type=int, default=None, help="--kernels: weights per shape (default: the model's "
@@ -95,6 +97,10 @@ def run_quant_bench(args: argparse.Namespace) -> dict[str, Any]:
         from bench.quant_kernels import run_kernel_bench
 
         return run_kernel_bench(args)
+    if args.interleaved:
+        from bench.quant_kernels import run_interleaved_bench
+
+        return run_interleaved_bench(args)
     model = Path(args.model) if args.model else _default_model()
     configs = [("fp32", model, "float32"), ("bf16", model, "bfloat16")]
     configs += [(s, _quantized(model, s), "bfloat16") for s in args.schemes.split(",") if s]
@@ -153,6 +159,10 @@ def format_quant_report(report: dict[str, Any]) -> str:
         from bench.quant_kernels import format_kernel_report
 
         return format_kernel_report(report)
+    if report.get("kind") == "interleaved_decode":
+        from bench.quant_kernels import format_interleaved_report
+
+        return format_interleaved_report(report)
     lines = [f"model {report['model']}: {report['num_prompts']} prompts x {report['input_len']} tokens, "
              f"{report['output_len']} generated, median of {report['repeats']}",
              f"{'config':<8}{'single tok/s':>14}{'batch tok/s':>13}{'peak RSS MB':>13}"]

@@ -195,14 +195,99 @@ def format_kernel_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def interleaved_decode(models: dict[str, str], input_len: int, output_len: int, rounds: int,
+                       cpu: int | None) -> dict[str, Any]:
+    """Single-sequence decode of every configuration in this one process, interleaved round by round in a rotating
+    order: ``(t(output_len tokens) - t(1 token)) / (output_len - 1)`` for one prompt, in process CPU time (time spent
+    descheduled by other jobs does not count) and wall time, median over rounds with the range."""
+    import torch
+
+    from bench.throughput import make_prompts
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    torch.set_num_threads(1)
+    llms = {name: LLM(path, dtype="bfloat16", num_threads=1, enable_prefix_caching=False)
+            for name, path in models.items()}
+    vocab = next(iter(llms.values())).engine.model_config.vocab_size
+    prompt = make_prompts(1, input_len, vocab)
+    full = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for llm in llms.values():
+        llm.generate(prompt, full)
+    cpu_ms: dict[str, list[float]] = {n: [] for n in llms}
+    wall_ms: dict[str, list[float]] = {n: [] for n in llms}
+    order = list(llms)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            c0, w0 = time.process_time(), time.perf_counter()
+            llms[name].generate(prompt, one)
+            c1, w1 = time.process_time(), time.perf_counter()
+            llms[name].generate(prompt, full)
+            c2, w2 = time.process_time(), time.perf_counter()
+            cpu_ms[name].append(((c2 - c1) - (c1 - c0)) * 1000 / (output_len - 1))
+            wall_ms[name].append(((w2 - w1) - (w1 - w0)) * 1000 / (output_len - 1))
+    out: dict[str, Any] = {}
+    for name in llms:
+        med = statistics.median(cpu_ms[name])
+        out[name] = {"cpu_ms_per_token_median": med, "cpu_ms_per_token_min": min(cpu_ms[name]),
+                     "cpu_ms_per_token_max": max(cpu_ms[name]), "wall_ms_per_token_median":
+                     statistics.median(wall_ms[name]), "rounds": rounds}
+    base = out["bf16"]["cpu_ms_per_token_median"]
+    for name in out:
+        if name != "bf16":
+            out[name]["speedup_vs_bf16"] = base / out[name]["cpu_ms_per_token_median"]
+    return out
+
+
+def run_interleaved_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`interleaved_decode` on the dense model in bf16 and each quantized copy, in a fresh pinned process."""
+    from bench.quant import _default_model, _quantized
+
+    model = Path(args.model) if args.model else _default_model()
+    models = {"bf16": str(model)} | {s: str(_quantized(model, s)) for s in args.schemes.split(",") if s}
+    cpu = args.cpu if args.cpu is not None else max(os.sched_getaffinity(0))
+    cmd = [sys.executable, "-m", "bench.quant_kernels", "--decode", json.dumps(models), "--input-len",
+           str(args.input_len), "--output-len", str(args.output_len), "--rounds", str(args.rounds), "--cpu", str(cpu)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          timeout=3600, cwd=Path(__file__).resolve().parents[1])
+    if proc.returncode != 0:
+        raise RuntimeError(f"the interleaved decode bench failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return report
+
+
+def format_interleaved_report(report: dict[str, Any]) -> str:
+    lines = [f"single-sequence decode, {report['input_len']}-token prompt, {report['output_len']} tokens, one thread "
+             f"pinned to CPU {report['cpu']}, {report['rounds']} interleaved rounds; process CPU ms per token, "
+             "median [min-max]"]
+    for name, r in report["results"].items():
+        ratio = f", {r['speedup_vs_bf16']:.2f}x bf16" if "speedup_vs_bf16" in r else ""
+        lines.append(f"{name}: {r['cpu_ms_per_token_median']:.2f} [{r['cpu_ms_per_token_min']:.2f}-"
+                     f"{r['cpu_ms_per_token_max']:.2f}] ms (wall median {r['wall_ms_per_token_median']:.2f}){ratio}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", default=None)
+    p.add_argument("--decode", default=None, help="JSON {name: checkpoint}: interleaved single-sequence decode instead")
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=33)
     p.add_argument("--rows", default="1,32")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--cpu", type=int, default=None)
     a = p.parse_args()
+    if a.decode:
+        results = interleaved_decode(json.loads(a.decode), a.input_len, a.output_len, a.rounds, a.cpu)
+        print(json.dumps({"kind": "interleaved_decode", "cpu": a.cpu, "rounds": a.rounds, "input_len": a.input_len,
+                          "output_len": a.output_len, "results": results}))
+        return
+    if a.model is None:
+        p.error("--model is required without --decode")
     cfg = json.loads((Path(a.model) / "config.json").read_text())
     layers = a.layers or int(cfg["num_hidden_layers"])
     report = measure(cfg, [int(r) for r in a.rows.split(",") if r], a.rounds, layers, a.cpu)

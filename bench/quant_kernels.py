@@ -13,6 +13,11 @@ jobs does not count), median over rounds with the range; wall time per call is k
 
 ``per_token`` adds up one decode step's projections (each shape times the layer count, plus the bf16 lm_head in
 every configuration), the part of a single-sequence token that these kernels decide.
+
+``tandem bench quant --interleaved`` (:func:`interleaved_decode`) is the end-to-end counterpart: the bf16 model and
+each quantized copy loaded in one pinned single-threaded process, single-sequence decode timed round by round in a
+rotating order, in process CPU time, so that load which comes and goes cannot favour the configuration that happened
+to run in a quiet minute (as it can in ``tandem bench quant``'s one-process-per-configuration runs).
 """
 
 from __future__ import annotations

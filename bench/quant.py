@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.quant_kernels import default_model as _default_model
+from bench.quant_kernels import quantized_copy as _quantized
 from bench.startup import REPO, _vllm_env, vllm_skip_reason
 from bench.throughput import _run_side, make_prompts
 
@@ -54,15 +55,6 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-
-
-def _quantized(model: Path, scheme: str) -> Path:
-    from engine.quant.quantize import quantize_checkpoint
-
-    out = model.parent / f"{model.name}-{scheme}"
-    if not (out / "config.json").is_file():
-        quantize_checkpoint(model, out, scheme)
-    return out
 
 
 def _vllm_refusal(stderr: str) -> str:

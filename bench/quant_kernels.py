@@ -161,6 +161,16 @@ def default_model() -> Path:
     return path
 
 
+def quantized_copy(model: Path, scheme: str) -> Path:
+    """``model`` quantized by ``tandem model quantize`` into ``scheme``, written beside it once and reused."""
+    from engine.quant.quantize import quantize_checkpoint
+
+    out = model.parent / f"{model.name}-{scheme}"
+    if not (out / "config.json").is_file():
+        quantize_checkpoint(model, out, scheme)
+    return out
+
+
 def run_kernel_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run :func:`measure` in a fresh single-threaded process (OpenMP reads its thread count at start)."""
     model = Path(args.model) if args.model else default_model()
@@ -249,10 +259,8 @@ def interleaved_decode(models: dict[str, str], input_len: int, output_len: int, 
 
 def run_interleaved_bench(args: argparse.Namespace) -> dict[str, Any]:
     """:func:`interleaved_decode` on the dense model in bf16 and each quantized copy, in a fresh pinned process."""
-    from bench.quant import _default_model, _quantized
-
-    model = Path(args.model) if args.model else _default_model()
-    models = {"bf16": str(model)} | {s: str(_quantized(model, s)) for s in args.schemes.split(",") if s}
+    model = Path(args.model) if args.model else default_model()
+    models = {"bf16": str(model)} | {s: str(quantized_copy(model, s)) for s in args.schemes.split(",") if s}
     cpu = args.cpu if args.cpu is not None else max(os.sched_getaffinity(0))
     cmd = [sys.executable, "-m", "bench.quant_kernels", "--decode", json.dumps(models), "--input-len",
            str(args.input_len), "--output-len", str(args.output_len), "--rounds", str(args.rounds), "--cpu", str(cpu)]

@@ -128,16 +128,42 @@ def decode_step_seconds(model: str | Path, context: int, steps: int = 32, dtype:
     return best
 
 
+def prefill_step_seconds(model: str | Path, prompt_len: int, repeats: int = 3, dtype: str = "float32") -> float:
+    """The best wall time of one engine step computing a single ``prompt_len``-token prompt (and sampling its first
+    token): the engine alone, without a server around it; each repeat a different prompt, so no prefix is cached."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    engine = LLM(str(model), dtype=dtype).engine
+    vocab = ModelConfig.from_dir(Path(model)).vocab_size
+    best = float("inf")
+    for r in range(repeats + 1):  # the first warms the kernels up and is not counted
+        engine.add_request([300 + (7 * i + 13 * r) % max(vocab - 600, 1) for i in range(prompt_len)],
+                           SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0))
+        t = time.perf_counter()
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        if steps != 1:
+            raise RuntimeError(f"a {prompt_len}-token prompt took {steps} engine steps; the measure needs one")
+        if r:
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
 def cpu_ceilings(model: str | Path, prompt_len: int, output_len: int, dtype: str = "float32") -> Ceilings:
     """This CPU as the simulator's "GPU" for one request shape, at this process's torch threads: the best GEMM rate
-    (the workload's shapes and a 1024 square), the streaming read rate, and the engine's one-token decode step."""
+    (the workload's shapes and a 1024 square), the streaming read rate, and the engine's one-token decode step and
+    one-prompt prefill step."""
     import torch
 
     cfg = ModelConfig.from_dir(Path(model))
     gemm = gemm_peak_gflops(cfg, Workload(1, prompt_len, output_len), dtype, square=1024)
     return Ceilings(max(gemm.values()) * 1e9, read_bandwidth_gbps(dtype) * 1e9,
                     decode_step_s=decode_step_seconds(model, prompt_len, dtype=dtype), decode_context=prompt_len,
-                    threads=torch.get_num_threads())
+                    threads=torch.get_num_threads(),
+                    prefill_step_s=prefill_step_seconds(model, prompt_len, dtype=dtype))
 
 
 def worker_ceilings(model: str | Path, prompt_len: int, output_len: int, threads: int,

@@ -38,20 +38,21 @@ class GpuSpec:
 @dataclass(slots=True, frozen=True)
 class Ceilings:
     """A CPU measured as the calibration's stand-in "GPU" (``bench/ceilings.py`` measures it, at the thread count a
-    worker runs with): its two rates, and the engine's own one-token decode step, from which the roofline's missing
-    per-step cost is taken (``calibration.step_overhead_s``)."""
+    worker runs with): its two rates, and the engine's own one-token decode step and one-prompt prefill step, from
+    which the roofline's missing per-step and per-token costs are taken (``calibration.engine_costs``)."""
 
     gemm_flops: float  # FLOP/s
     read_bandwidth: float  # bytes/s
     decode_step_s: float = 0.0  # one engine step decoding one token of a single sequence (0: not measured)
     decode_context: int = 0  # that sequence's tokens already in the KV cache when the step ran
     threads: int = 0  # torch intra-op threads of the measurement (0: not recorded)
+    prefill_step_s: float = 0.0  # one engine step computing a decode_context-token prompt (0: not measured)
 
     def __post_init__(self) -> None:
         if not (self.gemm_flops > 0 and self.read_bandwidth > 0):
             raise ValueError(f"ceilings must be > 0, got {self.gemm_flops}, {self.read_bandwidth}")
-        if self.decode_step_s < 0 or self.decode_context < 0 or self.threads < 0:
-            raise ValueError("decode_step_s, decode_context and threads must be >= 0")
+        if self.decode_step_s < 0 or self.decode_context < 0 or self.threads < 0 or self.prefill_step_s < 0:
+            raise ValueError("decode_step_s, decode_context, threads and prefill_step_s must be >= 0")
 
 
 H100 = GpuSpec("h100", peak_flops=989e12, mem_bandwidth=3.35e12, mem_bytes=80e9, nvlink_bandwidth=450e9,

@@ -55,14 +55,15 @@ class StepModel:
     mbu: float = 0.7
     overhead_s: float = 0.0
     startup_s: float = 120.0  # a new replica: pod scheduled, weights loaded, warmed up
+    token_overhead_s: float = 0.0  # per computed token, what the roofline leaves out (norms, activations, RoPE)
 
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         if not 0 < self.mfu <= 1 or not 0 < self.mbu <= 1:
             raise ValueError(f"mfu and mbu must be in (0, 1], got {self.mfu}, {self.mbu}")
-        if self.overhead_s < 0 or self.startup_s < 0:
-            raise ValueError("overhead_s and startup_s must be >= 0")
+        if self.overhead_s < 0 or self.startup_s < 0 or self.token_overhead_s < 0:
+            raise ValueError("overhead_s, startup_s and token_overhead_s must be >= 0")
 
     @property
     def kv_capacity_bytes(self) -> float:
@@ -85,7 +86,7 @@ class StepModel:
         if tp > 1:
             msg = tokens * m.hidden * m.dtype_bytes
             t += 2 * m.layers * (g.allreduce_latency_s + 2 * (tp - 1) / tp * msg / g.nvlink_bandwidth)
-        return t + self.overhead_s
+        return t + self.overhead_s + tokens * self.token_overhead_s
 
     def transfer_time(self, tokens: int) -> float:
         """Seconds to move ``tokens`` of KV from one replica to another (both of this TP degree)."""

@@ -1,18 +1,19 @@
 """The calibration that can fail: the simulator, given this CPU as one worker sees it (its measured GEMM rate, read
-bandwidth and the engine's own one-token decode step) as its "GPU", predicts the TTFT and inter-token latency of a
-real ``tandem up`` run of the same workload within 20%.
+bandwidth and the engine's own one-token decode and one-prompt prefill steps) as its "GPU", predicts the TTFT and
+inter-token latency of a real ``tandem up`` run of the same workload within 20%.
 
 The real side: ``tandem up`` (real Ray, a real prefill and a real decode worker process, the router) on the built-in
-small Llama (~110M parameters, float32: big enough that a step is its matmuls and weight reads, not Python), sent
-one request at a time (512 random prompt tokens, 32 output tokens, greedy, EOS ignored) over streaming HTTP; TTFT
-and the mean gap between tokens are taken at the client. The simulated side: the same model's config.json, the same
-requests, one prefill and one decode replica whose "GPU" is ``bench/ceilings.py``'s measurement of this CPU at the
-decode worker's own thread count (read from the running worker's environment: Ray gives a fractional-CPU actor
+small Llama (~110M parameters, float32: big enough that a step is its matmuls and weight reads, not Python), sent one
+request at a time (512 random prompt tokens, 32 output tokens, greedy, EOS ignored) over streaming HTTP; TTFT and the
+mean gap between tokens are taken at the client. The simulated side: the same model's config.json, the same requests,
+one prefill and one decode replica whose "GPU" is ``bench/ceilings.py``'s measurement of this CPU at the decode
+worker's own thread count (read from the running worker's environment: Ray gives a fractional-CPU actor
 ``OMP_NUM_THREADS=1``), in a fresh process, taken just before and just after the requests while ``tandem up`` idles
-(the mean of the two), with MFU = MBU = 1 (they are already achieved rates). The measured decode step, less the
-roofline's time for it, is the per-step cost the roofline charges every step; nothing is taken from the run it is
-compared with. When the two measurements differ by more than 25% the machine's speed moved under the run (a shared
-machine), and the test is skipped with both figures rather than compared against a moving target.
+(the mean of the two), with MFU = MBU = 1 (they are already achieved rates). The measured decode and prefill steps,
+less the roofline's time for each, give the per-step and per-token costs the roofline charges every step; nothing is
+taken from the run it is compared with. When the two measurements differ by more than 25% the machine's speed moved
+under the run (a shared machine), and the test is skipped with both figures rather than compared against a moving
+target.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def _verdict(before: Ceilings, after: Ceilings, real: tuple[float, float], sim: 
     mean TTFT and inter-token latency within 20% of the real run's."""
     drifts = {"GEMM rate": _drift(before.gemm_flops, after.gemm_flops),
               "read bandwidth": _drift(before.read_bandwidth, after.read_bandwidth),
-              "decode step": _drift(before.decode_step_s, after.decode_step_s)}
+              "decode step": _drift(before.decode_step_s, after.decode_step_s),
+              "prefill step": _drift(before.prefill_step_s, after.prefill_step_s)}
     worst = max(drifts, key=lambda k: drifts[k])
     if drifts[worst] > STEADY:
         pytest.skip(f"this CPU's {worst} moved {drifts[worst]:.0%} during the run; the calibration needs a machine "
@@ -143,14 +145,16 @@ def _verdict(before: Ceilings, after: Ceilings, real: tuple[float, float], sim: 
 def test_the_comparison_skips_only_on_drift_and_otherwise_asserts_20_percent() -> None:
     """The skip is narrow: a steady machine always gets the 20% assertion, pass or fail; only a measured figure
     that moved more than 25% skips, whatever the latencies."""
-    base = Ceilings(100e9, 20e9, 0.040, PROMPT, 1)
-    steady = Ceilings(110e9, 18e9, 0.048, PROMPT, 1)  # each figure within 25% of base
+    base = Ceilings(100e9, 20e9, 0.040, PROMPT, 1, 0.5)
+    steady = Ceilings(110e9, 18e9, 0.048, PROMPT, 1, 0.55)  # each figure within 25% of base
     _verdict(base, steady, (1.0, 0.040), (1.15, 0.034), "r")  # +15% / -15%: passes
     for sim in ((1.25, 0.040), (1.0, 0.031)):  # TTFT +25%, then inter-token -22.5%: fails, not skipped
         with pytest.raises(AssertionError, match="off by more than 20%"):
             _verdict(base, steady, (1.0, 0.040), sim, "r")
-    for moved, name in ((Ceilings(70e9, 20e9, 0.040), "GEMM rate"), (Ceilings(100e9, 15e9, 0.040), "read bandwidth"),
-                        (Ceilings(100e9, 20e9, 0.052), "decode step")):
+    for moved, name in ((Ceilings(70e9, 20e9, 0.040, PROMPT, 1, 0.5), "GEMM rate"),
+                        (Ceilings(100e9, 15e9, 0.040, PROMPT, 1, 0.5), "read bandwidth"),
+                        (Ceilings(100e9, 20e9, 0.052, PROMPT, 1, 0.5), "decode step"),
+                        (Ceilings(100e9, 20e9, 0.040, PROMPT, 1, 0.65), "prefill step")):
         with pytest.raises(pytest.skip.Exception, match=f"{name} moved"):
             _verdict(base, moved, (1.0, 0.040), (1.0, 0.040), "r")  # even a perfect prediction: nothing to compare
 
@@ -167,7 +171,8 @@ def test_the_simulator_on_this_cpus_ceilings_predicts_a_real_tandem_up_run_withi
         real_ttft, real_itl = _requests(model, port)
         after = worker_ceilings(model, PROMPT, OUTPUT, threads)
     ceilings = Ceilings((before.gemm_flops + after.gemm_flops) / 2, (before.read_bandwidth + after.read_bandwidth) / 2,
-                        (before.decode_step_s + after.decode_step_s) / 2, PROMPT, threads)
+                        (before.decode_step_s + after.decode_step_s) / 2, PROMPT, threads,
+                        (before.prefill_step_s + after.prefill_step_s) / 2)
     trace = [TraceRequest(1000.0 * i, PROMPT, OUTPUT, (1000 + 2 * i, 1001 + 2 * i)) for i in range(REQUESTS)]
     sim_ttft, sim_itl = predict(cfg, ceilings, trace)
     real = (sum(real_ttft) / len(real_ttft), sum(real_itl) / len(real_itl))

@@ -40,7 +40,7 @@ import grpc
 
 from proto.tandem.v1 import worker_pb2 as pb
 from router.pool import Worker, WorkerPool
-from router.session import SessionError
+from router.session import SessionError, WorkerSession
 
 log = logging.getLogger(__name__)
 Metadata = tuple[tuple[str, str], ...]  # gRPC call metadata (the request's trace context)
@@ -351,8 +351,15 @@ class Dispatcher:
         if first.HasField("first_logprob"):
             dreq.first_logprob.CopyFrom(first.first_logprob)
         yield first_chunk(first, len(prompt))  # at once: decode's stream starts only once the KV has landed
-        call = plan.decode.stub.Decode(dreq, timeout=t, metadata=meta)
-        async with contextlib.aclosing(_paced(call, plan.decode, rid, self.config.max_buffered_tokens)) as chunks:
+        session = plan.decode.session
+        if session is not None and not trace:
+            # Batched with every other request on the worker's session: one message per engine step, not one per
+            # token per request. A trace context travels only as the Decode call's metadata: that path keeps it.
+            source = _session_decode(session, plan.decode, dreq, t, self.config.max_buffered_tokens)
+        else:
+            call = plan.decode.stub.Decode(dreq, timeout=t, metadata=meta)
+            source = _paced(call, plan.decode, rid, self.config.max_buffered_tokens)
+        async with contextlib.aclosing(source) as chunks:
             async for chunk in chunks:
                 if not chunk.num_cached_tokens:
                     chunk.num_cached_tokens = first.num_cached_tokens
@@ -476,6 +483,20 @@ async def _paced(call: Any, w: Worker, rid: str, limit: int) -> AsyncGenerator[p
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def _session_decode(session: WorkerSession, w: Worker, request: pb.DecodeRequest, timeout_s: float,
+                          limit: int) -> AsyncGenerator[pb.TokenChunk, None]:
+    """``Decode`` over the worker's session (router/session.py): the same chunks, the same backpressure (the
+    session pauses the request past ``limit`` buffered tokens), its failure raised as the call's would be."""
+    chunks = session.decode(request, timeout_s, limit)
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except SessionError as e:
+        raise _WorkerFailed(w, "Decode", e.code, e.details) from None
+    finally:
+        await chunks.aclose()
 
 
 async def _abort(w: Worker, rid: str) -> None:

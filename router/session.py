@@ -1,4 +1,7 @@
-"""The router's end of a worker's ``Session`` stream: colocated requests multiplexed over one stream.
+"""The router's end of a worker's ``Session`` stream: requests multiplexed over one stream.
+
+Colocated requests (``generate``) and the ``Decode`` step of disaggregated ones (``decode``, router/dispatch.py)
+travel the same way: one entry in the next batched message out, their chunks batched per engine step back.
 
 A ``Generate`` call per request costs CPU on each side for every request in Python gRPC (call setup, its
 completion queue, a thread hop on the worker); on a session a request is an entry in the next batched message
@@ -112,6 +115,7 @@ class WorkerSession:
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[str, _Pending] = {}
         self._out_generate: list[pb.GenerateRequest] = []
+        self._out_decode: list[pb.DecodeRequest] = []
         self._out_abort: list[str] = []
         self._out_pace: dict[str, bool] = {}  # request id -> pause (True) or resume (False), sent with the next message
         self._writing = False
@@ -137,10 +141,17 @@ class WorkerSession:
     def in_flight(self) -> int:
         return len(self._pending)
 
-    async def generate(self, request: pb.GenerateRequest, timeout_s: float,
+    def decode(self, request: pb.DecodeRequest, timeout_s: float,
+               max_buffered_tokens: int = MAX_BUFFERED_TOKENS) -> AsyncGenerator[pb.TokenChunk, None]:
+        """A disaggregated request's ``Decode`` on this session (the worker reserved it): ``generate``'s chunks,
+        errors (the status the ``Decode`` call would have ended with) and backpressure."""
+        return self.generate(request, timeout_s, max_buffered_tokens)
+
+    async def generate(self, request: pb.GenerateRequest | pb.DecodeRequest, timeout_s: float,
                        max_buffered_tokens: int = MAX_BUFFERED_TOKENS) -> AsyncGenerator[pb.TokenChunk, None]:
         """Yield ``request``'s chunks through the last (finish_reason set); raise SessionError on failure. At most
-        ``max_buffered_tokens`` wait for the consumer: beyond, the worker pauses the request until it catches up."""
+        ``max_buffered_tokens`` wait for the consumer: beyond, the worker pauses the request until it catches up.
+        A ``DecodeRequest`` is a disaggregated request's decode (``decode``)."""
         loop = asyncio.get_running_loop()
         rid = request.request_id
         p = self._submit(loop, request, timeout_s, None, max_buffered_tokens)
@@ -196,7 +207,7 @@ class WorkerSession:
 
         return cancel
 
-    def _submit(self, loop: asyncio.AbstractEventLoop, request: pb.GenerateRequest, timeout_s: float,
+    def _submit(self, loop: asyncio.AbstractEventLoop, request: pb.GenerateRequest | pb.DecodeRequest, timeout_s: float,
                 sink: Callable[[pb.TokenChunk], bool] | None, limit: int = 0) -> _Pending:
         if self._closed:
             raise SessionError(grpc.StatusCode.UNAVAILABLE, f"session to {self.name} is closed")
@@ -206,7 +217,10 @@ class WorkerSession:
         p = _Pending(loop.time() + timeout_s, sink, limit)
         self._pending[rid] = p
         self._ensure_open()
-        self._out_generate.append(request)
+        if isinstance(request, pb.DecodeRequest):
+            self._out_decode.append(request)
+        else:
+            self._out_generate.append(request)
         self._kick()
         if self._sweeper is None:
             self._sweeper = loop.call_later(_SWEEP_S, self._sweep)
@@ -226,7 +240,7 @@ class WorkerSession:
         self._pace(rid, pause)
 
     def _has_out(self) -> bool:
-        return bool(self._out_generate or self._out_abort or self._out_pace)
+        return bool(self._out_generate or self._out_decode or self._out_abort or self._out_pace)
 
     def _give_up(self, rid: str, p: _Pending) -> None:
         if self._pending.get(rid) is p:  # given up before its end: stop it on the worker
@@ -300,6 +314,9 @@ class WorkerSession:
                 break
             n += 1
         msg = pb.SessionRequest(generate=out[:n], abort=self._out_abort)
+        if self._out_decode:  # small and few per message (one per request that finished its prefill meanwhile)
+            msg.decode.extend(self._out_decode)
+            self._out_decode = []
         if self._out_pace:
             msg.pause.extend(rid for rid, pause in self._out_pace.items() if pause)
             msg.resume.extend(rid for rid, pause in self._out_pace.items() if not pause)
@@ -368,9 +385,11 @@ class WorkerSession:
         if self._closed:
             return
         resend = [g for m in written for g in m.generate if g.request_id in self._pending]
-        if not resend and not self._out_generate:
+        resend_decode = [d for m in written for d in m.decode if d.request_id in self._pending]
+        if not resend and not resend_decode and not self._out_generate and not self._out_decode:
             return
         self._out_generate[:0] = resend
+        self._out_decode[:0] = resend_decode
         self._ensure_open()
         self._kick()
 
@@ -380,6 +399,7 @@ class WorkerSession:
             return
         self._call = None
         self._out_generate = []
+        self._out_decode = []
         self._out_abort = []
         self._out_pace = {}
         if self._pending:

@@ -33,7 +33,7 @@ from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from worker.convert import chunk_from_outputs, params_from_proto
 from worker.lora_admin import adapter_infos
 from worker.parking import Parking
-from worker.session import WorkerSession
+from worker.session import WorkerSession, without_first_token
 
 EVENT_RING = 4096
 STALL_TIMEOUT_S = 60.0  # a request paused for its client (backpressure) this long fails
@@ -314,14 +314,3 @@ class WorkerService(pb_grpc.WorkerServicer):
         if out is not None:
             out.new_text = message
             self.loop.publish(out)
-
-
-def without_first_token(chunk: pb.TokenChunk, first: RequestOutput) -> pb.TokenChunk:
-    """A stream's first chunk less its first token (and that token's logprob and text), which the caller already
-    streamed from ``PrefillResponse``; ``first`` is the output that carried it."""
-    if chunk.token_ids:
-        del chunk.token_ids[0]
-    if chunk.logprobs:
-        del chunk.logprobs[0]
-    chunk.text = chunk.text[len(first.new_text):]
-    return chunk

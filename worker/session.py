@@ -1,4 +1,4 @@
-"""A router's ``Session`` stream on a worker: many colocated requests multiplexed over one stream.
+"""A router's ``Session`` stream on a worker: many requests (colocated and disaggregated decodes) over one stream.
 
 Lifecycle, as queues::
 
@@ -8,9 +8,15 @@ Lifecycle, as queues::
                                                                                  merged per request, paced,
                                                                                  one SessionReply per wake-up
 
-A request ends with its finished chunk or with an error entry (the status a ``Generate`` call would have ended
-with). When the stream ends (the router closed it, went away, or the connection dropped), every request of the
-session that is still running is aborted on the engine, so its blocks are freed: nothing outlives its session.
+A disaggregated ``Decode`` (``SessionRequest.decode``, for a request this worker reserved) takes the same path from
+the engine loop on: its first token is handed over there (``DecodeService.deliver_op``: the lease and reservation
+checks, the refusal codes) and its outputs join the session's queue; ``first_token_sent`` leaves the first token out
+of its first chunk, as the ``Decode`` call does.
+
+A request ends with its finished chunk or with an error entry (the status a ``Generate`` or ``Decode`` call would
+have ended with). When the stream ends (the router closed it, went away, or the connection dropped), every request
+of the session that is still running is aborted on the engine, so its blocks are freed: nothing outlives its
+session.
 
 The stream is the gRPC ``Session`` call, or a connection to :class:`SessionListener`'s plain TCP port (the same
 messages as length-prefixed frames, ``wire/framing.py``, without gRPC's per-message cost); the session is the
@@ -88,13 +94,23 @@ class _Route:
 
 @dataclass(slots=True)
 class _Relay:
-    """Reply-thread state of one live request: outputs held for pacing and what was already sent."""
+    """Reply-thread state of one live request: outputs held for pacing and what was already sent. ``skip_first``: a
+    Decode whose caller already streamed the first token; it is left out of the first chunk and of the count that
+    pacing holds tokens for (``held`` starts at -1), as in the ``Decode`` call's relay."""
 
     min_chunk_tokens: int
     last_s: float
+    skip_first: bool = False
     batch: list[RequestOutput] = field(default_factory=list)
     held: int = 0
     sent: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class _Live:
+    min_chunk_tokens: int
+    taken_s: float  # monotonic time the session took the request
+    skip_first: bool = False
 
 
 class WorkerSession:
@@ -102,8 +118,8 @@ class WorkerSession:
         self.service = service
         self.q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        # request id -> (min_chunk_tokens, monotonic time it was taken), for every request not yet ended
-        self._live: dict[str, tuple[int, float]] = {}
+        # request id -> how to relay it and when it was taken, for every request not yet ended
+        self._live: dict[str, _Live] = {}
         self._closed = False
 
     # ---- reader thread -------------------------------------------------------------------------------------
@@ -122,6 +138,8 @@ class WorkerSession:
         """One message from the router (never blocks: everything goes to the engine loop as a command)."""
         if msg.generate:
             self._submit(msg.generate)
+        if msg.decode:
+            self._submit_decode(msg.decode)
         if msg.abort:
             self._abort(list(msg.abort))
         if msg.pause or msg.resume:
@@ -168,10 +186,9 @@ class WorkerSession:
                     dup = True
                 else:
                     dup = False
-                    self._live[rid] = (g.min_chunk_tokens, time.monotonic())
+                    self._live[rid] = _Live(g.min_chunk_tokens, time.monotonic())
             if dup:
-                self.q.put((rid, _Failed(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid} is already live",
-                                         ends=False)))
+                self._duplicate(rid)
                 continue
             accepted.append((rid, list(g.prompt_token_ids), params))
             if g.lora:
@@ -190,6 +207,53 @@ class WorkerSession:
 
         fut = svc.loop.call(add)
         fut.add_done_callback(lambda f: self._lost(f, [rid for rid, _, _ in accepted]))
+
+    def _duplicate(self, rid: str) -> None:
+        self.q.put((rid, _Failed(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid} is already live", ends=False)))
+
+    def _submit_decode(self, reqs: Iterable[pb.DecodeRequest]) -> None:
+        """Disaggregated decodes of requests this worker reserved: what the ``Decode`` call does, with the
+        session's queue as the sink. A refusal (no reservation, its transfer failed, the first token refused) ends
+        the request with the status ``Decode`` would have ended with. Not refused while draining: a reserved
+        request is the worker's to finish, as on the ``Decode`` call."""
+        svc = self.service
+        deliver_op: Any = getattr(svc, "deliver_op", None)  # worker/decode_service.py's DecodeService
+        accepted: list[pb.DecodeRequest] = []
+        for d in reqs:
+            rid = d.request_id
+            if not rid:
+                continue
+            if deliver_op is None:
+                self._fail(rid, grpc.StatusCode.FAILED_PRECONDITION, "this worker does not decode")
+                continue
+            with self._lock:
+                if self._closed:
+                    return
+                dup = rid in self._live
+                if not dup:
+                    self._live[rid] = _Live(d.min_chunk_tokens, time.monotonic(), d.first_token_sent)
+            if dup:
+                self._duplicate(rid)
+                continue
+            accepted.append(d)
+        if not accepted:
+            return
+        ops = [(d.request_id, deliver_op(d, _Route(d.request_id, self.q))) for d in accepted]
+        refusal_code: Any = getattr(svc, "refusal_code")  # noqa: B009  # a DecodeService, as deliver_op says
+
+        def deliver(eng: LLMEngine) -> None:
+            for rid, op in ops:
+                try:
+                    got = op(eng)
+                except Exception as e:  # one request's failure is its own: the others are delivered
+                    log.exception("session decode of %s failed", rid)
+                    self.q.put((rid, _Failed(grpc.StatusCode.INTERNAL, f"request {rid}: {e}")))
+                    continue
+                if isinstance(got, str):
+                    self.q.put((rid, _Failed(refusal_code(rid), f"request {rid}: {got}")))
+
+        fut = svc.loop.call(deliver)
+        fut.add_done_callback(lambda f: self._lost(f, [d.request_id for d in accepted]))
 
     def _lost(self, fut: Any, rids: list[str]) -> None:
         """The engine loop could not take the requests (it stopped): each one fails instead of waiting."""
@@ -247,7 +311,9 @@ class WorkerSession:
             for rid in touched:
                 r = relays.get(rid)
                 if r is not None and r.batch and (r.batch[-1].finished or r.held >= r.min_chunk_tokens):
-                    chunks.append(self._chunk(rid, r, relays))
+                    c = self._chunk(rid, r, relays)
+                    if c is not None:
+                        chunks.append(c)
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + _TICK_S
@@ -263,9 +329,9 @@ class WorkerSession:
         with self._lock:
             live = list(self._live.items())
         stale = []
-        for rid, (_, taken_s) in live:
+        for rid, entry in live:
             r = relays.get(rid)
-            if now - (r.last_s if r is not None else taken_s) > timeout_s:
+            if now - (r.last_s if r is not None else entry.taken_s) > timeout_s:
                 stale.append(rid)
         if not stale:
             return []
@@ -299,7 +365,8 @@ class WorkerSession:
                 entry = self._live.get(rid)
             if entry is None:
                 return  # ended (closed, expired) under it; the abort is on its way
-            r = relays[rid] = _Relay(entry[0], time.monotonic())
+            r = relays[rid] = _Relay(entry.min_chunk_tokens, time.monotonic(), entry.skip_first,
+                                     held=-1 if entry.skip_first else 0)
         if out.finish_reason == "error":
             del relays[rid]
             self._ended(rid)
@@ -312,19 +379,37 @@ class WorkerSession:
         r.last_s = time.monotonic()
         touched.add(rid)
 
-    def _chunk(self, rid: str, r: _Relay, relays: dict[str, _Relay]) -> pb.SessionChunk:
+    def _chunk(self, rid: str, r: _Relay, relays: dict[str, _Relay]) -> pb.SessionChunk | None:
+        """The held outputs as one chunk; None when nothing is left to send (a Decode's first output carried only
+        the first token, which its caller already has)."""
         chunk = chunk_from_outputs(r.batch, r.sent)
+        if r.skip_first and not r.sent:
+            chunk = without_first_token(chunk, r.batch[0])
+            r.held += 1  # ``sent`` indexes the request's outputs, the skipped first token included
         r.sent += r.held
         r.held = 0
         if r.batch[-1].finished:
             del relays[rid]
             self._ended(rid)
         r.batch = []
+        if not chunk.token_ids and not chunk.finish_reason:
+            return None
         return pb.SessionChunk(request_id=rid, chunk=chunk)
 
     def _ended(self, rid: str) -> None:
         with self._lock:
             self._live.pop(rid, None)
+
+
+def without_first_token(chunk: pb.TokenChunk, first: RequestOutput) -> pb.TokenChunk:
+    """A stream's first chunk less its first token (and that token's logprob and text), which the caller already
+    streamed from ``PrefillResponse``; ``first`` is the output that carried it."""
+    if chunk.token_ids:
+        del chunk.token_ids[0]
+    if chunk.logprobs:
+        del chunk.logprobs[0]
+    chunk.text = chunk.text[len(first.new_text):]
+    return chunk
 
 
 def _frames(stream: socket.socket | DuplexTLS) -> Iterator[bytes]:

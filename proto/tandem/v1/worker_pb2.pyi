@@ -346,16 +346,18 @@ class SnapshotResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("generate", "abort", "pause", "resume")
+    __slots__ = ("generate", "abort", "pause", "resume", "decode")
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     PAUSE_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     generate: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
     abort: _containers.RepeatedScalarFieldContainer[str]
     pause: _containers.RepeatedScalarFieldContainer[str]
     resume: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, generate: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., abort: _Optional[_Iterable[str]] = ..., pause: _Optional[_Iterable[str]] = ..., resume: _Optional[_Iterable[str]] = ...) -> None: ...
+    decode: _containers.RepeatedCompositeFieldContainer[DecodeRequest]
+    def __init__(self, generate: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., abort: _Optional[_Iterable[str]] = ..., pause: _Optional[_Iterable[str]] = ..., resume: _Optional[_Iterable[str]] = ..., decode: _Optional[_Iterable[_Union[DecodeRequest, _Mapping]]] = ...) -> None: ...
 
 class SessionChunk(_message.Message):
     __slots__ = ("request_id", "chunk", "error_code", "error")

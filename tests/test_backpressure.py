@@ -97,7 +97,8 @@ def test_a_1_byte_per_second_reader_is_paused_bounded_and_alone(
             assert slow_tokens < MAX_TOKENS // 2, f"{slow_tokens} tokens generated for a client that reads nothing"
 
             def buffered(r: object) -> int:
-                """Tokens the router's session holds for its requests (the colocated path's buffer)."""
+                """Tokens the router's session holds for its requests (both paths: a disaggregated request's
+                Decode travels the session too)."""
                 session = r.pool.workers[w.address].session  # type: ignore[attr-defined]
                 return max((p.buffered for p in session._pending.values()), default=0)
 
@@ -105,7 +106,7 @@ def test_a_1_byte_per_second_reader_is_paused_bounded_and_alone(
             held = rt.call(buffered)
             print(f"slow {mode} stream: {slow_tokens} tokens generated, {held} held by the router's session, "
                   f"{got[0]} bytes read")
-            assert held <= 2 * limit and (held > 0) == (mode == "colocated"), f"the router holds {held} tokens"
+            assert 0 < held <= 2 * limit, f"the router holds {held} tokens"
 
             # The others are unaffected: exact and prompt, while the slow one stays paused.
             tok = Tokenizer(path)

@@ -21,6 +21,10 @@ class TransferConfig:
     nixl_backends: tuple[str, ...] = ("UCX",)
     nixl_progress_delay_us: int = 100  # NIXL's progress thread's idle sleep (its API's 0 spins on a whole core)
     io_cpus: tuple[int, ...] = ()  # CPUs for every thread the transport starts (kvtransfer.io_cpus)
+    # TCP backend: each connection's writes run on a native thread (kvtransfer/tcp_pump.c) that never takes the GIL,
+    # handed over on the caller's thread; False, or where it cannot build (TANDEM_NATIVE_KERNELS=0, no compiler,
+    # TLS), the Python worker thread writes them.
+    native_io: bool = True
     # TCP backend: mutual TLS (auth/tls.py builds both contexts from --tls-*); ``tls_client`` checks the receiver
     # against ``tls_server_name`` (None: the host dialled). Both None: plain TCP (loopback ``tandem up``).
     tls_server: ssl.SSLContext | None = None

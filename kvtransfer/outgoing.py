@@ -215,12 +215,12 @@ class QueuedSender(KVSender):
                 leg.peer = peer
         hello = hello_payload(self.out.plan(entry))  # plan raises CompatibilityError; the peer is told
         for leg in entry.ctx.legs:
-            self._queue.put(("control", leg.peer, control(Kind.HELLO, leg.dest.transfer_id, hello)))
+            self._submit(("control", leg.peer, control(Kind.HELLO, leg.dest.transfer_id, hello)))
 
     def _notify_peer(self, entry: Entry, message: str) -> None:
         for leg in entry.ctx.legs:
             if leg.peer is not None:
-                self._queue.put(("control", leg.peer, control(Kind.FAIL, leg.dest.transfer_id, message.encode())))
+                self._submit(("control", leg.peer, control(Kind.FAIL, leg.dest.transfer_id, message.encode())))
 
     def _on_reply(self, peer: Any, frame: Frame, payload: bytes | bytearray) -> None:
         with self.book.lock:  # an ACK ends the leg on this peer
@@ -255,9 +255,13 @@ class QueuedSender(KVSender):
         for entry, _ in legs:
             self.book.fail(entry, f"sender: {reason} ({peer.endpoint})".splitlines()[0])
 
+    def _submit(self, item: tuple[str, Any, Any]) -> None:
+        """Hand one item (control, layer or finish) to the writes: by default queued for the worker."""
+        self._queue.put(item)
+
     def _work(self) -> None:
-        """The worker, the only thread that writes to this sender's peers: it waits (up to ``io_timeout_s``) for an
-        item, takes whatever else is already queued (up to ``MAX_BATCH``) and sends them in the same writes."""
+        """The worker: it waits (up to ``io_timeout_s``) for an item, takes whatever else is already queued (up to
+        ``MAX_BATCH``) and sends them in the same writes."""
         while not self._stop.is_set():
             if self._queue.empty():
                 self._idle()
@@ -267,28 +271,35 @@ class QueuedSender(KVSender):
                 continue
             while len(batch) < MAX_BATCH and not self._queue.empty():  # the only consumer: this get cannot fail
                 batch.append(self._queue.get_nowait())
-            writes: dict[Any, PeerWrites] = {}
-            try:
-                for op, arg, extra in batch:
-                    if op == "stop":
-                        return
-                    if op == "control":
-                        writes_for(writes, arg, time.monotonic() + self.config.connect_timeout_s).frames.append(extra)
-                    elif op == "layer":
-                        if extra is not None:  # pragma: no cover - needs a GPU
-                            extra.synchronize()
-                        self._gather_layer(writes, *arg)
-                    elif op == "finish" and (entry := self.out.live(arg)) is not None:
-                        entry.ctx.finish_requested = True
-                        for leg in entry.ctx.legs:
-                            w = writes_for(writes, leg.peer, entry.deadline)
-                            w.frames.append(control(Kind.FINISH, leg.dest.transfer_id))
-            except InterruptedError:
+            if not self._handle(batch):
                 return
-            except Exception:  # never let one request kill the worker
-                log.exception("kv %s sender: building writes failed", self.backend_name)
-            finally:
-                self._flush(writes)
+
+    def _handle(self, batch: list[tuple[str, Any, Any]]) -> bool:
+        """Gather ``batch``'s items per peer and write them (``_flush``); False when it held the stop item. Items
+        are handled by one thread at a time (the worker, or a subclass's caller under its own lock)."""
+        writes: dict[Any, PeerWrites] = {}
+        try:
+            for op, arg, extra in batch:
+                if op == "stop":
+                    return False
+                if op == "control":
+                    writes_for(writes, arg, time.monotonic() + self.config.connect_timeout_s).frames.append(extra)
+                elif op == "layer":
+                    if extra is not None:  # pragma: no cover - needs a GPU
+                        extra.synchronize()
+                    self._gather_layer(writes, *arg)
+                elif op == "finish" and (entry := self.out.live(arg)) is not None:
+                    entry.ctx.finish_requested = True
+                    for leg in entry.ctx.legs:
+                        w = writes_for(writes, leg.peer, entry.deadline)
+                        w.frames.append(control(Kind.FINISH, leg.dest.transfer_id))
+        except InterruptedError:
+            return False
+        except Exception:  # never let one request kill the worker
+            log.exception("kv %s sender: building writes failed", self.backend_name)
+        finally:
+            self._flush(writes)
+        return True
 
     def register(self, kv_caches: KVCaches, layout: KVLayout) -> None:
         self.out.register(kv_caches, layout)
@@ -299,11 +310,11 @@ class QueuedSender(KVSender):
         if self.out.kv_caches and self.out.kv_caches[layer][0].is_cuda:  # pragma: no cover - needs a GPU
             ready = torch.cuda.Event()
             ready.record()
-        self._queue.put(("layer", (request_id, layer), ready))
+        self._submit(("layer", (request_id, layer), ready))
 
     def finish(self, request_id: str) -> None:
         self.book.get(request_id)
-        self._queue.put(("finish", request_id, None))
+        self._submit(("finish", request_id, None))
 
     def release(self, request_id: str) -> None:
         entry = self.out.release(request_id)

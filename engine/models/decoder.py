@@ -15,7 +15,9 @@ uncast, so a rank reads (pages in) only its own rows or columns of it:
 - vocab parallel: the embedding and the LM head hold ``ceil(vocab / tp)`` rows each; a rank embeds only its ids
   (zeros elsewhere) and writes its logits into a zero row of the whole vocabulary, and ``tp_reduce`` sums both.
   Every element then has one non-zero term, so the sum is exact (an all-gather done with the one collective);
-- norms and the MoE router are replicated; experts are split across expert-parallel ranks (``ep_reduce``).
+- norms and the MoE router are replicated; experts are split across expert-parallel ranks, which exchange MoE rows
+  through the :class:`ExpertExchange` that :meth:`CausalLM.attach_expert_exchange` gives every MoE layer (exact:
+  see :class:`SparseMoE`), or sum their partial outputs with ``ep_reduce`` (not in EP=1's order).
 
 Pipeline stages hold a contiguous range of layers (:meth:`ShardSpec.stage_layers`); the others are built but never
 loaded nor touched (their memory is never committed). A stage receives the previous stage's hidden states and sends
@@ -36,7 +38,15 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.cpu_runtime import empty_on_huge_pages
 from engine.model_config import ModelConfig
-from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE, linear, prepack_linear_weight
+from engine.models.layers import (
+    ExpertExchange,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    SparseMoE,
+    linear,
+    prepack_linear_weight,
+)
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -217,6 +227,8 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         self.tp_reduce = tp_reduce
         self.ep_reduce = ep_reduce
+        # an expert-parallel rank needs an exchange or an ep_reduce, or its MoE layers would return partial sums
+        self._ep_unwired = self.shard.ep_size > 1 and ep_reduce is _identity
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, dtype)
         self.rotary = rotary
         self.vocab_start, self.vocab_rows = self.shard.vocab_rows(cfg.vocab_size)
@@ -237,6 +249,9 @@ class CausalLM(nn.Module):
 
         ``after_layer(i)`` is called once layer ``i`` has written its KV, which is when its blocks can be sent.
         """
+        if self._ep_unwired:
+            raise RuntimeError("an expert-parallel rank runs with neither an ep_reduce nor an expert exchange "
+                               "(CausalLM.attach_expert_exchange)")
         layers = layers if layers is not None else self.stage
         if hidden is None and self.pipe is not None and not self.shard.first_stage:
             hidden = self.pipe.recv_hidden((input_ids.shape[0], self.cfg.hidden_size), self.dtype)
@@ -251,6 +266,20 @@ class CausalLM(nn.Module):
         if self.pipe is not None and not self.shard.last_stage:
             self.pipe.send_hidden(x)
         return x
+
+    def attach_expert_exchange(self, exchange: ExpertExchange) -> None:
+        """Give every MoE layer of this stage the row exchange of its expert-parallel group (instead of an
+        ``ep_reduce``: the MoE layers then return the whole output, bit-identical to EP=1)."""
+        if exchange.size != self.shard.ep_size or exchange.rank != self.shard.ep_rank:
+            raise ValueError(f"exchange rank {exchange.rank} of {exchange.size}, but this shard is expert-parallel "
+                             f"rank {self.shard.ep_rank} of {self.shard.ep_size}")
+        if self.ep_reduce is not _identity:
+            raise ValueError("this model already sums its MoE partial outputs with an ep_reduce")
+        for i in self.stage:
+            mlp = self._layer_seq[i].mlp
+            if isinstance(mlp, SparseMoE):
+                mlp.exchange = exchange
+        self._ep_unwired = False
 
     def prepack(self) -> None:
         """Pack the dense matmul weights for oneDNN (CPU); see :func:`prepack_linear_weight`."""

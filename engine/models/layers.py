@@ -8,9 +8,11 @@ routing softmax in float32.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -236,12 +238,46 @@ def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+class ExpertExchange(Protocol):
+    """The collectives expert-parallel ranks move MoE rows with (:class:`engine.parallel.process_group.GroupExchange`
+    across processes, :class:`engine.parallel.thread_group.ThreadGroup` in process). ``dispatch`` picks
+    :class:`SparseMoE`'s scheme: ``"all_gather"`` or ``"all_to_all"``."""
+
+    rank: int
+    size: int
+    dispatch: str
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` (the same shape on all), stacked in rank order: ``[size * rows, ...]``."""
+        ...
+
+    def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """Send ``x``'s rows split by ``send`` to the ranks in order; return the rows received, ``recv[i]`` from
+        rank ``i``, in rank order."""
+        ...
+
+
 class SparseMoE(nn.Module):
     """Top-k routed experts. Expert weights are stacked: ``w13`` [E, 2I, H] (gate|up), ``w2`` [E, H, I].
 
-    Tokens are grouped per expert, and only the experts that receive tokens run: on CPU this is the cheapest exact
-    formulation. With expert parallelism each rank holds a slice of the experts (``expert_offset``) and the partial
-    outputs are summed across ranks.
+    Every (token, top-k slot) pair is a *row*. Rows are sorted by expert (stably, so by token within an expert);
+    only the experts that receive rows run, each on its rows in token order (on CPU the cheapest exact formulation);
+    then each token's output is the sum of its weighted expert outputs, added in expert order from zero
+    (``index_add_`` per expert, as transformers does).
+
+    Expert parallelism: a rank holds ``num_local`` experts from ``expert_offset``; the router is replicated and every
+    rank routes every token, so every rank knows every row's expert and every split size without asking. With an
+    :class:`ExpertExchange` attached, the output is the single-rank output bit for bit, because each expert runs on
+    the same rows in the same order and each token's outputs are added in the same order:
+
+    - ``all_gather``: each rank runs its experts on their rows; the weighted outputs (padded to the longest rank's
+      share) are all-gathered, and every rank adds them up for every token.
+    - ``all_to_all``: the tokens are split into one contiguous slice per rank. Each rank sends its slice's rows to
+      their experts' ranks, which run them in (rank, token) order, i.e. token order, and send the outputs back;
+      each rank adds up its slice's tokens, and the slices are all-gathered.
+
+    With no exchange and a slice of the experts, the output is this rank's partial sum (for an all-reduce: that
+    adds in another order, so it is not bit-identical to one rank).
     """
 
     def __init__(self, hidden: int, moe: MoEConfig, dtype: torch.dtype, num_local: int | None = None,
@@ -255,6 +291,7 @@ class SparseMoE(nn.Module):
         self.gate = nn.Parameter(torch.empty(moe.num_experts, hidden, dtype=dtype), requires_grad=False)
         self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, inter, dtype=dtype), requires_grad=False)
+        self.exchange: ExpertExchange | None = None  # set by CausalLM.attach_expert_exchange
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.gate)
@@ -264,22 +301,86 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.moe.weights_in_activation_dtype:
             weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
         flat_experts = experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
         counts = torch.bincount(flat_experts, minlength=self.moe.num_experts).tolist()
         token_of = order // self.moe.top_k
         w_of = weights.reshape(-1)[order]
+        ex = self.exchange
+        if ex is not None and ex.dispatch == "all_to_all":
+            return self._all_to_all(x, ex, flat_experts[order], token_of, w_of, counts)
+        if ex is not None:
+            return self._all_gather(x, ex, token_of, w_of, counts)
+        out = torch.zeros_like(x)
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
             local = e - self.expert_offset
-            if 0 <= local < self.num_local:
+            if n and 0 <= local < self.num_local:
                 idx = token_of[start : start + n]
-                h = linear(x.index_select(0, idx), self.w13[local])
-                y = linear(silu_mul(h, self.inter), self.w2[local])
-                y = y * w_of[start : start + n, None]
-                out.index_add_(0, idx, y.to(out.dtype))
+                out.index_add_(0, idx, self._expert(local, x.index_select(0, idx), w_of[start : start + n], x.dtype))
             start += n
         return out
+
+    def _expert(self, local: int, rows: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Local expert ``local`` on ``rows`` (its rows in token order), weighted, in the activation dtype."""
+        h = linear(rows, self.w13[local])
+        y = linear(silu_mul(h, self.inter), self.w2[local])
+        return (y * w[:, None]).to(dtype)
+
+    def _all_gather(self, x: torch.Tensor, ex: ExpertExchange, token_of: torch.Tensor, w_of: torch.Tensor,
+                    counts: list[int]) -> torch.Tensor:
+        starts = [0, *itertools.accumulate(counts)]  # expert e's rows: [starts[e], starts[e + 1])
+        per_rank = [starts[(r + 1) * self.num_local] - starts[r * self.num_local] for r in range(ex.size)]
+        pad = max(per_rank)
+        lo = starts[self.expert_offset]
+        mine = x.new_zeros(pad, x.shape[1])
+        for local in range(self.num_local):
+            a, b = starts[self.expert_offset + local], starts[self.expert_offset + local + 1]
+            if b > a:
+                mine[a - lo : b - lo] = self._expert(local, x.index_select(0, token_of[a:b]), w_of[a:b], x.dtype)
+        every = ex.all_gather(mine)  # rank r's rows at [r * pad, r * pad + per_rank[r])
+        out = torch.zeros_like(x)
+        for e, n in enumerate(counts):
+            if n:
+                r = e // self.num_local
+                at = r * pad + starts[e] - starts[r * self.num_local]
+                out.index_add_(0, token_of[starts[e] : starts[e] + n], every[at : at + n])
+        return out
+
+    def _all_to_all(self, x: torch.Tensor, ex: ExpertExchange, expert_of: torch.Tensor, token_of: torch.Tensor,
+                    w_of: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        tokens, size, nl = x.shape[0], ex.size, self.num_local
+        per = -(-tokens // size)  # tokens per slice; rank r's slice is [r * per, (r + 1) * per)
+        src_of = token_of // per  # each row's source rank, in the sorted order: rows sort by (expert, source)
+        # n[e][s]: rows of expert e from rank s's slice (row-major [E, size], as the rows are sorted)
+        n = torch.bincount(expert_of * size + src_of, minlength=self.moe.num_experts * size).view(-1, size).tolist()
+        starts = [0, *itertools.accumulate(counts)]
+        send = [sum(n[e][ex.rank] for e in range(q * nl, (q + 1) * nl)) for q in range(size)]
+        recv = [sum(n[e][s] for e in range(self.expert_offset, self.expert_offset + nl)) for s in range(size)]
+        mine = (src_of == ex.rank).nonzero().squeeze(1)  # my slice's rows, by (expert, token): by owner rank
+        got = ex.all_to_all(x.index_select(0, token_of.index_select(0, mine)), send, recv)
+        # got is ordered (source, expert, token): expert e's rows from source s start at at[s] + before(e, s)
+        back = torch.empty_like(got)
+        src_start = [0, *itertools.accumulate(recv)]
+        for local in range(nl):
+            e = self.expert_offset + local
+            if not counts[e]:
+                continue
+            pieces = []
+            for s in range(size):
+                at = src_start[s] + sum(n[f][s] for f in range(self.expert_offset, e))
+                pieces.append(torch.arange(at, at + n[e][s]))
+            idx = torch.cat(pieces)  # expert e's rows in (source, token) order: token order
+            a, b = starts[e], starts[e + 1]
+            back.index_copy_(0, idx, self._expert(local, got.index_select(0, idx), w_of[a:b], x.dtype))
+        ret = ex.all_to_all(back, recv, send)  # my slice's rows, by (owner, expert, token): by (expert, token)
+        part = x.new_zeros(per, x.shape[1])
+        first = ex.rank * per
+        off = 0
+        for e in range(self.moe.num_experts):
+            k = n[e][ex.rank]
+            if k:
+                a = starts[e] + sum(n[e][:ex.rank])
+                part.index_add_(0, token_of[a : a + k] - first, ret[off : off + k])
+                off += k
+        return ex.all_gather(part)[:tokens]

@@ -6,7 +6,10 @@ logits identical. Scheduling is deterministic, so no per-step broadcast is neede
 
 - ``tp`` ranks split attention heads, MLP columns and the vocabulary.
 - ``ep`` ranks split MoE experts. They are the same ranks as the TP group (``ep == tp``), or, with ``tp == 1``, ranks
-  whose attention is replicated.
+  whose attention is replicated. ``ep_dispatch`` is how they exchange MoE rows
+  (:class:`engine.models.layers.SparseMoE`): ``all_gather`` (the default; docs/benchmarks.md section 7) or
+  ``all_to_all``, both bit-identical to EP=1, or ``all_reduce`` (each rank's partial sum, added across ranks in
+  another order than EP=1's: kept as the baseline those two are measured against).
 - ``pp`` stages each hold a contiguous range of layers; a stage is ``max(tp, ep)`` ranks, so a replica has
   ``max(tp, ep) * pp`` ranks, numbered stage by stage.
 """
@@ -18,14 +21,19 @@ from dataclasses import dataclass
 from engine.model_config import ModelConfig
 from engine.models.decoder import ShardSpec, check_tp_heads
 
+EP_DISPATCH = ("all_gather", "all_to_all", "all_reduce")
+
 
 @dataclass(slots=True, frozen=True)
 class ParallelConfig:
     tp: int = 1
     ep: int = 1
     pp: int = 1
+    ep_dispatch: str = "all_gather"
 
     def __post_init__(self) -> None:
+        if self.ep_dispatch not in EP_DISPATCH:
+            raise ValueError(f"ep_dispatch must be one of {', '.join(EP_DISPATCH)}, got {self.ep_dispatch!r}")
         if self.tp < 1 or self.ep < 1 or self.pp < 1:
             raise ValueError(f"tp, ep and pp must be >= 1, got tp={self.tp} ep={self.ep} pp={self.pp}")
         if self.ep > 1 and self.tp > 1 and self.ep != self.tp:

@@ -33,8 +33,11 @@ def emulate(model: str, parallel: ParallelConfig, prompts: Sequence[str | list[i
     llms, recorders = [], []
     for rank in range(parallel.world_size):
         red = group.reducer(rank)
+        by_reduce = parallel.ep > 1 and parallel.ep_dispatch == "all_reduce"
         llm = LLM(model, shard=parallel.shard(rank), tp_reduce=red if parallel.tp > 1 else _identity,
-                  ep_reduce=red if parallel.ep > 1 else _identity, **llm_kwargs)
+                  ep_reduce=red if by_reduce else _identity, **llm_kwargs)
+        if parallel.ep > 1 and not by_reduce:
+            llm.engine.model.attach_expert_exchange(group.exchange(parallel.shard(rank).ep_rank, parallel.ep_dispatch))
         llm.engine.runner.micro_batches = micro_batches
         llms.append(llm)
         rec = LogitRecorder.attach(llm.engine)

@@ -2,7 +2,8 @@
 NCCL are there: never required), each CUDA rank on its own GPU.
 
 Every rank calls :func:`join` with the same loopback rendezvous port. Ranks are numbered stage by stage; each
-pipeline stage's ranks form the group its ``tp_reduce``/``ep_reduce`` sum over, and :class:`StagePipe` links a rank to
+pipeline stage's ranks form the group its ``tp_reduce`` sums over and its MoE layers exchange rows in
+(:class:`GroupExchange`, or ``ep_reduce`` for the ``all_reduce`` dispatch), and :class:`StagePipe` links a rank to
 the same-position rank of the neighbouring stages. With two ranks an all-reduce adds ``a + b`` (commutative, so
 bit-identical on both ranks and to an in-process ``p0 + p1``; see :mod:`engine.parallel.thread_group`).
 """
@@ -10,6 +11,7 @@ bit-identical on both ranks and to an in-process ``p0 + p1``; see :mod:`engine.p
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -47,6 +49,34 @@ class RankComms:
     tp_reduce: AllReduce
     ep_reduce: AllReduce
     pipe: Pipe | None
+    exchange: GroupExchange | None = None  # EP's row exchange (attach with CausalLM.attach_expert_exchange)
+
+
+class GroupExchange:
+    """:class:`engine.models.layers.ExpertExchange` over a process group (gloo and NCCL both have both
+    collectives; gloo's all-to-all takes uneven splits, its all-gather does not, so :class:`SparseMoE` pads). It adds
+    up its own wall time and calls, as :class:`engine.parallel.rank_process.TimedReduce` does for the all-reduces."""
+
+    def __init__(self, group: Any, rank: int, size: int, dispatch: str) -> None:
+        self.group, self.rank, self.size, self.dispatch = group, rank, size, dispatch
+        self.seconds = 0.0
+        self.calls = 0
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+    def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=self.group)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
 
 
 class StagePipe:
@@ -91,9 +121,13 @@ def join(rank: int, parallel: ParallelConfig, port: int, device: str = "cpu", ti
         dist.all_reduce(x, group=group)
         return x
 
+    by_reduce = parallel.ep > 1 and parallel.ep_dispatch == "all_reduce"
+    exchange = None
+    if parallel.ep > 1 and not by_reduce:
+        exchange = GroupExchange(group, parallel.shard(rank).ep_rank, parallel.ep, parallel.ep_dispatch)
     return RankComms(tp_reduce=all_reduce if parallel.tp > 1 else _identity,
-                     ep_reduce=all_reduce if parallel.ep > 1 else _identity,
-                     pipe=StagePipe(rank, parallel, device) if parallel.pp > 1 else None)
+                     ep_reduce=all_reduce if by_reduce else _identity,
+                     pipe=StagePipe(rank, parallel, device) if parallel.pp > 1 else None, exchange=exchange)
 
 
 def leave() -> None:

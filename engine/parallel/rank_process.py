@@ -3,7 +3,7 @@
 The driver (:class:`engine.parallel.llm.ParallelLLM`) sends every rank the same command over its pipe; the ranks run
 it in lockstep (the collectives in the forward pass keep them so) and rank 0 answers with the results. Commands:
 ``("generate", prompts, params, record_logits)``, ``("check",)`` (block accounting on this rank), ``("stats",)``
-(this rank's step and all-reduce seconds since the last ``stats``), ``("close",)``.
+(this rank's step, all-reduce and expert-exchange seconds since the last ``stats``), ``("close",)``.
 """
 
 from __future__ import annotations
@@ -94,7 +94,10 @@ def rank_main(rank: int, parallel: ParallelConfig, port: int, model: str, llm_kw
         comms = join(rank, parallel, port, kwargs["device"])
         tp_reduce, ep_reduce = TimedReduce(comms.tp_reduce), TimedReduce(comms.ep_reduce)
         llm = LLM(model, shard=parallel.shard(rank), tp_reduce=tp_reduce if parallel.tp > 1 else _identity,
-                  ep_reduce=ep_reduce if parallel.ep > 1 else _identity, pipe=comms.pipe, **kwargs)
+                  ep_reduce=_identity if comms.ep_reduce is _identity else ep_reduce, pipe=comms.pipe, **kwargs)
+        exchange = comms.exchange
+        if exchange is not None:  # EP by all-gather or all-to-all, not by ep_reduce
+            llm.engine.model.attach_expert_exchange(exchange)
         llm.engine.runner.micro_batches = parallel.pp  # decode batches flow through the stages in pp slices
         recorder = LogitRecorder.attach(llm.engine)
         attn = cast(Attention, llm.engine.model.layers[0].self_attn)
@@ -115,10 +118,14 @@ def rank_main(rank: int, parallel: ParallelConfig, port: int, model: str, llm_kw
                 eng = llm.engine
                 conn.send(("ok", {"rank": rank, "step_s": eng.step_seconds, "steps": eng.num_steps,
                                   "allreduce_s": tp_reduce.seconds + ep_reduce.seconds,
-                                  "allreduce_calls": tp_reduce.calls + ep_reduce.calls, "rss_bytes": rss_bytes()}))
+                                  "allreduce_calls": tp_reduce.calls + ep_reduce.calls,
+                                  "exchange_s": exchange.seconds if exchange else 0.0,
+                                  "exchange_calls": exchange.calls if exchange else 0,
+                                  "rss_bytes": rss_bytes()}))
                 eng.step_seconds, eng.num_steps = 0.0, 0
-                for r in (tp_reduce, ep_reduce):
-                    r.seconds, r.calls = 0.0, 0
+                for r in (tp_reduce, ep_reduce, exchange):
+                    if r is not None:
+                        r.seconds, r.calls = 0.0, 0
             elif cmd == "check":
                 try:
                     llm.engine.check_block_accounting()

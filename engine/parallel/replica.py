@@ -57,7 +57,6 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
-from engine.models.decoder import _identity
 from engine.parallel.config import ParallelConfig
 from engine.parallel.process_group import RankComms, free_port, join, leave, rank_device
 from engine.parallel.rank_process import cpus_for
@@ -264,9 +263,10 @@ def follower_main(rank: int, parallel: ParallelConfig, port: int, config: Engine
     try:
         config = replace(_bind_cpus(rank, parallel, config), device=rank_device(config.device, rank))
         comms = join(rank, parallel, port, config.device)
-        engine = LLMEngine(config, shard=parallel.shard(rank),
-                           tp_reduce=comms.tp_reduce if parallel.tp > 1 else _identity,
-                           ep_reduce=comms.ep_reduce if parallel.ep > 1 else _identity, pipe=comms.pipe)
+        engine = LLMEngine(config, shard=parallel.shard(rank), tp_reduce=comms.tp_reduce,
+                           ep_reduce=comms.ep_reduce, pipe=comms.pipe)
+        if comms.exchange is not None:
+            engine.model.attach_expert_exchange(comms.exchange)
         runner = engine.runner
         runner.micro_batches = parallel.pp
         runner.sampler = _NoSampler()  # type: ignore[assignment]
@@ -343,9 +343,10 @@ class ServedReplica:
                 self.procs.append(proc)
             config = replace(_bind_cpus(0, parallel, config), device=rank_device(config.device, 0))
             comms = self._join(parallel, port, config.device, start_timeout_s)
-            self.engine = LLMEngine(config, shard=parallel.shard(0),
-                                    tp_reduce=comms.tp_reduce if parallel.tp > 1 else _identity,
-                                    ep_reduce=comms.ep_reduce if parallel.ep > 1 else _identity, pipe=comms.pipe)
+            self.engine = LLMEngine(config, shard=parallel.shard(0), tp_reduce=comms.tp_reduce,
+                                    ep_reduce=comms.ep_reduce, pipe=comms.pipe)
+            if comms.exchange is not None:
+                self.engine.model.attach_expert_exchange(comms.exchange)
             self.engine.runner.micro_batches = parallel.pp
             self._wait_ready(start_timeout_s)
         except BaseException:

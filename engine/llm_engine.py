@@ -290,7 +290,8 @@ class LLMEngine:
         if result is None:
             return []
         now = time.monotonic()
-        return [self._accept_token(req, token, lp, now)
+        self.sampler.advance(reqs, result.token_ids)  # the constrained rows' matchers, in one pass
+        return [self._accept_token(req, token, lp, now, advanced=True)
                 for req, token, lp in zip(reqs, result.token_ids, result.logprobs, strict=True)
                 if not req.is_finished]
 
@@ -320,11 +321,14 @@ class LLMEngine:
                 spec.settle(req, n)
         return outputs
 
-    def _accept_token(self, req: Request, token: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
-        """Append one sampled token: detokenize, check stops, finish (freeing blocks) if it ends the request."""
+    def _accept_token(self, req: Request, token: int, lp: TokenLogprobs | None, now: float,
+                      advanced: bool = False) -> RequestOutput:
+        """Append one sampled token: detokenize, check stops, finish (freeing blocks) if it ends the request.
+        ``advanced``: the request's matcher has consumed the token already (``Sampler.advance``)."""
         req.append_token(token)
-        if req.matcher is not None:
+        if req.matcher is not None and not advanced:
             req.matcher.consume_token(token)
+            self.sampler.ready_masks.discard(req.matcher)
         if req.first_token_time is None:
             req.first_token_time = now
         if lp is not None:
@@ -385,7 +389,7 @@ class LLMEngine:
     def _check_stop(self, req: Request, token: int, detok: IncrementalDetokenizer | None) -> RequestStatus | None:
         p = req.params
         n = req.num_output_tokens
-        if req.matcher is not None and (req.matcher.is_stopped() or req.matcher.is_error()):
+        if req.matcher is not None and req.matcher.is_stopped():  # also true in its error state
             # The grammar is complete (or, never expected, the matcher refused a token: stop rather than sample
             # from an empty mask).
             req.stop_reason = None

@@ -7,8 +7,8 @@ replicas):
 - **probe**: each READY or DRAINING replica's ``Load`` (its in-flight count for Status and for choosing what to
   drain) and each READY replica's actor ``alive()`` (its worker process). A dead worker or actor: FAILED.
 - **scale up**: fewer active (STARTING + READY) replicas than desired starts new ones, each in its own task: a
-  placement group with one bundle per rank of that tier (STRICT_PACK when there are several, since the ranks are the
-  worker's child processes on one node; PACK for one; in Kubernetes each bundle also asks for the tier's
+  placement group with one bundle per rank of that tier (PACK, or STRICT_PACK for TP on GPUs:
+  :meth:`ControllerConfig.strategy`; in Kubernetes each bundle also asks for the tier's
   Ray resource ``tandem_<tier>``, so it lands on that tier's pods), a :class:`WorkerReplica` actor in its first
   bundle, the worker process, then ``Health`` until SERVING, then registration (the :class:`Registrar`: the
   in-process router of ``tandem up``; with a Redis URL, its lease in the registry). Only then READY. A placement
@@ -49,6 +49,7 @@ from proto.tandem.v1 import worker_pb2_grpc as wpb_grpc
 
 if TYPE_CHECKING:
     from ray.actor import ActorClass
+    from ray.util.placement_group import PlacementGroup
 
     from controlplane.replica import WorkerReplica
 
@@ -126,12 +127,41 @@ class ControllerConfig:
         own = self.prefill_kv_backend if tier == "prefill" else self.decode_kv_backend
         return self.kv_backend if own is None else own
 
+    @property
+    def device(self) -> str:
+        """The workers' ``--device`` (the last one in ``worker_flags``, as argparse reads them; cpu if none)."""
+        device = "cpu"
+        flags = self.worker_flags
+        for i, flag in enumerate(flags):
+            if flag == "--device" and i + 1 < len(flags):
+                device = flags[i + 1]
+            elif flag.startswith("--device="):
+                device = flag.split("=", 1)[1]
+        return device
+
+    def strategy(self, tier: str) -> str:
+        """The placement strategy of a ``tier`` replica's group: STRICT_PACK when its ranks are TP ranks on GPUs
+        (a TP group all-reduces twice per layer: every rank on one node, over NVLink or PCIe, never across the
+        network), PACK otherwise (one node when one has room, else spilling onto others rather than waiting; the
+        ranks still run as the worker's child processes on the first bundle's node, so spilled bundles only
+        reserve CPUs elsewhere)."""
+        tp = (self.prefill_parallel if tier == "prefill" else self.decode_parallel)[0]
+        return "STRICT_PACK" if tp > 1 and self.device.startswith("cuda") else "PACK"
+
     def bundles(self, tier: str) -> list[dict[str, float]]:
         """The placement-group bundles of one ``tier`` replica: one per rank."""
         bundle = {"CPU": self.cpus_per_replica}
         if self.tier_resources:
             bundle[tier_resource(tier)] = 1.0
         return [dict(bundle) for _ in range(self.ranks_of(tier))]
+
+
+def replica_placement_group(cfg: ControllerConfig, tier: str, name: str) -> PlacementGroup:
+    """A new ``tier`` replica's placement group (Ray places it asynchronously): one bundle per rank, in
+    :meth:`ControllerConfig.strategy`'s strategy."""
+    from ray.util.placement_group import placement_group
+
+    return placement_group(cfg.bundles(tier), strategy=cfg.strategy(tier), name=name)
 
 
 def tier_resource(tier: str) -> str:
@@ -309,7 +339,6 @@ class Controller:
         self.changed.set()
 
     async def _start(self, r: Replica) -> None:
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from controlplane.replica import ReplicaSpec, WorkerReplica
@@ -318,11 +347,7 @@ class Controller:
                            (*self._flags(), *self.cfg.parallel_flags(r.tier),
                             *(f for a in self.cfg.lora for f in ("--lora", a))), self.cfg.worker_host)
         try:
-            bundles = self.cfg.bundles(r.tier)
-            # A replica's ranks are its worker's child processes, so they run on the first bundle's node: with more
-            # than one rank, STRICT_PACK reserves every bundle there instead of leaving some on another node idle.
-            r.placement_group = placement_group(bundles, strategy="STRICT_PACK" if len(bundles) > 1 else "PACK",
-                                                name=f"tandem-{r.replica_id}")
+            r.placement_group = replica_placement_group(self.cfg, r.tier, f"tandem-{r.replica_id}")
             await _ray(r.placement_group.ready(), None)  # unbounded: a pending group waits for capacity
             # @ray.remote made WorkerReplica an ActorClass (mypy keeps a decorated class's own type)
             actor_cls = cast("ActorClass[WorkerReplica]", WorkerReplica)

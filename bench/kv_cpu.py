@@ -6,7 +6,9 @@ side's threads are read from ``/proc/<pid>/task/*/schedstat`` (nanoseconds on th
 run queue, time slices, i.e. how often a thread was put on a CPU: wake-ups) before and after ``n`` timed
 requests, so the figures cover every thread of the two processes, whatever library started it.
 
-``tandem bench kv --cpu`` prints it (:func:`run_cpu_bench`); used for the issue 32 A/B in docs/benchmarks.md §2.
+``python3 -m bench.kv_cpu --sizes 1,8 --backends tcp --n 64 [--python-writer]`` prints it (:func:`run_cpu_bench`);
+used for the issue 32 A/B in docs/benchmarks.md §2. Both sides' figures include the harness's pipe calls (the
+receiver's ``reserve`` and ``release``, the sender's ``transfer``), which the raw socket has none of.
 """
 
 from __future__ import annotations
@@ -75,8 +77,7 @@ def measure_backend(backend: str, size_mib: int, n: int, layout: KVLayout = BENC
     finally:
         s.close()
         r.close()
-    # The pipe round trips of the harness (reserve, transfer, release) are in these figures for both sides; the
-    # raw socket's harness has none, so ``harness`` measures what three idle pipe calls cost, to subtract.
+    # The harness's pipe round trips (reserve, transfer, release) are in both sides' figures; the raw socket has none.
     return {"wall_ms": statistics.median(times) * 1e3, "bytes": count * per_block,
             **{side: _delta(before[side], after[side], n) for side in ("sender", "receiver")}}
 
@@ -100,8 +101,8 @@ def _raw_sink(conn: Any, nbytes: int, total: int) -> None:
 
 
 def measure_raw_socket(nbytes: int, n: int) -> dict[str, Any]:
-    """The same bytes as one ``sendall`` and a one-byte ack between this process (a thread of its own, so its
-    other threads do not count... they are idle) and a sink process; per request wall and CPU as above."""
+    """The same bytes as one ``sendall`` and a one-byte ack between this process and a sink process (this
+    process's other threads, idle here, are counted too); per request wall and CPU as above."""
     parent, child = _CTX.Pipe()
     proc = _CTX.Process(target=_raw_sink, args=(child, nbytes, n + 5), daemon=True)
     proc.start()
@@ -157,5 +158,21 @@ def format_cpu_bench(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def main(argv: Sequence[str] | None = None) -> None:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="1,8", help="request sizes in MiB")
+    p.add_argument("--backends", default="tcp")
+    p.add_argument("--n", type=int, default=64, help="timed requests per size and path")
+    p.add_argument("--python-writer", action="store_true", help="TransferConfig(native_io=False)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    result = run_cpu_bench([int(x) for x in args.sizes.split(",")], args.backends.split(","), args.n,
+                           {"native_io": False} if args.python_writer else None)
+    print(json.dumps(result) if args.json else format_cpu_bench(result))
+
+
 if __name__ == "__main__":
-    print(format_cpu_bench(run_cpu_bench()))
+    main()

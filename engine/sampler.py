@@ -24,7 +24,7 @@ import llguidance as llg
 import torch
 
 from engine.request import Request, TokenLogprobs
-from engine.structured.bitmask import SMALL_HOST, MaskBatch, MaskBuffers, ReadyMasks
+from engine.structured.bitmask import SMALL_HOST, MaskBatch, MaskBuffers
 from engine.structured.prefetch import MaskPrefetch
 
 
@@ -46,8 +46,6 @@ class Sampler:
         # on two CPUs or fewer the thread's GIL hand-offs cost more than the fill (tandem bench structured, which
         # times both). False: filled inline, in __call__.
         self.mask_overlap = not SMALL_HOST
-        self.ready_masks = ReadyMasks()  # inline: the next step's masks, computed as the matchers advance
-        self.fill_on_advance = True  # off: inline masks are computed in __call__, after the forward pass
 
     def _executor(self) -> llg.LLExecutor:
         if self._llg is None:
@@ -62,22 +60,20 @@ class Sampler:
             self._prefetch = MaskPrefetch(self._executor(), self._mask_buffers)
         self._prefetch.start([r.matcher for r in requests], self.vocab_size or self._width, self._width)
 
-    def advance(self, requests: list[Request], tokens: list[int]) -> None:
-        """Advance each live constrained request's matcher by its sampled token, all in one pass; where masks are
-        filled inline (``mask_overlap`` off), the next step's masks are computed in that same pass
-        (:class:`ReadyMasks`). The engine calls this once per step, before it appends the tokens."""
-        pairs = [(r.matcher, t) for r, t in zip(requests, tokens, strict=True)
-                 if r.matcher is not None and not r.is_finished]
-        if pairs:
-            self.ready_masks.advance(pairs, None if self.mask_overlap or not self.fill_on_advance
-                                     else (self.vocab_size or self._width))
+    @staticmethod
+    def advance(requests: list[Request], tokens: list[int]) -> None:
+        """Advance each live constrained request's matcher by its sampled token, in one pass over the batch. One
+        ``consume_token`` per row: llguidance's batched ``LLExecutor.consume_token_par`` took 10x the wall time on
+        a 2-CPU host (its pool threads' wake-ups against ~1-10 us of work a row; ``python3 -m
+        bench.structured_advance``). The engine calls this once per step, before it appends the tokens."""
+        for r, t in zip(requests, tokens, strict=True):
+            if r.matcher is not None and not r.is_finished:
+                r.matcher.consume_token(t)
 
     def _masks(self, requests: list[Request], width: int) -> MaskBatch:
         matchers = [r.matcher for r in requests]
         masks = self._prefetch.take(matchers, width) if self._prefetch is not None else None
-        ready = None if self.mask_overlap else self.ready_masks
-        return masks or MaskBatch(self._executor(), matchers, self.vocab_size or width, width, self._mask_buffers,
-                                  ready)
+        return masks or MaskBatch(self._executor(), matchers, self.vocab_size or width, width, self._mask_buffers)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """``logits``: float32 [len(requests), vocab], on CPU or GPU."""

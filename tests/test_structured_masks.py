@@ -1,13 +1,12 @@
 """Grammar masks in the sampler: the additive bias equals llguidance's bitmask bit for bit, adding it equals a masked
 fill, and masks filled on the masks thread during the forward pass give exactly the tokens of masks filled inline
-(greedy and seeded sampling, constrained rows mixed with unconstrained ones), as do masks computed as the matchers
-advance at the end of the step before (``ReadyMasks``)."""
+(greedy and seeded sampling, constrained rows mixed with unconstrained ones)."""
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import llguidance as llg
@@ -16,7 +15,7 @@ import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.structured.bitmask import MaskBatch, MaskBuffers, ReadyMasks, mask_bias
+from engine.structured.bitmask import MaskBatch, MaskBuffers, mask_bias
 from engine.structured.prefetch import MaskPrefetch
 from engine.structured.spec import StructuredOutput
 
@@ -103,55 +102,11 @@ def test_masks_filled_during_the_forward_give_the_tokens_of_masks_filled_inline(
     sampler = llm.engine.sampler
     default = sampler.mask_overlap
     runs = []
-    taken = sampler.ready_masks.taken
     try:
-        for overlap, on_advance in ((False, False), (False, True), (True, True)):
-            sampler.mask_overlap, sampler.fill_on_advance = overlap, on_advance
+        for overlap in (False, True):
+            sampler.mask_overlap = overlap
             runs.append([o.token_ids for o in llm.generate(prompts, params)])
-            if not overlap:
-                assert (sampler.ready_masks.taken > taken + 10) == on_advance
-                taken = sampler.ready_masks.taken
     finally:
-        sampler.mask_overlap, sampler.fill_on_advance = default, True
-    assert runs[0] == runs[1] == runs[2]
+        sampler.mask_overlap = default
+    assert runs[0] == runs[1]
     assert sampler._prefetch is not None and sampler._prefetch.prefetched > 10
-
-
-def test_masks_computed_as_the_matchers_advance_equal_masks_computed_after(llm: LLM) -> None:
-    """ReadyMasks: each advanced matcher's next mask, taken by a later batch in any row order (copied), beside rows
-    it has no mask for (a new matcher, one advanced again since, which was discarded): all equal fresh fills."""
-    grammars = llm.engine.grammars
-    vocab = grammars.vocab_size
-    spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
-    matchers, pairs = [], []
-    for text in ('{"name":"a', '{"name":"abc","n":1', '{"na'):
-        ids = llm.tokenizer.encode(text, add_special_tokens=False)
-        m = grammars.matcher(spec)
-        assert m.consume_tokens(ids[:-1])
-        matchers.append(m)
-        pairs.append((m, ids[-1]))
-    ready = ReadyMasks()
-    ready.advance(pairs, vocab)
-
-    def fresh(ms: Sequence[llg.LLMatcher | None]) -> torch.Tensor:
-        batch = MaskBatch(llg.LLExecutor(1), ms, vocab, vocab)
-        batch.fill(one_call=False)
-        assert batch.bitmask is not None
-        return batch.bitmask.clone()
-
-    same = MaskBatch(llg.LLExecutor(1), matchers, vocab, vocab, MaskBuffers(), ready)
-    assert same.filled and same.bitmask is not None and ready.taken == 3  # all ready, in order: nothing filled
-    assert torch.equal(same.bitmask, fresh(matchers))
-    new = grammars.matcher(spec)
-    rows: list[llg.LLMatcher | None] = [None, matchers[2], new, matchers[0], None]
-    mixed = MaskBatch(llg.LLExecutor(1), rows, vocab, vocab, MaskBuffers(), ready)
-    assert not mixed.filled and ready.taken == 5
-    mixed.fill(one_call=True)
-    assert mixed.bitmask is not None and torch.equal(mixed.bitmask, fresh(rows))
-    assert matchers[1].consume_token(llm.tokenizer.encode("2", add_special_tokens=False)[-1])
-    ready.discard(matchers[1])
-    again = MaskBatch(llg.LLExecutor(1), matchers[:2], vocab, vocab, MaskBuffers(), ready)
-    assert ready.taken == 6
-    again.fill(one_call=False)
-    assert again.bitmask is not None and torch.equal(again.bitmask, fresh(matchers[:2]))
-    assert not torch.equal(again.bitmask[1], same.bitmask[1])  # its mask moved on with it

@@ -81,109 +81,34 @@ class MaskBuffers:
         return self._bias[:rows]
 
 
-class ReadyMasks:
-    """The constrained rows' matchers advanced by their sampled tokens in one pass at the end of a step, each one's
-    next mask computed in the same pass when asked (``vocab_size``): then the matcher's parser state and llguidance's
-    token trie are still in cache, where the next step's sampler would compute the masks after the forward pass has
-    evicted both.
-
-    A mask here is valid only until its matcher consumes another token: whatever advances a matcher outside
-    :meth:`advance` calls :meth:`discard` for it. :meth:`advance` starts a new set (the buffer is reused)."""
-
-    def __init__(self) -> None:
-        self._bitmask = torch.empty(0, 0, dtype=torch.int32)
-        self._rows: dict[int, tuple[llg.LLMatcher, int]] = {}  # id(matcher) -> (matcher, its row in the bitmask)
-        self.taken = 0  # masks the samplers took from here (not computed again)
-
-    def advance(self, pairs: Sequence[tuple[llg.LLMatcher, int]], vocab_size: int | None) -> None:
-        """Each matcher consumes its token (a refused token leaves it in its error state, as ``consume_token``
-        does); with ``vocab_size`` the next mask of every matcher that may take another token is computed."""
-        self._rows = {}
-        if not vocab_size:
-            for m, token in pairs:
-                m.consume_token(token)
-            return
-        words = llg_torch.get_bitmask_shape(len(pairs), vocab_size)[1]
-        if self._bitmask.shape[0] < len(pairs) or self._bitmask.shape[1] != words:
-            self._bitmask = torch.empty(max(len(pairs), self._bitmask.shape[0]), words, dtype=torch.int32)
-        ptr, row_bytes = self._bitmask.data_ptr(), words * 4
-        n = 0
-        for m, token in pairs:
-            if m.consume_token(token) and not m.is_stopped():
-                m.unsafe_compute_mask_ptr(ptr + n * row_bytes, row_bytes)
-                self._rows[id(m)] = (m, n)
-                n += 1
-
-    def row(self, matcher: llg.LLMatcher) -> int | None:
-        got = self._rows.get(id(matcher))
-        return got[1] if got is not None and got[0] is matcher else None
-
-    def bitmask(self, rows: int) -> torch.Tensor:
-        return self._bitmask[:rows]
-
-    @property
-    def words(self) -> int:
-        return self._bitmask.shape[1]
-
-    def discard(self, matcher: llg.LLMatcher) -> None:
-        self._rows.pop(id(matcher), None)
-
-    def clear(self) -> None:
-        self._rows = {}
-
-
 class MaskBatch:
     """Masks for one step. ``matchers[i]`` is row i's matcher, or None for an unconstrained row. ``width`` is the
-    logits' width (the model's head may have padding columns past the grammar's vocabulary: they are disallowed).
-    Rows whose matcher has its mask in ``ready`` (computed as the matcher advanced) take it from there; only the
-    others are filled."""
+    logits' width (the model's head may have padding columns past the grammar's vocabulary: they are disallowed)."""
 
     def __init__(self, executor: llg.LLExecutor, matchers: Sequence[llg.LLMatcher | None], vocab_size: int,
-                 width: int, buffers: MaskBuffers | None = None, ready: ReadyMasks | None = None) -> None:
+                 width: int, buffers: MaskBuffers | None = None) -> None:
         self.matchers = list(matchers)
-        words = llg_torch.get_bitmask_shape(0, vocab_size)[1]
-        if ready is not None and ready.words != words:
-            ready = None
-        self.rows: list[int] = []
-        self._pairs: list[tuple[llg.LLMatcher, int]] = []  # (matcher, its row in the bitmask) still to fill
-        taken: list[tuple[int, int]] = []  # (row in the bitmask, row in ready's bitmask) computed already
-        for i, m in enumerate(self.matchers):
-            if m is None:
-                continue
-            got = ready.row(m) if ready is not None else None
-            if got is None:
-                self._pairs.append((m, len(self.rows)))
-            else:
-                taken.append((len(self.rows), got))
-            self.rows.append(i)
-        self.all_rows = len(self.rows) == len(self.matchers)
+        self.rows = [i for i, m in enumerate(matchers) if m is not None]
+        self.all_rows = len(self.rows) == len(matchers)
         self.width = width
         self._buffers = buffers or MaskBuffers()
-        self.bitmask: torch.Tensor | None = None
-        if self.rows and ready is not None and not self._pairs and all(j == k for j, k in taken):
-            self.bitmask = ready.bitmask(len(taken))  # every row ready, in order: no copy
-        elif self.rows:
-            # every word of every row is written by the fill or the copy: no need to initialise it
-            self.bitmask = self._buffers.bitmask(len(self.rows), words)
-            if taken and ready is not None:
-                dst, src = zip(*taken, strict=True)
-                self.bitmask.numpy()[list(dst)] = ready.bitmask(max(src) + 1).numpy()[list(src)]
-        if ready is not None:
-            ready.taken += len(taken)
-        self.filled = not self._pairs
+        # every word of every row is written by the fill: no need to initialise it
+        self.bitmask = self._buffers.bitmask(*llg_torch.get_bitmask_shape(len(self.rows), vocab_size)) \
+            if self.rows else None
+        self.filled = False
         self.bias: torch.Tensor | None = None  # bfloat16 [constrained rows, width]: 0 or -inf, built where needed
+        self._pairs = [(m, j) for j, m in enumerate(m for m in matchers if m is not None)]
         self._executor = executor
 
     def fill(self, one_call: bool = not SMALL_HOST) -> None:
         """Compute the masks (once). ``one_call``: the whole batch in one call into llguidance's executor."""
-        if self.bitmask is None or self.filled or not self._pairs:
-            self.filled = True
+        if self.bitmask is None or self.filled:
             return
         # Straight into our own contiguous int32 buffer (llguidance checks each row's size against its vocabulary):
         # llguidance.torch's per-row wrapper slices a tensor view per row, ~2.5 us a row, more than most masks cost.
         ptr, row_bytes = self.bitmask.data_ptr(), self.bitmask.shape[1] * 4
         if one_call and len(self._pairs) > 1:
-            self._executor.unsafe_compute_mask_ptr(self._pairs, ptr, row_bytes, len(self.rows))
+            self._executor.unsafe_compute_mask_ptr(self._pairs, ptr, row_bytes, len(self._pairs))
         else:
             for m, j in self._pairs:
                 m.unsafe_compute_mask_ptr(ptr + j * row_bytes, row_bytes)

@@ -328,7 +328,6 @@ class LLMEngine:
         req.append_token(token)
         if req.matcher is not None and not advanced:
             req.matcher.consume_token(token)
-            self.sampler.ready_masks.discard(req.matcher)
         if req.first_token_time is None:
             req.first_token_time = now
         if lp is not None:

@@ -8,7 +8,9 @@ Per choice (``n`` > 1 fans out into independent choices):
    less to prefill in place than to ship. Otherwise the cheapest prefill worker computes it and streams the KV
    into the decode worker (Reserve → Prefill → Decode). Every decision carries its reason and cost breakdown.
    Prefill's first token is yielded the moment ``Prefill`` returns, and decode's stream continues from the second
-   (``DecodeRequest.first_token_sent``): TTFT never waits on the KV transfer.
+   (``DecodeRequest.first_token_sent``): TTFT never waits on the KV transfer. ``Decode`` travels the decode
+   worker's ``Session`` stream (router/session.py), batched per engine step with every other request on it; a
+   request whose trace context must travel as gRPC metadata uses the ``Decode`` call instead.
 2. **Retry**: a failure before the first token (worker down, overloaded, lease expired) excludes that worker and
    tries again on another, with bounded attempts and exponential backoff.
 3. **Migrate**: if the decode worker dies mid-stream, the prompt plus every token generated so far is resubmitted

@@ -279,6 +279,8 @@ class LLMEngine:
         outputs += self._process(reqs, result)
         if verified:
             outputs += self._process_verified(verified)
+        if self.spec is not None:  # the step's cost with its extra rows, for the cost-aware policy
+            self.spec.observe_step(time.perf_counter() - t1)
         self.num_steps += 1
         self.num_scheduled_tokens += sched.total_tokens
         t2 = time.perf_counter()

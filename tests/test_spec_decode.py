@@ -44,7 +44,8 @@ def test_ngram_greedy_output_equals_non_speculative_in_a_mixed_batch(checkpoint:
     model = checkpoint(arch)
     params = _mixed_params()
     base = _engine(model, None).generate(PROMPTS, params)
-    spec = _engine(model, SpeculativeConfig("ngram", 4, ngram_min=1))  # 1-grams: rejections too
+    # 1-grams: rejections too; K fixed (not adaptive) so that every proposal is verified whatever steps cost here
+    spec = _engine(model, SpeculativeConfig("ngram", 4, ngram_min=1, adaptive=False))
     free0 = spec.engine.pool.num_free_blocks
     outs = spec.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
@@ -59,7 +60,7 @@ def test_ngram_greedy_output_equals_non_speculative_in_a_mixed_batch(checkpoint:
 def test_rejected_proposals_blocks_are_freed_in_the_same_step(checkpoint: Callable[[str], Path]) -> None:
     """After every step, each live request holds exactly the blocks its tokens need (those reserved for rejected
     positions are back in the pool), and at the end every block is free again."""
-    llm = _engine(checkpoint("llama"), SpeculativeConfig("ngram", 6, ngram_min=1))
+    llm = _engine(checkpoint("llama"), SpeculativeConfig("ngram", 6, ngram_min=1, adaptive=False))
     eng = llm.engine
     free0 = eng.pool.num_free_blocks
     for prompt in PROMPTS:
@@ -94,7 +95,7 @@ def test_draft_model_greedy_output_equals_non_speculative(checkpoint: Callable[[
     other = _engine(model, SpeculativeConfig("draft", 3, draft_model=str(draft)))
     assert [o.token_ids for o in other.generate(PROMPTS, params)] == [o.token_ids for o in base]
     other.engine.check_block_accounting()
-    same = _engine(model, SpeculativeConfig("draft", 3, draft_model=str(model)))
+    same = _engine(model, SpeculativeConfig("draft", 3, draft_model=str(model), adaptive=False))
     greedy = [p for p in params if p.greedy and p.logprobs is None]
     assert [o.token_ids for o in same.generate(PROMPTS[:2], greedy)] == [o.token_ids for o in base[:2]]
     stats = same.engine.spec.stats  # type: ignore[union-attr]
@@ -142,7 +143,7 @@ def test_a_disaggregated_decode_engine_speculates_after_its_kv_lands(checkpoint:
                                       cache=CacheConfig(block_size=4, num_blocks=32)))
 
     want = _engine(model, None).generate([prompt], greedy)[0].token_ids
-    pre, dec = engine(None), engine(SpeculativeConfig("ngram", 4, ngram_min=1))  # 1-grams: rejections too
+    pre, dec = engine(None), engine(SpeculativeConfig("ngram", 4, ngram_min=1, adaptive=False))  # 1-grams: rejections
     layout = kv_layout_for(pre)
     sender, receiver = FakeSender(), FakeReceiver()
     pc, dc = PrefillConnector(sender, layout, wake=lambda: None), DecodeConnector(receiver, layout, wake=lambda: None)

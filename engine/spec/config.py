@@ -1,8 +1,10 @@
 """Speculative decoding's settings: which proposer, and how many tokens it proposes per step.
 
 ``method`` is ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of the last n tokens)
-or ``draft`` (a smaller model sharing the target's tokenizer, at ``draft_model``). Parsed from the command line's
-``--speculative ngram|draft:DIR`` by :func:`parse_speculative`.
+or ``draft`` (a smaller model sharing the target's tokenizer, at ``draft_model``); ``num_speculative_tokens`` is the
+most a request verifies per step, and with ``adaptive`` (the default) fewer or none where the engine's measured
+step costs and the request's acceptance say more would not pay (``engine/spec/policy.py``). Parsed from the
+command line's ``--speculative ngram|draft:DIR`` by :func:`parse_speculative`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class SpeculativeConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     ngram_lookback: int = 2048  # tokens searched back from the end; bounds the proposer's cost per step
+    adaptive: bool = True  # choose 0..K proposals per request from measured step costs and acceptance (policy.py)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

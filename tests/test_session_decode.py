@@ -11,6 +11,7 @@ other request on the session, and every block freed on both workers.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -220,3 +221,69 @@ def test_an_aborted_decode_frees_its_blocks_and_the_other_requests_finish_exactl
     beside, ref, slow, slow_ref = _run(pair, True, body)
     assert [t for t, _ in beside] == [t for t, _ in ref]
     assert slow == slow_ref and len(slow) == 200
+
+
+def test_a_decode_worker_killed_mid_stream_migrates_a_disaggregated_request_exactly(
+        checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]]) -> None:
+    """Through the router (router/dispatch.py): a long prompt is prefilled on the prefill worker and decoded over
+    the decode worker's session; that worker is SIGKILLed mid-stream. The session breaks, the request migrates to
+    the other decode worker (again disaggregated, its Decode on that worker's session), and the client gets
+    exactly transformers' greedy tokens; the surviving workers free every block."""
+    import httpx
+    from gateway_harness import RouterThread, routed_worker
+
+    from engine.tokenizer import Tokenizer
+    from router.server import RouterConfig
+
+    path = checkpoint("llama")
+    pre = start_worker("prefill", str(path), "tcp", [*FLAGS, "--worker-id", "sd-pre"])
+    decs = [start_worker("decode", str(path), "tcp", [*FLAGS, "--worker-id", f"sd-dec-{i}"]) for i in range(2)]
+    rt = RouterThread(RouterConfig(model=str(path), workers=(pre.address, *(w.address for w in decs))))
+    try:
+        prompt = [random.Random(17).randrange(2000) for _ in range(120)]
+        max_tokens = 300
+        text, chunks, finish = "", 0, None
+        with httpx.stream("POST", rt.url + "/v1/completions", timeout=120, headers={"x-tandem-explain": "1"},
+                          json={"model": path.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                "ignore_eos": True, "stream": True}) as r:
+            route = r.headers["x-tandem-route"]
+            assert "prefill[" in route, route  # disaggregated
+            victim = next(w for w in decs if f"sd-dec-{decs.index(w)}" == routed_worker(route))
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                finish = choice["finish_reason"] or finish
+                chunks += 1
+                if chunks == 5:
+                    victim.kill()
+        assert text == Tokenizer(path).decode(hf_greedy(path, prompt, max_tokens))
+        assert finish == "length"
+        survivor = next(w for w in decs if w is not victim)
+
+        def seen(r: Any) -> tuple[int, int]:
+            session = r.pool.workers[survivor.address].session
+            return r.dispatcher.stats.migrations, session.opened if session is not None else 0
+
+        stats = rt.call(seen)
+        assert stats[0] == 1 and stats[1] >= 1, stats  # migrated once; the survivor's Decode rode its session
+
+        async def loads() -> list[pb.LoadResponse]:
+            out = []
+            for w in (pre, survivor):
+                async with grpc.aio.insecure_channel(w.address) as ch:
+                    stub = pb_grpc.WorkerStub(ch)
+                    deadline = time.monotonic() + 20
+                    while (ld := await stub.Load(pb.LoadRequest(), timeout=10)).used_blocks or ld.held_blocks \
+                            or ld.running or ld.transfers_in_flight:
+                        assert time.monotonic() < deadline, ld
+                        await asyncio.sleep(0.05)
+                    out.append(ld)
+            return out
+
+        assert all(ld.free_blocks == ld.total_blocks for ld in asyncio.run(loads()))
+    finally:
+        rt.stop()
+        for w in (pre, *decs):
+            w.stop()

@@ -131,7 +131,7 @@ def _gloo_rank(rank: int, port: int, dispatch: str, dtype: torch.dtype, tokens: 
 @pytest.mark.parametrize("dispatch", ["all_gather", "all_to_all"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gloo_exchange_matches_one_rank(dispatch: str, dtype: torch.dtype) -> None:
-    """The same layer split over two processes joined by gloo (all_gather_into_tensor, all_to_all_single with
+    """The same layer split over two processes joined by gloo (all_gather_single, all_to_all_single with
     uneven splits, bf16 included): both ranks' outputs equal the one-rank output, for one token and for 21."""
     for tokens in (1, 21):
         ctx = mp.get_context("spawn")

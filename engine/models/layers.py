@@ -350,7 +350,7 @@ class SparseMoE(nn.Module):
     def _all_to_all(self, x: torch.Tensor, ex: ExpertExchange, expert_of: torch.Tensor, token_of: torch.Tensor,
                     w_of: torch.Tensor, counts: list[int]) -> torch.Tensor:
         tokens, size, nl = x.shape[0], ex.size, self.num_local
-        per = -(-tokens // size)  # tokens per slice; rank r's slice is [r * per, (r + 1) * per)
+        per = max(1, -(-tokens // size))  # tokens per slice; rank r's slice is [r * per, (r + 1) * per)
         src_of = token_of // per  # each row's source rank, in the sorted order: rows sort by (expert, source)
         # n[e][s]: rows of expert e from rank s's slice (row-major [E, size], as the rows are sorted)
         n = torch.bincount(expert_of * size + src_of, minlength=self.moe.num_experts * size).view(-1, size).tolist()
@@ -359,7 +359,7 @@ class SparseMoE(nn.Module):
         recv = [sum(n[e][s] for e in range(self.expert_offset, self.expert_offset + nl)) for s in range(size)]
         mine = (src_of == ex.rank).nonzero().squeeze(1)  # my slice's rows, by (expert, token): by owner rank
         got = ex.all_to_all(x.index_select(0, token_of.index_select(0, mine)), send, recv)
-        # got is ordered (source, expert, token): expert e's rows from source s start at at[s] + before(e, s)
+        # got is ordered (source, expert, token): expert e's rows from source s follow s's rows of my lower experts
         back = torch.empty_like(got)
         src_start = [0, *itertools.accumulate(recv)]
         for local in range(nl):
@@ -369,7 +369,7 @@ class SparseMoE(nn.Module):
             pieces = []
             for s in range(size):
                 at = src_start[s] + sum(n[f][s] for f in range(self.expert_offset, e))
-                pieces.append(torch.arange(at, at + n[e][s]))
+                pieces.append(torch.arange(at, at + n[e][s], device=x.device))
             idx = torch.cat(pieces)  # expert e's rows in (source, token) order: token order
             a, b = starts[e], starts[e + 1]
             back.index_copy_(0, idx, self._expert(local, got.index_select(0, idx), w_of[a:b], x.dtype))

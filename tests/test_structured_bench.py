@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from bench.structured import format_structured_report, run_structured_bench
+from bench.structured import format_structured_report, quiet_rounds, run_structured_bench
 
 VLLM_PYTHON = os.environ.get("TANDEM_VLLM_PYTHON")
 
@@ -73,3 +73,12 @@ def test_bench_structured_runs_the_vllm_cpu_side(checkpoint: Callable[[str], Pat
         o = r["cpu_overhead_pct"]
         assert o["median"] is None or o["min"] <= o["median"] <= o["max"]
     assert "vllm-cpu 0." in format_structured_report(report)
+
+
+def test_vllm_quiet_rounds_are_those_where_neither_side_was_slowed() -> None:
+    row = {"unconstrained_step_ms": {"runs": [6.0, 30.0, 6.2, 8.9, 6.1]},
+           "json_schema_step_ms": {"runs": [7.0, 7.5, 35.0, 8.0, 10.6]}}
+    q = quiet_rounds(row)  # round 1: unconstrained slowed; 2: constrained slowed; 4: 10.6 > 1.5 x 7.0
+    assert q["rounds"] == [0, 3] and q["overhead_pct"] == [16.67, -10.11] and q["median"] == 3.28
+    assert quiet_rounds({"unconstrained_step_ms": {"runs": [1.0, 9.0]},
+                         "json_schema_step_ms": {"runs": [9.0, 1.0]}})["median"] is None

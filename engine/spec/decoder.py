@@ -158,9 +158,9 @@ class SpecDecoder:
         if chosen:
             proposals = [d[:k] for (_, k, _), d in zip(chosen, self.proposer.propose_batch(
                 [(req.all_token_ids, k) for req, k, _ in chosen]), strict=True)]
-            if adaptive and self.config.method != "draft":
-                ks = choose(self.costs, batch, [(self._rate(st), len(d)) for (_, _, st), d in zip(chosen, proposals,
-                                                                                             strict=True)])
+            if adaptive and self.config.method != "draft" and any(proposals):
+                ks = choose(self.costs, batch, [(self._rate(st) if d else 0.0, len(d))
+                                                for (_, _, st), d in zip(chosen, proposals, strict=True)])
             else:
                 ks = [len(d) for d in proposals]
             for (req, _, st), d, k in zip(chosen, proposals, ks, strict=True):

@@ -13,6 +13,11 @@ shares them otherwise), then, after one warm-up:
   includes waiting for the other rank to be scheduled.
 
 Token ids are compared with TP=1's (``same_tokens_as_tp1``).
+
+On a MoE model, ``--ep`` adds expert-parallel sizes: each EP size above 1 runs once per ``--ep-dispatch`` scheme
+(``all_gather``, ``all_to_all``, ``all_reduce``; :class:`engine.models.layers.SparseMoE`), and ``exchange_fraction``
+is the wall time inside the MoE row exchanges over the step time. The first configuration is the one the others'
+tokens are compared with.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ if TYPE_CHECKING:  # the engine (torch) is imported by the run, not by the `tand
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--tp", default="1,2", help="TP sizes to compare, comma-separated (default 1,2)")
+    p.add_argument("--ep", default="1", help="EP sizes (MoE models), comma-separated, each with every --tp size")
+    p.add_argument("--ep-dispatch", default="all_gather",
+                   help="comma-separated EP dispatch schemes, each run for every EP size above 1 (all_gather, "
+                        "all_to_all, all_reduce), in this order")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
@@ -49,7 +58,8 @@ def _timed(llm: ParallelLLM, prompts: list[list[int]], params: SamplingParams) -
     return time.perf_counter() - t0, [o.token_ids for o in outs]
 
 
-def run_one(model: str, tp: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_one(model: str, tp: int, args: argparse.Namespace, ep: int = 1, dispatch: str = "all_gather"
+            ) -> dict[str, Any]:
     from engine.model_config import ModelConfig
     from engine.parallel.config import ParallelConfig
     from engine.parallel.llm import ParallelLLM
@@ -61,7 +71,8 @@ def run_one(model: str, tp: int, args: argparse.Namespace) -> dict[str, Any]:
     one = make_prompts(1, 16, cfg.vocab_size, seed=1)
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     many = SamplingParams(max_tokens=args.single_len, temperature=0.0, ignore_eos=True)
-    with ParallelLLM(model, ParallelConfig(tp=tp), dtype=args.dtype, enable_prefix_caching=False,
+    with ParallelLLM(model, ParallelConfig(tp=tp, ep=ep, ep_dispatch=dispatch), dtype=args.dtype,
+                     enable_prefix_caching=False,
                      num_kv_blocks=args.num_kv_blocks) as llm:
         _timed(llm, prompts, params)  # warm-up
         llm.stats()
@@ -76,6 +87,8 @@ def run_one(model: str, tp: int, args: argparse.Namespace) -> dict[str, Any]:
     seconds = statistics.median(t for t, _ in runs)
     return {
         "tp": tp,
+        "ep": ep,
+        "ep_dispatch": dispatch if ep > 1 else None,
         "tokens_per_s": args.num_prompts * args.output_len / seconds,
         "single_decode_tokens_per_s": statistics.median(singles),
         "rss_mb": [round(s["rss_bytes"] / 2**20, 1) for s in stats],
@@ -83,13 +96,17 @@ def run_one(model: str, tp: int, args: argparse.Namespace) -> dict[str, Any]:
         "cpus": [list(r.cpus) for r in ranks],
         "allreduce_fraction": [round(s["allreduce_s"] / s["step_s"], 3) if s["step_s"] else 0.0 for s in stats],
         "allreduce_calls_per_step": [round(s["allreduce_calls"] / max(s["steps"], 1), 1) for s in stats],
+        "exchange_fraction": [round(s["exchange_s"] / s["step_s"], 3) if s["step_s"] else 0.0 for s in stats],
         "token_ids": runs[0][1],
     }
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [int(t) for t in args.tp.split(",")]
-    results = [run_one(args.model, tp, args) for tp in sizes]
+    dispatches = args.ep_dispatch.split(",")
+    configs = [(tp, ep, d) for tp in sizes for ep in (int(e) for e in args.ep.split(","))
+               for d in (dispatches if ep > 1 else ["all_gather"])]
+    results = [run_one(args.model, tp, args, ep, d) for tp, ep, d in configs]
     base = results[0]["token_ids"]
     for r in results:
         r["same_tokens_as_tp1"] = r.pop("token_ids") == base if sizes[0] == 1 else None
@@ -101,8 +118,10 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"{report['model']}: {report['num_prompts']} prompts x {report['input_len']} in, "
              f"{report['output_len']} out, {report['dtype']}"]
     for r in report["results"]:
-        lines.append(f"TP={r['tp']}: {r['tokens_per_s']:.1f} tok/s, single-sequence decode "
+        ep = f" EP={r['ep']} {r['ep_dispatch']}" if r.get("ep", 1) > 1 else ""
+        lines.append(f"TP={r['tp']}{ep}: {r['tokens_per_s']:.1f} tok/s, single-sequence decode "
                      f"{r['single_decode_tokens_per_s']:.1f} tok/s, RSS/rank {r['rss_mb']} MiB, weights/rank "
-                     f"{r['weights_mb']} MiB, all-reduce {r['allreduce_fraction']} of a step, cpus {r['cpus']}, "
+                     f"{r['weights_mb']} MiB, all-reduce {r['allreduce_fraction']} and exchange "
+                     f"{r.get('exchange_fraction')} of a step, cpus {r['cpus']}, "
                      f"same tokens as TP=1: {r['same_tokens_as_tp1']}")
     return "\n".join(lines)

@@ -276,8 +276,9 @@ class SparseMoE(nn.Module):
       their experts' ranks, which run them in (rank, token) order, i.e. token order, and send the outputs back;
       each rank adds up its slice's tokens, and the slices are all-gathered.
 
-    With no exchange and a slice of the experts, the output is this rank's partial sum (for an all-reduce: that
-    adds in another order, so it is not bit-identical to one rank).
+    With no exchange and a slice of the experts, the output is this rank's partial sum, for an all-reduce to add
+    up: that matches one rank only while a token has at most two experts (``0 + a + b``), since from three on the
+    ranks' partials group the terms differently (``a + (b + c)``).
     """
 
     def __init__(self, hidden: int, moe: MoEConfig, dtype: torch.dtype, num_local: int | None = None,

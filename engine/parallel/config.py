@@ -8,8 +8,8 @@ logits identical. Scheduling is deterministic, so no per-step broadcast is neede
 - ``ep`` ranks split MoE experts. They are the same ranks as the TP group (``ep == tp``), or, with ``tp == 1``, ranks
   whose attention is replicated. ``ep_dispatch`` is how they exchange MoE rows
   (:class:`engine.models.layers.SparseMoE`): ``all_gather`` (the default; docs/benchmarks.md section 7) or
-  ``all_to_all``, both bit-identical to EP=1, or ``all_reduce`` (each rank's partial sum, added across ranks in
-  another order than EP=1's: kept as the baseline those two are measured against).
+  ``all_to_all``, both bit-identical to EP=1, or ``all_reduce`` (each rank's partial sum, added across ranks: EP=1's
+  sum only up to two experts per token; kept as the baseline those two are measured against).
 - ``pp`` stages each hold a contiguous range of layers; a stage is ``max(tp, ep)`` ranks, so a replica has
   ``max(tp, ep) * pp`` ranks, numbered stage by stage.
 """

@@ -29,8 +29,8 @@ from worker.launcher import WorkerProcess, start_worker
 
 pytestmark = pytest.mark.slow
 SPEC = ["--speculative", "ngram", "--num-speculative-tokens", "3"]
-MAX_TOKENS = 40
-KILL_AFTER_CHUNKS = 3
+MAX_TOKENS = 96
+KILL_AFTER_CHUNKS = 2  # early and the output long: under load the router reads several steps' tokens as one chunk
 
 
 def _spec_counters(w: WorkerProcess) -> dict[str, float]:

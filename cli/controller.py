@@ -36,9 +36,12 @@ def add_controller_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a draining replica may take to finish its in-flight work before it is removed")
     p.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs per rank (placement-group bundle)")
     p.add_argument("--ranks", type=int, default=1,
-                   help="ranks (bundles) per replica of every tier, unless --prefill-ranks / --decode-ranks say")
+                   help="ranks (bundles) per replica of every tier, unless --prefill-ranks / --decode-ranks say; a "
+                        "tier with --*-tp/--*-pp/--*-ep above 1 has max(tp, ep) x pp ranks, and another count is "
+                        "refused")
     for tier in ("prefill", "decode"):
-        p.add_argument(f"--{tier}-ranks", type=int, default=None, help=f"ranks (bundles) per {tier} replica")
+        p.add_argument(f"--{tier}-ranks", type=int, default=None,
+                       help=f"ranks (bundles) per {tier} replica (default: max(tp, ep) x pp of its layout)")
         for dim in ("tp", "pp", "ep"):
             p.add_argument(f"--{tier}-{dim}", type=int, default=1, help=f"{dim.upper()} of each {tier} replica's "
                            "ranks (its workers' --" + dim + ")")

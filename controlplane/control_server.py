@@ -38,7 +38,7 @@ def tier_status(controller: Controller, tier: str) -> cpb.TierStatus:
     count = {s: sum(1 for r in reps if r.state == s) for s in ReplicaState}
     return cpb.TierStatus(tier=tier, desired=controller.desired[tier], ready=count[ReplicaState.READY],
                           draining=count[ReplicaState.DRAINING], starting=count[ReplicaState.STARTING],
-                          replicas=[replica_status(r) for r in reps])
+                          replicas=[replica_status(r) for r in reps], refused=controller.refused.get(tier, ""))
 
 
 class ControlService(cpb_grpc.ControlServicer):

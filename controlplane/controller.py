@@ -63,7 +63,8 @@ class ControllerConfig:
     decode: int = 1
     kv_backend: str = "tcp"  # every tier's unless the tier names its own below
     cpus_per_replica: float = 0.5  # per rank: each placement-group bundle asks for this many CPUs
-    ranks: int = 1  # bundles per replica (tp * pp), every tier's unless the tier names its own; one worker process
+    ranks: int = 1  # bundles per replica of a single-rank layout, every tier's unless the tier names its own; a
+    # multi-rank layout (below) has exactly its world size: max(tp, ep) * pp (:meth:`ranks_of`)
     worker_flags: tuple[str, ...] = ()
     worker_host: str = "127.0.0.1"  # controlplane.replica.NODE_IP in a cluster: each node's own IP
     redis: str | None = None  # set: a replica is READY once its lease is in this registry
@@ -109,18 +110,40 @@ class ControllerConfig:
                 raise ValueError(f"{tier} replicas must be in [0, {self.max_replicas}], got {n}")
         if self.cpus_per_replica <= 0 or self.ranks < 1:
             raise ValueError(f"need cpus_per_replica > 0 and ranks >= 1, got {self.cpus_per_replica}/{self.ranks}")
+        for tier in TIERS:
+            world = self.world_size(tier)
+            own = self.prefill_ranks if tier == "prefill" else self.decode_ranks
+            given = ("ranks", self.ranks) if own is None else (f"{tier}_ranks", own)
+            if world > 1 and given[1] not in (world, 1 if own is None else world):
+                tp, pp, ep = self.parallel_of(tier)
+                raise ValueError(f"{given[0]} {given[1]} disagrees with the {tier} layout tp={tp} pp={pp} ep={ep}, "
+                                 f"which has max(tp, ep) x pp = {world} ranks")
         if self.worker_metrics_port is not None and not 0 <= self.worker_metrics_port < 65536:
             raise ValueError(f"worker_metrics_port {self.worker_metrics_port} out of range")
         if min(self.drain_timeout_s, self.start_timeout_s, self.reconcile_interval_s) <= 0:
             raise ValueError("drain_timeout_s, start_timeout_s and reconcile_interval_s must be > 0")
 
+    def parallel_of(self, tier: str) -> tuple[int, int, int]:
+        """``(tp, pp, ep)`` of a ``tier`` replica."""
+        return self.prefill_parallel if tier == "prefill" else self.decode_parallel
+
+    def world_size(self, tier: str) -> int:
+        """A ``tier`` replica's ranks by its layout: ``max(tp, ep) * pp`` (engine/parallel/config.py)."""
+        tp, pp, ep = self.parallel_of(tier)
+        return max(tp, ep) * pp
+
     def ranks_of(self, tier: str) -> int:
+        """Bundles per ``tier`` replica: its layout's world size when that is above 1 (an explicit count that
+        disagrees is refused in ``__post_init__``), else the tier's own count, else ``ranks`` (a single-rank worker
+        then only reserves the extra bundles' CPUs)."""
+        if self.world_size(tier) > 1:
+            return self.world_size(tier)
         own = self.prefill_ranks if tier == "prefill" else self.decode_ranks
         return self.ranks if own is None else own
 
     def parallel_flags(self, tier: str) -> tuple[str, ...]:
         """The worker flags of a ``tier`` replica's ranks (none for a single rank)."""
-        tp, pp, ep = self.prefill_parallel if tier == "prefill" else self.decode_parallel
+        tp, pp, ep = self.parallel_of(tier)
         return tuple(f for name, n in (("--tp", tp), ("--pp", pp), ("--ep", ep)) if n > 1 for f in (name, str(n)))
 
     def kv_backend_of(self, tier: str) -> str:
@@ -164,6 +187,31 @@ def replica_placement_group(cfg: ControllerConfig, tier: str, name: str) -> Plac
     return placement_group(cfg.bundles(tier), strategy=cfg.strategy(tier), name=name)
 
 
+def layout_refusals(cfg: ControllerConfig) -> dict[str, str]:
+    """Each tier whose parallel layout its workers would refuse, with why ("decode: tensor parallel size 3 must
+    divide the attention heads (8)"): the worker's own check (:func:`worker.server.parallel_config`: the model's
+    heads, layers and experts, and the ranks' KV between tiers), run here on the model's HF config before any
+    placement group exists. Single-rank tiers are not checked. A model directory this process cannot read (a path
+    only the worker nodes mount, a hub name) is left to the workers, with a warning."""
+    import argparse
+
+    refused: dict[str, str] = {}
+    for tier in TIERS:
+        if cfg.world_size(tier) == 1:
+            continue
+        from worker.server import parallel_config
+
+        tp, pp, ep = cfg.parallel_of(tier)
+        args = argparse.Namespace(model=cfg.model, tp=tp, pp=pp, ep=ep, kv_backend=cfg.kv_backend_of(tier), role=tier)
+        try:
+            parallel_config(args)
+        except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
+            log.warning("%s layout tp=%d pp=%d ep=%d not checked here: %s (the workers check it)", tier, tp, pp, ep, e)
+        except ValueError as e:
+            refused[tier] = f"{tier}: {e}"
+    return refused
+
+
 def tier_resource(tier: str) -> str:
     """The Ray custom resource that only ``tier``'s nodes (pods) advertise."""
     return f"tandem_{tier}"
@@ -197,6 +245,10 @@ class Controller:
         self._failures = dict.fromkeys(TIERS, 0)  # consecutive failed starts or deaths, per tier
         self._next_start = dict.fromkeys(TIERS, 0.0)  # back-off: no new replica of the tier before this time
         self._loop_task: asyncio.Task[None] | None = None
+        # tier -> why its layout is refused: no placement group of that tier is ever created; Status carries it
+        self.refused = layout_refusals(cfg)
+        for why in self.refused.values():
+            log.error("layout refused, no replica of the tier will be placed: %s", why)
 
     # ---- API -------------------------------------------------------------------------------------------------
 
@@ -229,8 +281,13 @@ class Controller:
                                                                       for r in self.of_tier(t)) for t in TIERS)
 
     async def wait_converged(self, timeout_s: float) -> None:
+        """TimeoutError if not converged within ``timeout_s``; ValueError at once if a tier that should have
+        replicas has a refused layout (it never will)."""
         deadline = time.monotonic() + timeout_s
         while not self.converged():
+            refused = [why for t, why in self.refused.items() if self.desired[t] > 0]
+            if refused:
+                raise ValueError("; ".join(refused))
             self.changed.clear()
             left = deadline - time.monotonic()
             if left <= 0:
@@ -284,7 +341,7 @@ class Controller:
                 # STARTING first (nothing runs there; it may be a group Ray cannot place), then least in flight
                 for r in sorted(active, key=lambda r: (r.state == ReplicaState.READY, r.in_flight))[:surplus]:
                     self._begin_drain(r)
-            elif surplus < 0 and now >= self._next_start[tier]:
+            elif surplus < 0 and now >= self._next_start[tier] and tier not in self.refused:
                 for _ in range(-surplus):
                     self._begin_start(tier)
 

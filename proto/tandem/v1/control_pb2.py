@@ -24,31 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/tandem/v1/control.proto\x12\ttandem.v1\"\xb3\x01\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.tandem.v1.ReplicaState\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\r\n\x05ranks\x18\x06 \x01(\r\x12\x13\n\x0b\x61ge_seconds\x18\x07 \x01(\x01\x12\x10\n\x08restarts\x18\x08 \x01(\r\"\x8a\x01\n\nTierStatus\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65sired\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\r\x12\x10\n\x08\x64raining\x18\x04 \x01(\r\x12\x10\n\x08starting\x18\x05 \x01(\r\x12*\n\x08replicas\x18\x06 \x03(\x0b\x32\x18.tandem.v1.ReplicaStatus\"4\n\x12SetReplicasRequest\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\":\n\x13SetReplicasResponse\x12#\n\x04tier\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TierStatus\"\x0f\n\rStatusRequest\"6\n\x0eStatusResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.tandem.v1.TierStatus\")\n\x13\x44rainReplicaRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"A\n\x14\x44rainReplicaResponse\x12)\n\x07replica\x18\x01 \x01(\x0b\x32\x18.tandem.v1.ReplicaStatus*\x98\x01\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16REPLICA_STATE_STARTING\x10\x01\x12\x17\n\x13REPLICA_STATE_READY\x10\x02\x12\x1a\n\x16REPLICA_STATE_DRAINING\x10\x03\x12\x18\n\x14REPLICA_STATE_FAILED\x10\x04\x32\xe0\x01\n\x07\x43ontrol\x12L\n\x0bSetReplicas\x12\x1d.tandem.v1.SetReplicasRequest\x1a\x1e.tandem.v1.SetReplicasResponse\x12=\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x19.tandem.v1.StatusResponse\x12H\n\x05\x44rain\x12\x1e.tandem.v1.DrainReplicaRequest\x1a\x1f.tandem.v1.DrainReplicaResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/tandem/v1/control.proto\x12\ttandem.v1\"\xb3\x01\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.tandem.v1.ReplicaState\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\r\n\x05ranks\x18\x06 \x01(\r\x12\x13\n\x0b\x61ge_seconds\x18\x07 \x01(\x01\x12\x10\n\x08restarts\x18\x08 \x01(\r\"\x9b\x01\n\nTierStatus\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65sired\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\r\x12\x10\n\x08\x64raining\x18\x04 \x01(\r\x12\x10\n\x08starting\x18\x05 \x01(\r\x12*\n\x08replicas\x18\x06 \x03(\x0b\x32\x18.tandem.v1.ReplicaStatus\x12\x0f\n\x07refused\x18\x07 \x01(\t\"4\n\x12SetReplicasRequest\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\":\n\x13SetReplicasResponse\x12#\n\x04tier\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TierStatus\"\x0f\n\rStatusRequest\"6\n\x0eStatusResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.tandem.v1.TierStatus\")\n\x13\x44rainReplicaRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"A\n\x14\x44rainReplicaResponse\x12)\n\x07replica\x18\x01 \x01(\x0b\x32\x18.tandem.v1.ReplicaStatus*\x98\x01\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16REPLICA_STATE_STARTING\x10\x01\x12\x17\n\x13REPLICA_STATE_READY\x10\x02\x12\x1a\n\x16REPLICA_STATE_DRAINING\x10\x03\x12\x18\n\x14REPLICA_STATE_FAILED\x10\x04\x32\xe0\x01\n\x07\x43ontrol\x12L\n\x0bSetReplicas\x12\x1d.tandem.v1.SetReplicasRequest\x1a\x1e.tandem.v1.SetReplicasResponse\x12=\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x19.tandem.v1.StatusResponse\x12H\n\x05\x44rain\x12\x1e.tandem.v1.DrainReplicaRequest\x1a\x1f.tandem.v1.DrainReplicaResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.tandem.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REPLICASTATE']._serialized_start=665
-  _globals['_REPLICASTATE']._serialized_end=817
+  _globals['_REPLICASTATE']._serialized_start=682
+  _globals['_REPLICASTATE']._serialized_end=834
   _globals['_REPLICASTATUS']._serialized_start=45
   _globals['_REPLICASTATUS']._serialized_end=224
   _globals['_TIERSTATUS']._serialized_start=227
-  _globals['_TIERSTATUS']._serialized_end=365
-  _globals['_SETREPLICASREQUEST']._serialized_start=367
-  _globals['_SETREPLICASREQUEST']._serialized_end=419
-  _globals['_SETREPLICASRESPONSE']._serialized_start=421
-  _globals['_SETREPLICASRESPONSE']._serialized_end=479
-  _globals['_STATUSREQUEST']._serialized_start=481
-  _globals['_STATUSREQUEST']._serialized_end=496
-  _globals['_STATUSRESPONSE']._serialized_start=498
-  _globals['_STATUSRESPONSE']._serialized_end=552
-  _globals['_DRAINREPLICAREQUEST']._serialized_start=554
-  _globals['_DRAINREPLICAREQUEST']._serialized_end=595
-  _globals['_DRAINREPLICARESPONSE']._serialized_start=597
-  _globals['_DRAINREPLICARESPONSE']._serialized_end=662
-  _globals['_CONTROL']._serialized_start=820
-  _globals['_CONTROL']._serialized_end=1044
+  _globals['_TIERSTATUS']._serialized_end=382
+  _globals['_SETREPLICASREQUEST']._serialized_start=384
+  _globals['_SETREPLICASREQUEST']._serialized_end=436
+  _globals['_SETREPLICASRESPONSE']._serialized_start=438
+  _globals['_SETREPLICASRESPONSE']._serialized_end=496
+  _globals['_STATUSREQUEST']._serialized_start=498
+  _globals['_STATUSREQUEST']._serialized_end=513
+  _globals['_STATUSRESPONSE']._serialized_start=515
+  _globals['_STATUSRESPONSE']._serialized_end=569
+  _globals['_DRAINREPLICAREQUEST']._serialized_start=571
+  _globals['_DRAINREPLICAREQUEST']._serialized_end=612
+  _globals['_DRAINREPLICARESPONSE']._serialized_start=614
+  _globals['_DRAINREPLICARESPONSE']._serialized_end=679
+  _globals['_CONTROL']._serialized_start=837
+  _globals['_CONTROL']._serialized_end=1061
 # @@protoc_insertion_point(module_scope)

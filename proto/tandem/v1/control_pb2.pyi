@@ -41,20 +41,22 @@ class ReplicaStatus(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., tier: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., address: _Optional[str] = ..., in_flight: _Optional[int] = ..., ranks: _Optional[int] = ..., age_seconds: _Optional[float] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class TierStatus(_message.Message):
-    __slots__ = ("tier", "desired", "ready", "draining", "starting", "replicas")
+    __slots__ = ("tier", "desired", "ready", "draining", "starting", "replicas", "refused")
     TIER_FIELD_NUMBER: _ClassVar[int]
     DESIRED_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     STARTING_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     tier: str
     desired: int
     ready: int
     draining: int
     starting: int
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
-    def __init__(self, tier: _Optional[str] = ..., desired: _Optional[int] = ..., ready: _Optional[int] = ..., draining: _Optional[int] = ..., starting: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+    refused: str
+    def __init__(self, tier: _Optional[str] = ..., desired: _Optional[int] = ..., ready: _Optional[int] = ..., draining: _Optional[int] = ..., starting: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., refused: _Optional[str] = ...) -> None: ...
 
 class SetReplicasRequest(_message.Message):
     __slots__ = ("tier", "replicas")

@@ -7,7 +7,9 @@ Conditions (each with a CamelCase reason and a message; ``lastTransitionTime`` m
 - Ready: every tier has ``ready >= desired`` and every router replica is ready.
 - Progressing: not there yet (scaling, starting, or the controller not answering yet).
 - Degraded: the spec cannot be reconciled (``InvalidSpec``, see ``spec``), an API it needs is not served
-  (``MissingAPI``: KubeRay's RayCluster without KubeRay), or a replica failed.
+  (``MissingAPI``: KubeRay's RayCluster without KubeRay), the controller refused a tier's parallel layout against
+  the model (``InvalidLayout``: its ``TierStatus.refused``, e.g. a ``tp`` that does not divide the attention heads;
+  the operator cannot read the model, the controller in the Ray head can), or a replica failed.
 """
 
 from __future__ import annotations
@@ -85,9 +87,15 @@ def deployment_status(spec: DeploymentSpec, generation: int | None, desired: dic
     router_ready = int(((router or {}).get("status") or {}).get("readyReplicas") or 0)
     if router_ready < spec.router_replicas:
         lagging.append(f"router {router_ready}/{spec.router_replicas} ready")
+    refused = [got.refused for got in (control or {}).values() if got.refused]
     if control_error is not None:
         conditions = [_condition("Ready", None, "ControllerUnreachable", control_error),
                       _condition("Progressing", True, "WaitingForController", control_error)]
+    elif refused:
+        message = "; ".join(refused)
+        conditions = [_condition("Ready", False, "InvalidLayout", message),
+                      _condition("Progressing", False, "InvalidLayout", "nothing of the tier is placed until the "
+                                 "layout changes")]
     elif lagging:
         message = "; ".join(lagging)
         conditions = [_condition("Ready", False, "ReplicasNotReady", message),
@@ -95,9 +103,12 @@ def deployment_status(spec: DeploymentSpec, generation: int | None, desired: dic
     else:
         conditions = [_condition("Ready", True, "AllReplicasReady", "every tier and the router are ready"),
                       _condition("Progressing", False, "Converged", "actual replicas match desired")]
-    conditions.append(_condition("Degraded", failed > 0, "ReplicasFailed" if failed else "AsExpected",
-                                 f"{failed} replica(s) failed; the controller replaces them" if failed
-                                 else "no failed replicas"))
+    if refused and control_error is None:
+        conditions.append(_condition("Degraded", True, "InvalidLayout", "; ".join(refused)))
+    else:
+        conditions.append(_condition("Degraded", failed > 0, "ReplicasFailed" if failed else "AsExpected",
+                                     f"{failed} replica(s) failed; the controller replaces them" if failed
+                                     else "no failed replicas"))
     out: dict[str, Any] = {"tiers": tiers, "conditions": conditions}
     if generation is not None:
         out["observedGeneration"] = generation

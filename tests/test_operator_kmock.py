@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -100,8 +101,11 @@ class FakeControl(cpb_grpc.ControlServicer):
         self.desired = dict(initial)
         self.calls: list[tuple[str, int]] = []
         self.peers: set[str] = set()  # the common names of the client certificates that called
+        self.refused: dict[str, str] = {}  # tier -> the controller's refusal of its layout: no replica placed
 
     def _tier(self, tier: str) -> cpb.TierStatus:
+        if tier in self.refused:
+            return cpb.TierStatus(tier=tier, desired=self.desired[tier], refused=self.refused[tier])
         n = self.desired[tier]
         return cpb.TierStatus(tier=tier, desired=n, ready=n, replicas=[
             cpb.ReplicaStatus(replica_id=f"{tier}-{i}", tier=tier, state=cpb.REPLICA_STATE_READY) for i in range(n)])
@@ -419,6 +423,37 @@ def test_bad_spec_sets_degraded_with_an_event_and_no_retry_loop() -> None:
             await c.patch(f"{TD_PATH}/llama", {"metadata": {"generation": 2}, "spec": {"decode": {"replicas": None}}})
             await until(lambda: c.obj("deployments", "llama-router"), what="objects after the fix")
             await until(lambda: degraded() and degraded()["status"] == "False", what="Degraded=False")  # type: ignore[index]
+    _run(scenario())
+
+
+def test_a_layout_the_controller_refuses_lands_in_the_deployments_status(checkpoint: Callable[[str], Path]) -> None:
+    """Against kmock (no kube-apiserver, no Ray here): the operator cannot read the model, so a decode tier of tp 3
+    on an 8-head model passes its spec checks; the controller refuses it. The fake servicer reports the refusal the
+    real controller's rule (``controlplane.controller.layout_refusals`` on the tiny Llama's config) gives, and the
+    TandemDeployment turns Degraded with reason InvalidLayout and that message; once the controller accepts the
+    layout again, Degraded clears (issue 27)."""
+    from controlplane.controller import ControllerConfig, layout_refusals
+
+    refused = layout_refusals(ControllerConfig(str(checkpoint("llama")), decode_parallel=(3, 1, 1)))
+    assert refused == {"decode": "decode: tensor parallel size 3 must divide the attention heads (8)"}
+
+    async def scenario() -> None:
+        td = td_manifest()
+        td["spec"]["decode"]["tp"] = 3
+        async with running_operator(interval_s=0.5) as c:
+            c.control.refused = dict(refused)
+            await c.create_td(td)
+            def condition(kind: str) -> dict[str, Any] | None:
+                st = (c.obj("tandemdeployments", "llama") or {}).get("status") or {}
+                return next((x for x in st.get("conditions") or [] if x["type"] == kind), None)
+            cond = await until(lambda: condition("Degraded") if (condition("Degraded") or {}).get("reason") ==
+                               "InvalidLayout" else None, what="Degraded=True, InvalidLayout")
+            assert cond["status"] == "True" and cond["message"] == refused["decode"]
+            ready = condition("Ready")
+            assert ready is not None and (ready["status"], ready["reason"]) == ("False", "InvalidLayout")
+            assert (c.obj("tandemdeployments", "llama") or {})["status"]["decode"] == "0/1"
+            c.control.refused.clear()  # the layout fixed and the controller restarted with it
+            await until(lambda: (condition("Degraded") or {}).get("reason") == "AsExpected", what="Degraded cleared")
     _run(scenario())
 
 

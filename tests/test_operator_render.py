@@ -482,3 +482,23 @@ def test_status_conditions_follow_the_controller_and_the_router() -> None:
     assert again == first  # unchanged conditions keep their transition time
     moved = with_transition_times(scaling["conditions"], first, "2026-01-01T00:05:00Z")
     assert {c["type"]: c["lastTransitionTime"] for c in moved}["Ready"] == "2026-01-01T00:05:00Z"
+
+
+def test_a_layout_the_controller_refused_makes_the_deployment_degraded_with_its_message() -> None:
+    """The operator cannot read the model; the controller can, and its refusal (TierStatus.refused) is the
+    condition's message (issue 27)."""
+    from operators.status import deployment_status
+    from proto.tandem.v1 import control_pb2 as cpb
+
+    spec = parse(_td(router={"replicas": 1}))
+    why = "decode: tensor parallel size 3 must divide the attention heads (8)"
+    control = {"prefill": cpb.TierStatus(tier="prefill", desired=2, ready=2),
+               "decode": cpb.TierStatus(tier="decode", desired=1, refused=why)}
+    st = deployment_status(spec, 3, {"prefill": 2, "decode": 1}, control, None, {"status": {"readyReplicas": 1}})
+    got = {c["type"]: (c["status"], c["reason"], c["message"]) for c in st["conditions"]}
+    assert got["Ready"] == ("False", "InvalidLayout", why)
+    assert got["Degraded"] == ("True", "InvalidLayout", why)
+    assert got["Progressing"][:2] == ("False", "InvalidLayout")
+    assert st["decode"] == "0/1"
+    unreachable = deployment_status(spec, 3, {"prefill": 2, "decode": 1}, None, "Status on x: UNAVAILABLE", None)
+    assert {c["type"]: c["reason"] for c in unreachable["conditions"]}["Degraded"] == "AsExpected"

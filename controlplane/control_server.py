@@ -3,7 +3,8 @@
 Runs on the controller's asyncio loop (``grpc.aio``), so every call reads and changes the controller's state
 between reconcile steps, never during one. Bad input is INVALID_ARGUMENT (an unknown tier, a count outside
 ``[0, max_replicas]``: a negative count sent on the wire as uint32 arrives as a huge one); an unknown replica for
-``Drain`` is NOT_FOUND.
+``Drain`` is NOT_FOUND. A tier whose layout the controller refused still takes ``SetReplicas`` (the count is kept);
+its ``TierStatus.refused`` says why none of it is placed.
 
 Who may call: ``SetReplicas`` and ``Drain`` change the cluster and need the cluster token
 (``auth.grpc_server.CONTROL_ADMIN_METHODS``: UNAUTHENTICATED without it or with another); ``Status`` stays open. It

@@ -21,6 +21,11 @@ replicas):
 - **replace**: a FAILED replica is unregistered and removed; the scale-up step starts its replacement (with a
   growing back-off while replacements keep failing, so a model that cannot load does not spin).
 
+A tier whose parallel layout (tp, pp, ep) its workers would refuse is refused once, when the controller is made
+(:func:`layout_refusals`: the worker's own rules on the model's HF config): the loop never starts a replica of it,
+so no placement group of it ever exists, and Status carries why (``TierStatus.refused``; the operator turns it into
+the TandemDeployment's Degraded condition). A multi-rank tier's replica has ``max(tp, ep) * pp`` bundles.
+
 Status is read from the :class:`Replica` records (controlplane/replica_state.py); the gRPC Control API
 (controlplane/control_server.py) and ``tandem up`` (controlplane/local_cluster.py) drive it.
 """

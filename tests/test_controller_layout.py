@@ -96,10 +96,10 @@ def test_a_layout_the_model_takes_is_accepted_and_an_unreadable_model_is_left_to
         checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
     llama = str(checkpoint("llama"))
     assert layout_refusals(ControllerConfig(llama, prefill_parallel=(2, 1, 1), decode_parallel=(4, 1, 1))) == {}
-    assert layout_refusals(ControllerConfig(llama, prefill=0, decode_parallel=(2, 2, 1))) == {
-        "decode": "decode: a decode worker with ranks: --pp above 1, or --ep without the same --tp, gives ranks whose "
-                  "KV is not split by TP, and KV moves between tiers TP rank to TP rank (use --tp, with --ep equal "
-                  "to it)"}
+    # stages (or experts without an equal TP) on the decode tier: its workers serve colocated requests only
+    # (worker/server.py; tandem up refuses them beside prefill replicas, tests/test_pp_served.py serves them)
+    assert layout_refusals(ControllerConfig(llama, prefill=0, decode_parallel=(2, 2, 1))) == {}
+    assert "prefill" in layout_refusals(ControllerConfig(llama, prefill_parallel=(1, 2, 1)))
     moe = str(checkpoint("mixtral"))
     assert layout_refusals(ControllerConfig(moe, decode_parallel=(2, 1, 2), prefill_parallel=(4, 1, 4))) == {}
     # a path only the worker nodes mount: not checked here (the worker checks it), not refused

@@ -226,15 +226,25 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
         cfg = ModelConfig.from_dir(args.model)
         parallel.check_model(cfg)
         why = rank_kv_refusal(parallel, cfg.num_kv_heads, args.kv_backend)
-        if why is not None and args.role != "both":
+        # A decode worker whose ranks are stages or experts (KV not split by TP) serves colocated requests only, as
+        # the decode tier of a cluster with no prefill tier does (``tandem up --prefill 0 --pp 2``; UpConfig refuses
+        # PP or EP beside prefill replicas); it refuses Reserve (no KV receiver). A TP split whose KV cannot move
+        # (too many ranks for the KV heads, the torch backend) is still refused: a TP decode worker lands KV.
+        colocated = args.role == "both" or (args.role == "decode" and not kv_split_by_tp(parallel))
+        if why is not None and not colocated:
             raise ValueError(f"a {args.role} worker with ranks: {why}")
     return parallel
+
+
+def kv_split_by_tp(parallel: ParallelConfig) -> bool:
+    """Whether each rank holds its own TP heads' KV (no pipeline stages, EP only alongside an equal TP)."""
+    return parallel.pp == 1 and parallel.ep in (1, parallel.tp)
 
 
 def rank_kv_refusal(parallel: ParallelConfig, num_kv_heads: int, kv_backend: str) -> str | None:
     """Why this replica's ranks cannot each send or land their own heads' KV (None: they can). A prefill or decode
     worker is refused then; a ``--role both`` one serves colocated requests only."""
-    if parallel.pp > 1 or parallel.ep not in (1, parallel.tp):
+    if not kv_split_by_tp(parallel):
         return ("--pp above 1, or --ep without the same --tp, gives ranks whose KV is not split by TP, and KV moves "
                 "between tiers TP rank to TP rank (use --tp, with --ep equal to it)")
     if parallel.tp > num_kv_heads:

@@ -269,6 +269,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 kw.pop("num_threads")  # each rank takes its own cores
             with ParallelLLM(args.model, ParallelConfig(tp=args.tp, ep=args.ep, pp=args.pp), **kw) as plm:
                 outputs = plm.generate(prompts, params)
+                plm.check_block_accounting()  # every rank's blocks free or cached, or this run fails
         else:
             outputs = LLM(args.model, speculative=spec, **kw).generate(prompts, params)  # type: ignore[arg-type]
     except (PromptTooLongError, UnsupportedModelError, FileNotFoundError, ValueError) as e:

@@ -9,8 +9,8 @@
 - ``tandem up --config`` with ``"pp": 2`` and ``tandem up --ep 2`` (Mixtral): a real local cluster serving the
   official openai client exactly, the replica's blocks all free afterwards, SIGINT leaving nothing behind.
 - CPU binding (``cpus_for``): the rule as a pure function for hosts of 2 to 64 cores, and on this host the affinity
-  the kernel reports for a TP=2 worker's two rank processes.
-- KV events of a TP=2 worker: rank 0 publishes a prompt's stored block hashes on ``KVEvents`` (and in its
+  the kernel reports for the rank processes of a PP=2 worker and a TP=2 x PP=2 one.
+- KV events of a TP=2 x PP=2 worker: rank 0 publishes a prompt's stored block hashes on ``KVEvents`` (and in its
   ``Snapshot``), equal to the router's hashes of that prompt's full blocks.
 """
 
@@ -197,13 +197,15 @@ def test_pp2_decode_worker_serves_transformers_greedy_tokens_frees_every_block_a
 
 
 @pytest.mark.slow
-def test_tp2_worker_rank0_publishes_the_kv_events_of_its_prompts_and_ranks_are_bound_by_the_rule(
+def test_tp2_pp2_worker_rank0_publishes_the_kv_events_of_its_prompts_and_ranks_are_bound_by_the_rule(
         checkpoint: Callable[[str], Path]) -> None:
+    """Four ranks (TP=2 x PP=2): on a host of fewer than 4 CPUs they share all of them (the PP=2 worker's two
+    ranks above hold one core each on 2 CPUs)."""
     path = checkpoint("llama")
-    worker = start_worker("both", str(path), "tcp", ["--tp", "2", "--num-kv-blocks", "64", "--session-port", "-1"],
-                          timeout_s=300)
+    worker = start_worker("both", str(path), "tcp", ["--tp", "2", "--pp", "2", "--num-kv-blocks", "64",
+                                                     "--session-port", "-1"], timeout_s=300)
     try:
-        _assert_ranks_bound_by_the_rule(worker, 2)
+        _assert_ranks_bound_by_the_rule(worker, 4)
         prompt = [random.Random(3).randrange(2040) for _ in range(40)]
         # the router's hashes of the prompt's 2 full blocks (salted by the model's name, as the workers say)
         want = hash_blocks(prompt, 16, extra_keys_for(model=path.name))

@@ -209,11 +209,19 @@ def layout_refusals(cfg: ControllerConfig) -> dict[str, str]:
         tp, pp, ep = cfg.parallel_of(tier)
         args = argparse.Namespace(model=cfg.model, tp=tp, pp=pp, ep=ep, kv_backend=cfg.kv_backend_of(tier), role=tier)
         try:
-            parallel_config(args)
+            parallel = parallel_config(args)
         except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
             log.warning("%s layout tp=%d pp=%d ep=%d not checked here: %s (the workers check it)", tier, tp, pp, ep, e)
         except ValueError as e:
             refused[tier] = f"{tier}: {e}"
+        else:
+            from worker.server import kv_split_by_tp
+
+            # A decode worker whose ranks are stages or experts serves colocated requests only (it refuses Reserve):
+            # beside a prefill tier every disaggregated request would fail, so the tier is refused, as tandem up does.
+            if tier == "decode" and cfg.prefill > 0 and not kv_split_by_tp(parallel):
+                refused[tier] = (f"decode: pp={pp} ep={ep} ranks do not hold KV split by TP, so they cannot land the "
+                                 "prefill tier's KV (use --tp, with --ep equal to it, or run without a prefill tier)")
     return refused
 
 

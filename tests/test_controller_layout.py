@@ -99,6 +99,9 @@ def test_a_layout_the_model_takes_is_accepted_and_an_unreadable_model_is_left_to
     # stages (or experts without an equal TP) on the decode tier: its workers serve colocated requests only
     # (worker/server.py; tandem up refuses them beside prefill replicas, tests/test_pp_served.py serves them)
     assert layout_refusals(ControllerConfig(llama, prefill=0, decode_parallel=(2, 2, 1))) == {}
+    # ... and beside a prefill tier they could land no request's KV: refused, as tandem up refuses them
+    beside = layout_refusals(ControllerConfig(llama, prefill=1, decode_parallel=(2, 2, 1)))
+    assert list(beside) == ["decode"] and "cannot land the prefill tier's KV" in beside["decode"]
     assert "prefill" in layout_refusals(ControllerConfig(llama, prefill_parallel=(1, 2, 1)))
     moe = str(checkpoint("mixtral"))
     assert layout_refusals(ControllerConfig(moe, decode_parallel=(2, 1, 2), prefill_parallel=(4, 1, 4))) == {}

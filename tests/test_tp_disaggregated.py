@@ -24,8 +24,10 @@ import grpc
 import psutil
 import pytest
 import torch
+from hetero_reference import hetero_reference
 from parallel_parity import assert_greedy_matches
 
+from engine.sampling_params import SamplingParams
 from kvtransfer.base import DestinationInfo
 from proto.tandem.v1 import worker_pb2 as pb
 from router.handoff import WorkerClient, disaggregated_generate
@@ -36,6 +38,8 @@ MAX_NEW = 8
 BLOCKS = 64
 FLAGS = ["--num-kv-blocks", str(BLOCKS), "--max-num-batched-tokens", "48", "--session-port", "-1"]
 GREEDY = pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=2)
+# the split-emulating reference's engines: the workers' KV pool and batch budget, one thread per rank
+REF_ENGINE = {"num_kv_blocks": BLOCKS, "max_num_batched_tokens": 48, "num_threads": 1}
 
 
 class Tiers:
@@ -57,11 +61,14 @@ class Tiers:
             raise
 
     def generate(self, prefill: str, decode: str, rid: str, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-        chunks = list(disaggregated_generate(self.clients[prefill], self.clients[decode], rid, prompt, GREEDY,
-                                             lease_ms=60_000, rpc_timeout_s=120))
+        chunks = self.chunks(prefill, decode, rid, prompt)
         ids = [t for c in chunks for t in c.token_ids]
         tops = torch.tensor([[top.logprob for top in lp.top[:2]] for c in chunks for lp in c.logprobs])
         return ids, tops
+
+    def chunks(self, prefill: str, decode: str, rid: str, prompt: list[int]) -> list[pb.TokenChunk]:
+        return list(disaggregated_generate(self.clients[prefill], self.clients[decode], rid, prompt, GREEDY,
+                                           lease_ms=60_000, rpc_timeout_s=120))
 
     def assert_all_free(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -109,6 +116,30 @@ def test_prefill_tp2_to_decode_tp1_and_tp1_to_tp2_equal_transformers(
     per_prompt = sum(-(-len(prompt) // 16) for prompt in prompts) * 64 * 1024
     sent = {p: t.clients[p].stub.Load(pb.LoadRequest(), timeout=10).kv_transfer_bytes for p in ("prefill1", "prefill2")}
     assert sent == {"prefill1": per_prompt, "prefill2": 2 * per_prompt}
+
+
+def test_hetero_logprobs_equal_the_split_emulating_reference_float_for_float(tiers: tuple[Path, Tiers]) -> None:
+    """Prefill TP=2 -> decode TP=1 and TP=1 -> TP=2: every token's logprob and top-2 (``log_softmax`` of its logits
+    row, so bit-identical logits give equal floats) equal the split-emulating reference's (``hetero_reference``:
+    the prompt prefilled at TP=a, its KV re-split by head for TP=b and decoded there), ==, not within a tolerance.
+    One request at a time on prompts no other test sends, so the served batches are the reference's (the prompt
+    alone, the 70-token one prefilled in two chunks) and no prefix-cache hit (another prefill's KV) comes in."""
+    path, t = tiers
+    rng = random.Random(2727)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=2)
+    for prefill, decode in (("prefill2", "decode1"), ("prefill1", "decode2")):
+        for n in (5, 70):
+            prompt = [rng.randrange(2040) for _ in range(n)]
+            what = f"{prefill} -> {decode}, {n} tokens"
+            chunks = t.chunks(prefill, decode, f"ref-{prefill}-{decode}-{n}", prompt)
+            got = [(lp.token_id, lp.logprob, [(top.token_id, top.logprob) for top in lp.top])
+                   for c in chunks for lp in c.logprobs]
+            ref = hetero_reference(str(path), prompt, int(prefill[-1]), int(decode[-1]), params, **REF_ENGINE)
+            want = [(lp.token_id, lp.logprob, list(lp.top)) for lp in ref.logprobs]
+            assert [c for ch in chunks for c in ch.token_ids] == ref.token_ids, what
+            for step, (g, w) in enumerate(zip(got, want, strict=True)):
+                assert g == w, f"{what}: token {step}: served {g}, split-emulating reference {w}"
+    t.assert_all_free()
 
 
 def test_an_aborted_request_is_freed_on_every_rank(tiers: tuple[Path, Tiers]) -> None:

@@ -3,7 +3,9 @@ each rank sending or landing its own heads' KV on its own endpoint (tcp and nixl
 
 Per backend one set of real ``tandem worker`` processes: prefill TP=1 and TP=2, decode TP=1 and TP=2 (the TP=2 ones
 each rank 0 and a rank process, gloo on loopback). Greedy tokens equal transformers' fp32 ones except at a
-demonstrated near-tie (``tests/parallel_parity.py``; the top-2 logprob gap is the top-2 logit gap). Afterwards, and
+demonstrated near-tie (``tests/parallel_parity.py``; the top-2 logprob gap is the top-2 logit gap), and each token's
+logprobs equal, float for float, the split-emulating reference of the mixed layout (``tests/hetero_reference.py``:
+prefill at TP=a, its KV re-split by head, decode at TP=b), so the logits are bit-identical to it. Afterwards, and
 after an aborted request and a request whose leg to one decode rank cannot be sent, no block is in use or held and no
 transfer is pending on any worker, the follower ranks' reservations included (``Load.transfers_in_flight`` of a
 decode replica counts every rank's).

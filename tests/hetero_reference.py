@@ -12,7 +12,6 @@ logprobs (``log_softmax`` of them, by the same sampler) float for float.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ from engine.kv_connector import EngineKV, FinishedTransfers, KVConnector, LoadDo
 from engine.llm import LLM, CompletionOutput
 from engine.models.decoder import _identity
 from engine.parallel.config import ParallelConfig
+from engine.parallel.emulated import generate_on_threads
 from engine.parallel.thread_group import ThreadGroup
 from engine.request import Request, TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -78,25 +78,7 @@ def _run_ranks(model: str, tp: int, prompt: list[int], params: SamplingParams, c
                   **llm_kwargs)
         llm.engine.attach_connector(connector(rank))
         llms.append(llm)
-    results: list[list[CompletionOutput] | None] = [None] * tp
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = llms[rank].generate([prompt], params)
-        except BaseException as e:
-            errors.append(e)
-            group.abort()
-
-    threads = [threading.Thread(target=run, args=(r,), name=f"hetero-ref-rank{r}") for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    assert results[0] is not None
-    return results[0][0], llms
+    return generate_on_threads(llms, group, [prompt], params, name="hetero-ref")[0], llms
 
 
 def hetero_reference(model: str, prompt: Sequence[int], prefill_tp: int, decode_tp: int, params: SamplingParams,

@@ -7,7 +7,11 @@ it; any other difference fails.
 
 from __future__ import annotations
 
+import grpc
 import torch
+
+from proto.tandem.v1 import worker_pb2 as pb
+from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 
 NEAR_TIE = 1e-4
 
@@ -31,3 +35,23 @@ def assert_bit_identical(got: list[torch.Tensor], want: list[torch.Tensor], what
         if not torch.equal(g, w):
             diff = float((g - w).abs().max())
             raise AssertionError(f"{what}: prompt {i} logits differ from the split-emulating reference by {diff:.3g}")
+
+
+def serve_greedy(address: str, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor, int]:
+    """A worker's greedy tokens for ``prompt`` over ``Generate``, each step's top-2 logprobs (``[steps, 2]``, for
+    :func:`assert_greedy_matches`) and the prompt tokens it served from its cache."""
+    with grpc.insecure_channel(address) as ch:
+        chunks = list(pb_grpc.WorkerStub(ch).Generate(pb.GenerateRequest(
+            prompt_token_ids=prompt, params=pb.SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True,
+                                                              logprobs=2)), timeout=240))
+    ids = [t for c in chunks for t in c.token_ids]
+    tops = torch.tensor([[top.logprob for top in lp.top[:2]] for c in chunks for lp in c.logprobs])
+    return ids, tops, chunks[-1].num_cached_tokens
+
+
+def assert_all_blocks_free(address: str) -> None:
+    """The worker runs nothing, holds nothing, and every KV block is free."""
+    with grpc.insecure_channel(address) as ch:
+        load = pb_grpc.WorkerStub(ch).Load(pb.LoadRequest(), timeout=30)
+    assert (load.running, load.waiting, load.used_blocks, load.held_blocks) == (0, 0, 0, 0), load
+    assert load.free_blocks == load.total_blocks

@@ -31,8 +31,7 @@ import grpc
 import openai
 import psutil
 import pytest
-import torch
-from parallel_parity import assert_greedy_matches
+from parallel_parity import assert_all_blocks_free, assert_greedy_matches, serve_greedy
 from test_tandem_up import Cluster, _alive
 from test_tp_cli import _hf_greedy_with_logits
 
@@ -134,22 +133,6 @@ def _ranks(worker: WorkerProcess) -> list[psutil.Process]:
     return [c for c in psutil.Process(worker.proc.pid).children() if "resource_tracker" not in " ".join(c.cmdline())]
 
 
-def _generate(address: str, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    with grpc.insecure_channel(address) as ch:
-        chunks = list(pb_grpc.WorkerStub(ch).Generate(pb.GenerateRequest(
-            prompt_token_ids=prompt, params=pb.SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True,
-                                                              logprobs=2)), timeout=240))
-    ids = [t for c in chunks for t in c.token_ids]
-    return ids, torch.tensor([[top.logprob for top in lp.top[:2]] for c in chunks for lp in c.logprobs])
-
-
-def _assert_all_blocks_free(address: str) -> None:
-    with grpc.insecure_channel(address) as ch:
-        load = pb_grpc.WorkerStub(ch).Load(pb.LoadRequest(), timeout=30)
-    assert (load.running, load.waiting, load.used_blocks, load.held_blocks) == (0, 0, 0, 0), load
-    assert load.free_blocks == load.total_blocks
-
-
 def _assert_ranks_bound_by_the_rule(worker: WorkerProcess, world: int) -> None:
     """Rank 0 (the worker) and its followers (spawned before rank 0 binds itself, so from the same allowed set) hold
     what ``cpus_for`` gives them of this host's CPUs, as the kernel reports them."""
@@ -179,15 +162,15 @@ def test_pp2_decode_worker_serves_transformers_greedy_tokens_frees_every_block_a
         rng = random.Random(27)
         prompts = [[rng.randrange(2040) for _ in range(n)] for n in (1, 6, 40)]  # 40: prefilled in two chunks
         with ThreadPoolExecutor(len(prompts)) as pool:
-            results = list(pool.map(lambda p: _generate(worker.address, p), prompts))
-        for prompt, (ids, tops) in zip(prompts, results, strict=True):
+            results = list(pool.map(lambda p: serve_greedy(worker.address, p, MAX_NEW), prompts))
+        for prompt, (ids, tops, _) in zip(prompts, results, strict=True):
             assert tops.shape == (MAX_NEW, 2)
             assert_greedy_matches(ids, hf_greedy(path, prompt, MAX_NEW), tops, f"PP=2 worker, {len(prompt)} tokens")
         with grpc.insecure_channel(worker.address) as ch, pytest.raises(grpc.RpcError) as refused:
             pb_grpc.WorkerStub(ch).Reserve(pb.ReserveRequest(prompt_token_ids=prompts[2], params=pb.SamplingParams(
                 max_tokens=MAX_NEW, temperature=0)), timeout=30)
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
-        _assert_all_blocks_free(worker.address)
+        assert_all_blocks_free(worker.address)
         assert worker.proc.poll() is None
     finally:
         worker.stop(timeout=30)
@@ -210,7 +193,7 @@ def test_tp2_pp2_worker_rank0_publishes_the_kv_events_of_its_prompts_and_ranks_a
         # the router's hashes of the prompt's 2 full blocks (salted by the model's name, as the workers say)
         want = hash_blocks(prompt, 16, extra_keys_for(model=path.name))
         assert len(want) == 2
-        assert len(_generate(worker.address, prompt)[0]) == MAX_NEW
+        assert len(serve_greedy(worker.address, prompt, MAX_NEW)[0]) == MAX_NEW
         stored: list[int] = []
         with grpc.insecure_channel(worker.address) as ch:
             stub = attach(pb_grpc.WorkerStub(ch), Credentials.for_cluster())
@@ -225,7 +208,7 @@ def test_tp2_pp2_worker_rank0_publishes_the_kv_events_of_its_prompts_and_ranks_a
             snap = stub.Snapshot(pb.SnapshotRequest(), timeout=10)
         assert stored[:2] == want, f"stored {stored}, the prompt's blocks hash to {want}"
         assert set(want) <= set(snap.hashes)
-        _assert_all_blocks_free(worker.address)
+        assert_all_blocks_free(worker.address)
     finally:
         worker.stop(timeout=30)
 
@@ -277,7 +260,7 @@ def test_up_serves_a_pp2_or_ep2_replica_to_the_openai_client_exactly_and_leaves_
             r = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_NEW, temperature=0,
                                           extra_body={"ignore_eos": True})
             assert r.choices[0].text == tok.decode(hf_greedy(path, prompt, MAX_NEW)), (how, prompt)
-        _assert_all_blocks_free(_worker_address(worker))
+        assert_all_blocks_free(_worker_address(worker))
     finally:
         code = c.stop()
     assert code == 0, "".join(c.lines[-30:])

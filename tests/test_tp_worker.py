@@ -17,14 +17,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
 import psutil
 import pytest
-import torch
-from parallel_parity import assert_greedy_matches
+from parallel_parity import assert_greedy_matches, serve_greedy
 
-from proto.tandem.v1 import worker_pb2 as pb
-from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from worker.launcher import WorkerProcess, start_worker
 
 pytestmark = pytest.mark.slow
@@ -48,17 +44,6 @@ def tp_worker(checkpoint: Callable[[str], Path]) -> Iterator[tuple[Path, WorkerP
         worker.stop(timeout=30)
 
 
-def _generate(address: str, prompt: list[int]) -> tuple[list[int], torch.Tensor, int]:
-    """Greedy tokens, each step's top-2 logprobs (``[steps, 2]``) and the prompt tokens served from the cache."""
-    with grpc.insecure_channel(address) as ch:
-        chunks = list(pb_grpc.WorkerStub(ch).Generate(pb.GenerateRequest(
-            prompt_token_ids=prompt, params=pb.SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True,
-                                                              logprobs=2)), timeout=240))
-    ids = [t for c in chunks for t in c.token_ids]
-    tops = torch.tensor([[top.logprob for top in lp.top[:2]] for c in chunks for lp in c.logprobs])
-    return ids, tops, chunks[-1].num_cached_tokens
-
-
 def test_tp2_worker_serves_tokens_equal_to_transformers_batched_chunked_and_cached(
         tp_worker: tuple[Path, WorkerProcess], hf_greedy: Callable[[Path, list[int], int], list[int]]) -> None:
     path, worker = tp_worker
@@ -67,7 +52,7 @@ def test_tp2_worker_serves_tokens_equal_to_transformers_batched_chunked_and_cach
     prompts = [[rng.randrange(2040) for _ in range(n)] for n in (1, 5, 33, 100)]
     for round_ in range(2):
         with ThreadPoolExecutor(len(prompts)) as pool:
-            results = list(pool.map(lambda p: _generate(worker.address, p), prompts))
+            results = list(pool.map(lambda p: serve_greedy(worker.address, p, MAX_NEW), prompts))
         for prompt, (ids, tops, cached) in zip(prompts, results, strict=True):
             assert tops.shape == (MAX_NEW, 2)
             assert_greedy_matches(ids, hf_greedy(path, prompt, MAX_NEW), tops, f"TP=2 worker, {len(prompt)} tokens")
@@ -78,7 +63,7 @@ def test_tp2_worker_serves_tokens_equal_to_transformers_batched_chunked_and_cach
 
 def test_sigkill_of_a_rank_takes_the_worker_down_and_leaves_no_rank(tp_worker: tuple[Path, WorkerProcess]) -> None:
     _, worker = tp_worker
-    assert _generate(worker.address, [1, 2, 3])[0]
+    assert serve_greedy(worker.address, [1, 2, 3], MAX_NEW)[0]
     ranks = _ranks(worker)
     assert len(ranks) == 1
     ranks[0].kill()

@@ -43,6 +43,13 @@ def emulate(model: str, parallel: ParallelConfig, prompts: Sequence[str | list[i
         rec = LogitRecorder.attach(llm.engine)
         rec.enabled = True
         recorders.append(rec)
+    return generate_on_threads(llms, group, prompts, params), recorders[0].take(), llms
+
+
+def generate_on_threads(llms: Sequence[LLM], group: ThreadGroup, prompts: Sequence[str | list[int]],
+                        params: SamplingParams, name: str = "emulated") -> list[CompletionOutput]:
+    """``prompts`` through every rank's engine at once, one thread per rank joined by ``group``; rank 0's outputs.
+    A rank that raises aborts the group (the others' collectives return) and its error is raised here."""
     results: list[list[CompletionOutput] | None] = [None] * len(llms)
     errors: list[BaseException] = []
 
@@ -53,7 +60,7 @@ def emulate(model: str, parallel: ParallelConfig, prompts: Sequence[str | list[i
             errors.append(e)
             group.abort()
 
-    threads = [threading.Thread(target=run, args=(r,), name=f"emulated-rank{r}") for r in range(len(llms))]
+    threads = [threading.Thread(target=run, args=(r,), name=f"{name}-rank{r}") for r in range(len(llms))]
     for t in threads:
         t.start()
     for t in threads:
@@ -61,4 +68,4 @@ def emulate(model: str, parallel: ParallelConfig, prompts: Sequence[str | list[i
     if errors:
         raise errors[0]
     assert results[0] is not None
-    return results[0], recorders[0].take(), llms
+    return results[0]

@@ -273,6 +273,17 @@ def bench_raw_nixl(nbytes: int, repeats: int, tls: str = "", progress_thread: bo
 
 
 # ------------------------------------------------------------------------------------------------- backends
+def transfer_once(r: Peer, s: Peer, rid: str, src: list[int], dst: list[int], num_tokens: int, what: str) -> float:
+    """One request from peer ``s``'s blocks ``src`` into peer ``r``'s ``dst``: reserve, transfer, release; the
+    sender's elapsed seconds. RuntimeError naming ``what`` if it did not complete."""
+    dest = r.call("reserve", rid, dst, num_tokens, time.time() + 60)
+    st, err, elapsed = s.call("transfer", rid, [dest], src, time.time() + 60, 60.0, timeout_s=90)
+    if st != 2:
+        raise RuntimeError(f"{what} transfer failed: {err}")
+    r.call("release", rid)
+    return float(elapsed)
+
+
 def bench_backend(backend: str, sizes_mib: Sequence[int], repeats: int, layout: KVLayout = BENCH_LAYOUT) -> dict:
     """GB/s of ``backend`` per size, two child processes, median of :func:`repeats_for` requests (after one warm-up
     request)."""
@@ -291,12 +302,8 @@ def bench_backend(backend: str, sizes_mib: Sequence[int], repeats: int, layout: 
             src, dst = _ids(n, 16), _ids(n, 32)
             times = []
             for i in range(repeats_for(size, repeats) + 1):
-                rid = f"bench-{size}-{i}"
-                dest = r.call("reserve", rid, dst, n * layout.block_size, time.time() + 60)
-                st, err, elapsed = s.call("transfer", rid, [dest], src, time.time() + 60, 60.0, timeout_s=90)
-                if st != 2:
-                    raise RuntimeError(f"{backend} {size} MiB transfer failed: {err}")
-                r.call("release", rid)
+                elapsed = transfer_once(r, s, f"bench-{size}-{i}", src, dst, n * layout.block_size,
+                                        f"{backend} {size} MiB")
                 if i:
                     times.append(elapsed)
             out[size] = _gbps(n * per_block, statistics.median(times))

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from bench.kv_bandwidth import BENCH_LAYOUT, MIB, _ids, _reap, _request_bytes_per_block
+from bench.kv_bandwidth import BENCH_LAYOUT, MIB, _ids, _reap, _request_bytes_per_block, transfer_once
 from bench.kv_peer import Peer
 from kvtransfer.layout import KVLayout
 
@@ -65,12 +65,8 @@ def measure_backend(backend: str, size_mib: int, n: int, layout: KVLayout = BENC
         for i in range(n + 5):
             if i == 5:
                 before = {"sender": schedstat(s.pid), "receiver": schedstat(r.pid)}
-            rid = f"cpu-{size_mib}-{i}"
-            dest = r.call("reserve", rid, dst, count * layout.block_size, time.time() + 60)
-            st, err, elapsed = s.call("transfer", rid, [dest], src, time.time() + 60, 60.0, timeout_s=90)
-            if st != 2:
-                raise RuntimeError(f"{backend} {size_mib} MiB transfer failed: {err}")
-            r.call("release", rid)
+            elapsed = transfer_once(r, s, f"cpu-{size_mib}-{i}", src, dst, count * layout.block_size,
+                                    f"{backend} {size_mib} MiB")
             if i >= 5:
                 times.append(elapsed)
         after = {"sender": schedstat(s.pid), "receiver": schedstat(r.pid)}

@@ -177,11 +177,16 @@ def run_kernel_bench(args: argparse.Namespace) -> dict[str, Any]:
     cpu = args.cpu if args.cpu is not None else max(os.sched_getaffinity(0))
     cmd = [sys.executable, "-m", "bench.quant_kernels", "--model", str(model), "--rows", args.rows, "--rounds",
            str(args.rounds), "--cpu", str(cpu), *(["--layers", str(args.layers)] if args.layers else [])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600,
-                          cwd=Path(__file__).resolve().parents[1])
+    return _run_pinned(cmd, "the kernel bench")
+
+
+def _run_pinned(cmd: list[str], what: str) -> dict[str, Any]:
+    """Run one of this module's measuring processes (one OpenMP thread) from the repository root; its JSON report,
+    the last line it prints. RuntimeError naming ``what`` with its stderr's tail if it fails."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          timeout=3600, cwd=Path(__file__).resolve().parents[1])
     if proc.returncode != 0:
-        raise RuntimeError(f"the kernel bench failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return report
 
@@ -264,12 +269,7 @@ def run_interleaved_bench(args: argparse.Namespace) -> dict[str, Any]:
     cpu = args.cpu if args.cpu is not None else max(os.sched_getaffinity(0))
     cmd = [sys.executable, "-m", "bench.quant_kernels", "--decode", json.dumps(models), "--input-len",
            str(args.input_len), "--output-len", str(args.output_len), "--rounds", str(args.rounds), "--cpu", str(cpu)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          timeout=3600, cwd=Path(__file__).resolve().parents[1])
-    if proc.returncode != 0:
-        raise RuntimeError(f"the interleaved decode bench failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return report
+    return _run_pinned(cmd, "the interleaved decode bench")
 
 
 def format_interleaved_report(report: dict[str, Any]) -> str:

@@ -292,8 +292,7 @@ class LLMEngine:
         if result is None:
             return []
         now = time.monotonic()
-        self.sampler.advance(reqs, result.token_ids)  # the constrained rows' matchers, in one pass
-        return [self._accept_token(req, token, lp, now, advanced=True)
+        return [self._accept_token(req, token, lp, now)
                 for req, token, lp in zip(reqs, result.token_ids, result.logprobs, strict=True)
                 if not req.is_finished]
 
@@ -323,12 +322,10 @@ class LLMEngine:
                 spec.settle(req, n)
         return outputs
 
-    def _accept_token(self, req: Request, token: int, lp: TokenLogprobs | None, now: float,
-                      advanced: bool = False) -> RequestOutput:
-        """Append one sampled token: detokenize, check stops, finish (freeing blocks) if it ends the request.
-        ``advanced``: the request's matcher has consumed the token already (``Sampler.advance``)."""
+    def _accept_token(self, req: Request, token: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
+        """Append one sampled token: detokenize, check stops, finish (freeing blocks) if it ends the request."""
         req.append_token(token)
-        if req.matcher is not None and not advanced:
+        if req.matcher is not None:
             req.matcher.consume_token(token)
         if req.first_token_time is None:
             req.first_token_time = now

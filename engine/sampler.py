@@ -60,16 +60,6 @@ class Sampler:
             self._prefetch = MaskPrefetch(self._executor(), self._mask_buffers)
         self._prefetch.start([r.matcher for r in requests], self.vocab_size or self._width, self._width)
 
-    @staticmethod
-    def advance(requests: list[Request], tokens: list[int]) -> None:
-        """Advance each live constrained request's matcher by its sampled token, in one pass over the batch. One
-        ``consume_token`` per row: llguidance's batched ``LLExecutor.consume_token_par`` took 10x the wall time on
-        a 2-CPU host (its pool threads' wake-ups against ~1-10 us of work a row; ``python3 -m
-        bench.structured_advance``). The engine calls this once per step, before it appends the tokens."""
-        for r, t in zip(requests, tokens, strict=True):
-            if r.matcher is not None and not r.is_finished:
-                r.matcher.consume_token(t)
-
     def _masks(self, requests: list[Request], width: int) -> MaskBatch:
         matchers = [r.matcher for r in requests]
         masks = self._prefetch.take(matchers, width) if self._prefetch is not None else None

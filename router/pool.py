@@ -53,6 +53,7 @@ from router.session import WorkerSession, host_of
 
 log = logging.getLogger(__name__)
 HEALTH_REFRESH_S = 1.0
+REMOVE_GRACE_S = 10.0  # the longest remove() waits for this router's requests on a worker that still answers
 
 
 class IndexSink(Protocol):
@@ -164,10 +165,21 @@ class WorkerPool:
                 w.tasks.append(asyncio.create_task(self._follow_events(w)))
         return w
 
-    async def remove(self, address: str) -> None:
-        w = self.workers.pop(address, None)
+    async def remove(self, address: str, grace_s: float = REMOVE_GRACE_S) -> None:
+        """Take ``address`` out of the pool and close its connections. While it still answers, wait up to
+        ``grace_s`` for this router's own requests on it (its session's and its gRPC calls) to end first: a drained
+        worker reports nothing in flight once it has sent its last tokens, which may still be on the wire here, and
+        closing the session under them would fail (and retry) requests that were complete."""
+        w = self.workers.get(address)
         if w is None:
             return
+        deadline = time.monotonic() + grace_s
+        while (w.calls or (w.session is not None and w.session.in_flight)) and w.answering \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.workers.get(address) is not w:
+            return  # removed meanwhile
+        del self.workers[address]
         probe = self._suspected.pop(address, None)
         for t in (*w.tasks, *([probe] if probe is not None else [])):
             t.cancel()
@@ -181,7 +193,7 @@ class WorkerPool:
     async def close(self) -> None:
         self._closing = True
         for a in list(self.workers):
-            await self.remove(a)
+            await self.remove(a, grace_s=0.0)
 
     def _connect(self, w: Worker) -> None:
         w.channel = aio_channel(w.address, self.credentials, options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -216,8 +228,9 @@ class WorkerPool:
         that failed, a stream one client's slowness broke). A refused probe or a NOT_SERVING answer marks it down;
         a late one changes nothing (silence is judged by ``dead_after_s``)."""
         probe = self._suspected.get(w.address)
-        if self._closing or w.stub is None or (probe is not None and not probe.done()):
-            return
+        if self._closing or w.stub is None or self.workers.get(w.address) is not w \
+                or (probe is not None and not probe.done()):
+            return  # closing, or a request on a worker removed meanwhile (its channel is closed)
         task = self._suspected[w.address] = asyncio.get_running_loop().create_task(self._health(w))
 
         def done(t: asyncio.Task[bool]) -> None:

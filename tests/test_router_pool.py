@@ -132,6 +132,36 @@ def test_a_worker_drained_elsewhere_is_seen_draining_within_a_second_and_stays_s
     asyncio.run(scenario())
 
 
+def test_remove_waits_for_the_routers_own_requests_on_an_answering_worker_and_not_on_a_silent_one() -> None:
+    """A drained worker reports nothing in flight once its last tokens are sent; they may still be on the way here.
+    ``remove`` keeps the worker (its connections open) until this router's calls on it have ended, so that closing
+    it fails no complete request; a worker that no longer answers is not waited for; and a request failing on a
+    worker already removed does not probe its closed channel."""
+    async def scenario() -> None:
+        pool, w, call, task = _start(_Stub())
+        await _until(lambda: w.last_seen > 0)
+        removal = asyncio.create_task(pool.remove(w.address, grace_s=5.0))
+        await asyncio.sleep(0.3)
+        assert not removal.done() and pool.workers.get(w.address) is w  # its call is still running
+        w.calls.discard(call)  # the last message arrived
+        await asyncio.wait_for(removal, 1.0)
+        assert w.address not in pool.workers
+        task.cancel()
+        pool.suspect(w)  # the retry path of a request that failed on it
+        assert w.address not in pool._suspected
+
+        stub = _Stub()
+        stub.load_answers = stub.health_answers = False
+        pool, w, call, task = _start(stub)
+        await _until(lambda: w.cut_off)  # silent: its calls will never end here
+        t0 = asyncio.get_running_loop().time()
+        await pool.remove(w.address, grace_s=5.0)
+        assert asyncio.get_running_loop().time() - t0 < 1.0 and w.address not in pool.workers
+        task.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_dead_after_must_be_positive() -> None:
     with pytest.raises(ValueError, match="dead_after_s"):
         WorkerPool([], dead_after_s=0)

@@ -153,6 +153,8 @@ def run_up(cfg: UpConfig, prepare: Preparation, frontend: FrontendFactory, plann
         check_bindable(cfg.host, cfg.grpc_port, "the gRPC API")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray waits 30 s for its GCS to publish its port; a 2-CPU host busy with a previous cluster's exit can take longer
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
     # The cluster's secret (auth/token.py), before Ray starts: its processes, so every worker, inherit it, and the
     # router and controller here hold it too. Admin RPCs (Drain, Snapshot, Abort) need it even with TLS off.
     from auth.token import ensure_cluster_token

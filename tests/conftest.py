@@ -15,6 +15,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # plain `python3 -m pytest -q` runs the same way.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+# Ray's 30 s wait for its GCS port ran out once in CI (2 CPUs, right after another cluster's teardown)
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -80,7 +80,9 @@ def test_kv_transfer_panels_return_data_from_prometheus_scraping_a_prefill_and_a
                                                      "--metrics-port", str(decode_port)])]
         assert [w.metrics_port for w in workers] == [port, decode_port]  # advertised to the launcher
         prom = Prometheus([f"127.0.0.1:{port}", f"127.0.0.1:{decode_port}"], tmp_path)
-        prom.wait_for('tandem_kv_transfer_seconds_count{outcome="ok",worker="km-prefill"} == 0')  # scraped at 0
+        # both scraped at 0 before the request: a series whose first sample is already 1 has no rate yet
+        prom.wait_for('tandem_kv_transfer_seconds_count{outcome="ok",worker="km-prefill"} == 0')
+        prom.wait_for('tandem_kv_landing_seconds_count{outcome="ok",worker="km-decode"} == 0')
         rt = RouterThread(RouterConfig(model=model, workers=tuple(w.address for w in workers), min_uncached_tokens=32))
         with httpx.Client(base_url=rt.url, timeout=60) as c:
             served = c.get("/v1/models").json()["data"][0]["id"]

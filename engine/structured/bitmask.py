@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import llguidance as llg
-import llguidance.torch as llg_torch
 import numpy as np
 import torch
 
@@ -92,8 +91,10 @@ class MaskBatch:
         self.all_rows = len(self.rows) == len(matchers)
         self.width = width
         self._buffers = buffers or MaskBuffers()
-        # every word of every row is written by the fill: no need to initialise it
-        self.bitmask = self._buffers.bitmask(*llg_torch.get_bitmask_shape(len(self.rows), vocab_size)) \
+        # every word of every row is written by the fill: no need to initialise it. One bit per token, 32 to a word,
+        # as llguidance.torch.get_bitmask_shape computes it: importing that module costs every engine process
+        # torch._dynamo (its @torch.compile), seconds of start-up on a 2-core host, for this one line.
+        self.bitmask = self._buffers.bitmask(len(self.rows), (vocab_size + 31) // 32) \
             if self.rows else None
         self.filled = False
         self.bias: torch.Tensor | None = None  # bfloat16 [constrained rows, width]: 0 or -inf, built where needed

@@ -1,7 +1,7 @@
 """A worker on its way out answers ``Health`` with NOT_SERVING before its process exits, so routers stop sending.
 
 Real ``tandem worker`` processes, asked by a gRPC ``Health`` client. Two ways out: a SIGTERM drain (held open by a
-prefill transfer that the fault injection ``--debug-transfer-delay-ms`` keeps in flight for 3 s), and a TP=2
+prefill transfer that the fault injection ``--debug-transfer-delay-ms`` keeps in flight for 1.5 s), and a TP=2
 replica whose rank 1 is killed with SIGKILL (the worker exits 3 after ``RANK_EXIT_GRACE_S``).
 """
 
@@ -12,12 +12,14 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import psutil
 import pytest
 
+from auth.token import bearer, ensure_cluster_token
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from worker.launcher import WorkerProcess, start_worker
@@ -49,8 +51,17 @@ def _statuses_until_exit(worker: WorkerProcess, timeout_s: float) -> tuple[list[
 
 def test_sigterm_drain_answers_not_serving_until_the_process_exits(checkpoint: Callable[[str], Path]) -> None:
     path = checkpoint("llama")
-    prefill = start_worker("prefill", str(path), "tcp", [*FLAGS, "--debug-transfer-delay-ms", "3000"])
-    decode = start_worker("decode", str(path), "tcp", FLAGS)
+    ensure_cluster_token()  # before the two start at once: both inherit the same token
+    with ThreadPoolExecutor(2) as ex:  # at once: each start is seconds of imports
+        futs = [ex.submit(start_worker, "prefill", str(path), "tcp", [*FLAGS, "--debug-transfer-delay-ms", "1500"]),
+                ex.submit(start_worker, "decode", str(path), "tcp", FLAGS)]
+    errors = [e for f in futs if (e := f.exception()) is not None]
+    if errors:  # one failed to start: stop the other
+        for f in futs:
+            if f.exception() is None:
+                f.result().stop()
+        raise errors[0]
+    prefill, decode = (f.result() for f in futs)
     try:
         prompt = [random.Random(1).randrange(1, 2000) for _ in range(40)]
         params = pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -61,11 +72,16 @@ def test_sigterm_drain_answers_not_serving_until_the_process_exits(checkpoint: C
                                                 lease_ms=30_000), timeout=30)
             pre.Prefill(pb.PrefillRequest(request_id="r", prompt_token_ids=prompt, params=params,
                                           destination=res.destination, lease_ms=30_000), timeout=30)
-        prefill.proc.send_signal(signal.SIGTERM)  # the transfer keeps the drain open for ~3 s
+        prefill.proc.send_signal(signal.SIGTERM)  # the transfer keeps the drain open for ~1.5 s
         seen, code = _statuses_until_exit(prefill, 30)
         assert code == 0
         # SERVING only in the moment before the signal handler ran; from then on NOT_SERVING until the exit
         assert seen in (["NOT_SERVING"], ["SERVING", "NOT_SERVING"]), f"Health said {seen}"
+        # what a router does with a request that ends before its Decode call: release the decode side's reservation
+        # (else the decode worker's own SIGTERM drain below waits out the 30 s lease, past stop()'s 10 s)
+        with grpc.insecure_channel(decode.address) as dch:
+            pb_grpc.WorkerStub(dch).Abort(pb.AbortRequest(request_id="r"), timeout=10,
+                                          metadata=[("authorization", bearer(ensure_cluster_token()))])
     finally:
         prefill.stop()
         decode.stop()

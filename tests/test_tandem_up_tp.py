@@ -33,22 +33,49 @@ from engine.tokenizer import Tokenizer
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize(("flags", "message"), [
+BAD_SPLITS = [
     (["--prefill", "0", "--decode-tp", "3"], "decode: tensor parallel size 3"),
     (["--prefill", "0", "--pp", "99"], "above the number of layers"),
     (["--prefill", "0", "--ep", "2"], "needs a MoE model"),
     (["--decode-tp", "2", "--pp", "2"], "pp must be 1"),
     (["--prefill-tp", "8"], "prefill: tp 8 is above the model's 4 KV heads"),
     (["--prefill", "0", "--decode-tp", "0"], "decode_tp must be an int >= 1"),
-])
-def test_a_bad_split_is_refused_before_anything_starts(checkpoint: Callable[[str], Path], tmp_path: Path,
-                                                       flags: list[str], message: str) -> None:
-    env = {**os.environ, "TANDEM_HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"}
-    done = subprocess.run([sys.executable, "-m", "cli.main", "up", "--model", str(checkpoint("llama")), *flags],
-                          capture_output=True, text=True, timeout=120, env=env)
+]
+
+
+Runs = dict[str, tuple[Path, subprocess.CompletedProcess[str]]]
+
+
+@pytest.fixture(scope="module")
+def bad_split_runs(checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Every bad split's ``tandem up`` at once, each in its own TANDEM_HOME (one process of ~2 s of imports each;
+    side by side instead of one after another): by ' '.join(flags), its home and how it ended."""
+    started = []
+    for flags, _ in BAD_SPLITS:
+        home = tmp_path_factory.mktemp("bad-split-home")
+        env = {**os.environ, "TANDEM_HOME": str(home), "RAY_AUTH_MODE": "disabled"}
+        cmd = [sys.executable, "-m", "cli.main", "up", "--model", str(checkpoint("llama")), *flags]
+        started.append((" ".join(flags), home, cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                                                     stderr=subprocess.PIPE, text=True, env=env)))
+    runs: Runs = {}
+    try:
+        for key, home, cmd, proc in started:
+            out, err = proc.communicate(timeout=120)
+            runs[key] = (home, subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+    finally:
+        for *_, proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+    return runs
+
+
+@pytest.mark.parametrize(("flags", "message"), BAD_SPLITS)
+def test_a_bad_split_is_refused_before_anything_starts(bad_split_runs: Runs, flags: list[str], message: str) -> None:
+    home, done = bad_split_runs[" ".join(flags)]
     assert done.returncode == 2, done.stdout + done.stderr
     assert message in done.stderr
-    assert "ray" not in done.stdout.lower() and not (tmp_path / "up.json").exists()
+    assert "ray" not in done.stdout.lower() and not (home / "up.json").exists()
 
 
 def test_the_config_file_takes_the_same_settings_and_checks(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:

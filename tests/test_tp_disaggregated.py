@@ -29,6 +29,7 @@ import torch
 from hetero_reference import hetero_reference
 from parallel_parity import assert_greedy_matches
 
+from auth.token import ensure_cluster_token
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import DestinationInfo
 from proto.tandem.v1 import worker_pb2 as pb
@@ -42,6 +43,9 @@ FLAGS = ["--num-kv-blocks", str(BLOCKS), "--max-num-batched-tokens", "48", "--se
 GREEDY = pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=2)
 # the split-emulating reference's engines: the workers' KV pool and batch budget, one thread per rank
 REF_ENGINE = {"num_kv_blocks": BLOCKS, "max_num_batched_tokens": 48, "num_threads": 1}
+# the broken leg's lease: the request fails on both tiers when it ends, and the test waits for that (the prefill is
+# sent at once after Reserve; 5 s only made the test wait 5 s)
+LEG_LEASE_MS = 2_000
 
 
 class Tiers:
@@ -51,13 +55,24 @@ class Tiers:
         self.backend = backend
         self.procs: dict[str, WorkerProcess] = {}
         self.clients: dict[str, WorkerClient] = {}
+        ensure_cluster_token()  # once, before the four start side by side (each inherits it)
+        # the four start at once (their imports, model loads and rank rendezvous overlap), as tandem up starts its
+        # replicas; each is waited for alone, and every one that started is stopped if any did not
+        names = [(f"{role}{tp}", role, tp) for role in ("prefill", "decode") for tp in (1, 2)]
+        with ThreadPoolExecutor(len(names)) as pool:
+            starts = {name: pool.submit(start_worker, role, str(model), backend, [*FLAGS, "--tp", str(tp)],
+                                        timeout_s=300) for name, role, tp in names}
+        failed: BaseException | None = None
+        for name, f in starts.items():
+            try:
+                self.procs[name] = f.result()
+            except BaseException as e:
+                failed = failed or e
         try:
-            for role in ("prefill", "decode"):
-                for tp in (1, 2):
-                    name = f"{role}{tp}"
-                    self.procs[name] = start_worker(role, str(model), backend, [*FLAGS, "--tp", str(tp)],
-                                                    timeout_s=300)
-                    self.clients[name] = WorkerClient.connect(self.procs[name].address)
+            if failed is not None:
+                raise failed
+            for name, proc in self.procs.items():
+                self.clients[name] = WorkerClient.connect(proc.address)
         except BaseException:
             self.close()
             raise
@@ -170,7 +185,7 @@ def test_a_leg_that_cannot_be_sent_fails_its_request_alone(tiers: tuple[Path, Ti
     prompt = list(range(3, 40))
     params = pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     res = t.clients["decode2"].stub.Reserve(pb.ReserveRequest(request_id="broken", prompt_token_ids=prompt,
-                                                              params=params, lease_ms=5_000), timeout=60)
+                                                              params=params, lease_ms=LEG_LEASE_MS), timeout=60)
     dests = [DestinationInfo.from_bytes(json.dumps(d).encode()) for d in json.loads(res.destination)]
     assert [d.layout.tp_rank for d in dests] == [0, 1]
     dests[1] = dataclasses.replace(dests[1], endpoint="127.0.0.1:1")
@@ -179,8 +194,8 @@ def test_a_leg_that_cannot_be_sent_fails_its_request_alone(tiers: tuple[Path, Ti
         fine = pool.submit(t.generate, "prefill2", "decode2", "alongside", list(range(50, 80)))
         with pytest.raises(grpc.RpcError):
             first = t.clients["prefill2"].stub.Prefill(pb.PrefillRequest(
-                request_id="broken", prompt_token_ids=prompt, params=params, destination=broken, lease_ms=5_000),
-                timeout=60)
+                request_id="broken", prompt_token_ids=prompt, params=params, destination=broken,
+                lease_ms=LEG_LEASE_MS), timeout=60)
             list(t.clients["decode2"].stub.Decode(pb.DecodeRequest(
                 request_id="broken", first_token_id=first.first_token_id, first_token_sent=True), timeout=60))
         assert len(fine.result(timeout=120)[0]) == MAX_NEW
@@ -195,7 +210,8 @@ def test_a_prefill_rank_killed_mid_transfer_fails_its_request_alone(tiers: tuple
     worker alongside it is untouched. Over tcp the landing rank sees its sender's connection go, well within the
     lease; a NIXL receiver has no connection to watch, so there the request's (short) lease ends it."""
     _, t = tiers
-    lease_ms, within_s = (120_000, 30.0) if t.backend == "tcp" else (15_000, 45.0)
+    # the NIXL lease: the kill came 1.2 s after Reserve under a load of 10-24 on 2 cores, so 5 s leaves > 4x
+    lease_ms, within_s = (120_000, 30.0) if t.backend == "tcp" else (5_000, 45.0)
     stalled = start_worker("prefill", str(checkpoint("llama")), t.backend,
                            [*FLAGS, "--tp", "2", "--debug-stall-after-layer", "1", "--debug-stall-seconds", "120"],
                            timeout_s=300)
@@ -210,7 +226,11 @@ def test_a_prefill_rank_killed_mid_transfer_fails_its_request_alone(tiers: tuple
             prefill = pool.submit(client.stub.Prefill, pb.PrefillRequest(
                 request_id="killed", prompt_token_ids=prompt, params=params, destination=res.destination,
                 lease_ms=lease_ms), timeout=120)
-            time.sleep(3.0)  # rank 0 is in its stall
+            stall_deadline = time.monotonic() + 120
+            while not any("fault injection: stalling" in line for line in list(stalled.log)):
+                assert stalled.proc.poll() is None and time.monotonic() < stall_deadline, "rank 0 never stalled"
+                time.sleep(0.05)
+            time.sleep(1.0)  # rank 0 is in its stall; rank 1, a step behind it at most, sends its layers 0 and 1
             (rank1,) = [c for c in psutil.Process(stalled.proc.pid).children()
                         if "resource_tracker" not in " ".join(c.cmdline())]
             killed_at = time.monotonic()

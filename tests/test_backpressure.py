@@ -27,7 +27,7 @@ from engine.tokenizer import Tokenizer
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from router.server import RouterConfig
-from worker.launcher import start_worker
+from worker.launcher import start_worker, start_workers
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 3000
@@ -66,8 +66,11 @@ def test_a_1_byte_per_second_reader_is_paused_bounded_and_alone(
     its request is aborted and every block is free."""
     path = checkpoint("llama")
     flags = ["--num-kv-blocks", "512", "--threads", "1"]
-    w = start_worker("decode", str(path), "tcp", [*flags, "--stream-stall-timeout", "600"])
-    pre = start_worker("prefill", str(path), "tcp", flags) if mode == "disaggregated" else None
+    decode_spec = ("decode", str(path), "tcp", [*flags, "--stream-stall-timeout", "600"])
+    if mode == "disaggregated":  # both start at once
+        w, pre = start_workers(decode_spec, ("prefill", str(path), "tcp", flags))
+    else:
+        w, pre = start_workers(decode_spec)[0], None
     rt = RouterThread(RouterConfig(model=str(path), workers=(w.address, *([pre.address] if pre else []))))
     stop = threading.Event()
     got = [0]
@@ -171,7 +174,11 @@ def test_a_stream_paused_past_the_stall_timeout_fails_with_a_clear_error_not_ret
                                                                   ignore_eos=True))
                 gen = session.generate(req, 60.0, max_buffered_tokens=16)
                 got = len((await gen.__anext__()).token_ids)
-                await asyncio.sleep(4.0)  # takes nothing: paused, then failed by the worker
+                # takes nothing: paused, then failed by the worker (nothing running or paused there any more)
+                deadline = time.monotonic() + 20
+                while (ld := await stub.Load(pb.LoadRequest(), timeout=10)).running or ld.paused or ld.waiting:
+                    assert time.monotonic() < deadline, f"the stalled request was never failed: {ld}"
+                    await asyncio.sleep(0.1)
                 err = None
                 try:
                     async for chunk in gen:

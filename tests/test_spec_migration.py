@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -20,6 +21,7 @@ import pytest
 from gateway_harness import WORKER_FLAGS, RouterThread, wait_idle
 from prometheus_client.parser import text_string_to_metric_families
 
+from auth.token import ensure_cluster_token
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from proto.tandem.v1 import worker_pb2 as pb
@@ -69,18 +71,34 @@ def _run_and_kill(rt: RouterThread, prompt: list[int], decodes: list[WorkerProce
 def test_speculating_decode_worker_killed_mid_output_migrates_token_exactly(
         mode: str, checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]]) -> None:
     model = checkpoint("llama")
-    offline = LLM(str(model), num_threads=1, num_kv_blocks=256)
-    prompt = offline.tokenizer.encode("hello " * 40)  # 81 tokens: past the router's 64 uncached for prefill
-    want = hf_greedy(model, prompt, MAX_TOKENS)
-    plain = offline.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-    assert plain[0].token_ids == want
-    decodes = [start_worker("decode", str(model), "tcp", [*WORKER_FLAGS, *SPEC, "--worker-id", f"specmig-{i}",
-                                                          "--metrics-port", "0"]) for i in range(2)]
-    pre = start_worker("prefill", str(model), "tcp", [*WORKER_FLAGS, "--worker-id", "specmig-pre"]) \
-        if mode == "disaggregated" else None
-    workers = [*decodes, *([pre] if pre else [])]
-    rt = RouterThread(RouterConfig(model=str(model), workers=tuple(w.address for w in workers)))
+    ensure_cluster_token()  # once, before the workers start side by side (each inherits it)
+    pool = ThreadPoolExecutor(3)
+    # the workers start while the references are computed (were one after another)
+    starting = [pool.submit(start_worker, "decode", str(model), "tcp", [*WORKER_FLAGS, *SPEC, "--worker-id",
+                                                                        f"specmig-{i}", "--metrics-port", "0"])
+                for i in range(2)]
+    if mode == "disaggregated":
+        starting.append(pool.submit(start_worker, "prefill", str(model), "tcp",
+                                    [*WORKER_FLAGS, "--worker-id", "specmig-pre"]))
+    pool.shutdown(wait=False)
+    workers: list[WorkerProcess] = []
+    rt: RouterThread | None = None
     try:
+        offline = LLM(str(model), num_threads=1, num_kv_blocks=256)
+        prompt = offline.tokenizer.encode("hello " * 40)  # 81 tokens: past the router's 64 uncached for prefill
+        want = hf_greedy(model, prompt, MAX_TOKENS)
+        plain = offline.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+        assert plain[0].token_ids == want
+        failed: BaseException | None = None
+        for f in starting:
+            try:
+                workers.append(f.result())
+            except BaseException as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
+        decodes, pre = workers[:2], (workers[2] if mode == "disaggregated" else None)
+        rt = RouterThread(RouterConfig(model=str(model), workers=tuple(w.address for w in workers)))
         plans_before = rt.call(lambda r: dict(r.dispatcher.stats.decisions))
         tokens, victim = _run_and_kill(rt, prompt, decodes)
         assert tokens == want
@@ -96,6 +114,8 @@ def test_speculating_decode_worker_killed_mid_output_migrates_token_exactly(
         assert [ld.used_blocks for ld in idle] == [0] * len(alive)
         assert [ld.held_blocks for ld in idle] == [0] * len(alive)
     finally:
-        rt.stop()
-        for w in workers:
-            w.stop()
+        if rt is not None:
+            rt.stop()
+        for f in starting:  # every worker that started, whether or not the test got as far as using it
+            if not f.cancelled() and f.exception() is None:
+                f.result().stop()

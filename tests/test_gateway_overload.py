@@ -21,10 +21,9 @@ import orjson
 import pytest
 from gateway_harness import WORKER_FLAGS, wait_idle
 
-from auth.token import ensure_cluster_token
 from engine.tokenizer import Tokenizer
 from router.serve import ReadyProcess
-from worker.launcher import WorkerProcess, start_worker
+from worker.launcher import start_worker
 
 pytestmark = pytest.mark.slow
 STREAMS = 1000
@@ -71,30 +70,12 @@ def _hist_quantile(text: str, q: float) -> str:
     return "+Inf"
 
 
-def start_workers(model: str, specs: list[tuple[str, list[str]]]) -> list[WorkerProcess]:
-    """One ``tandem worker`` per (role, extra flags), started at once (each pays seconds of imports: one after
-    another they add up), every READY awaited. The cluster token is made first so that all inherit the same one;
-    if one fails to start, the others are stopped."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    ensure_cluster_token()
-    with ThreadPoolExecutor(len(specs)) as ex:
-        futs = [ex.submit(start_worker, role, model, "tcp", extra) for role, extra in specs]
-    errors = [e for f in futs if (e := f.exception()) is not None]
-    if errors:
-        for f in futs:
-            if f.exception() is None:
-                f.result().stop()
-        raise errors[0]
-    return [f.result() for f in futs]
-
-
 def test_1000_concurrent_streams_complete_exactly_or_get_429_and_no_live_worker_is_cut_off(
         checkpoint: Callable[[str], Path], hf_greedy: Callable[..., list[int]]) -> None:
     path = checkpoint("llama")
     tokenizer = Tokenizer(path)
     ref = [tokenizer.decode(hf_greedy(path, p, MAX_TOKENS)) for p in PROMPTS]
-    workers = start_workers(str(path), [("decode", [*WORKER_FLAGS, "--worker-id", f"ovl-{i}"]) for i in range(2)])
+    workers = [start_worker("decode", str(path), "tcp", [*WORKER_FLAGS, "--worker-id", f"ovl-{i}"]) for i in range(2)]
     router = None
     try:
         router = ReadyProcess.start("router", [sys.executable, "-m", "router.serve", "--model", str(path), "--workers",

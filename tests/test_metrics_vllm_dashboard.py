@@ -14,7 +14,6 @@ import pytest
 from gateway_harness import WORKER_FLAGS, RouterThread
 from prom_harness import Prometheus, grafana_expr
 
-from auth.token import ensure_cluster_token
 from router.metric_catalogue import exported_series
 from router.server import RouterConfig
 from worker.launcher import WorkerProcess, start_worker
@@ -53,32 +52,14 @@ VLLM_DASHBOARD_QUERIES = (
 _MODEL = "tiny-vllm-names"
 
 
-def start_workers(model: str, specs: list[tuple[str, list[str]]]) -> list[WorkerProcess]:
-    """One ``tandem worker`` per (role, extra flags), started at once (each pays seconds of imports: one after
-    another they add up), every READY awaited. The cluster token is made first so that all inherit the same one;
-    if one fails to start, the others are stopped."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    ensure_cluster_token()
-    with ThreadPoolExecutor(len(specs)) as ex:
-        futs = [ex.submit(start_worker, role, model, "tcp", extra) for role, extra in specs]
-    errors = [e for f in futs if (e := f.exception()) is not None]
-    if errors:
-        for f in futs:
-            if f.exception() is None:
-                f.result().stop()
-        raise errors[0]
-    return [f.result() for f in futs]
-
-
 @pytest.fixture(scope="module")
 def router(checkpoint: Callable[[str], Path]) -> Iterator[RouterThread]:
     model = str(checkpoint("llama"))
     workers: list[WorkerProcess] = []
     rt = None
     try:
-        workers = start_workers(model, [(role, [*WORKER_FLAGS, "--worker-id", f"vm-{role}"])
-                                        for role in ("prefill", "decode")])
+        workers = [start_worker(role, model, "tcp", [*WORKER_FLAGS, "--worker-id", f"vm-{role}"])
+                   for role in ("prefill", "decode")]
         rt = RouterThread(RouterConfig(model=model, workers=tuple(w.address for w in workers),
                                        served_model_name=_MODEL, min_uncached_tokens=32, vllm_metrics=True))
         yield rt

@@ -28,7 +28,6 @@ import httpx
 import pytest
 from gateway_harness import RouterThread, routed_worker
 
-from auth.token import ensure_cluster_token
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from router.selector import Selector
@@ -37,24 +36,6 @@ from worker.launcher import WorkerProcess, start_worker
 
 pytestmark = pytest.mark.slow
 FLAGS = ["--num-kv-blocks", "512", "--threads", "1"]
-
-
-def start_workers(path: Path | str, specs: list[tuple[str, list[str]]]) -> list[WorkerProcess]:
-    """Start one ``tandem worker`` per (role, extra flags), all at once (each pays seconds of imports: started one
-    after another they would add up), and wait for every READY. The cluster token is made here first, so that every
-    worker inherits the same one; if one fails to start, the others are stopped."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    ensure_cluster_token()
-    with ThreadPoolExecutor(len(specs)) as ex:
-        futs = [ex.submit(start_worker, role, str(path), "tcp", extra) for role, extra in specs]
-    started = [f.result() for f in futs if f.exception() is None]
-    errors = [e for f in futs if (e := f.exception()) is not None]
-    if errors:
-        for w in started:
-            w.stop()
-        raise errors[0]
-    return started
 
 
 def complete(url: str, model: str, prompt: list[int], max_tokens: int = 4, **kw: Any) -> tuple[dict[str, Any], str]:
@@ -68,7 +49,7 @@ def complete(url: str, model: str, prompt: list[int], max_tokens: int = 4, **kw:
 @pytest.fixture(scope="module")
 def two_workers(checkpoint: Callable[[str], Path]) -> Iterator[list[WorkerProcess]]:
     path = str(checkpoint("llama"))
-    workers = start_workers(path, [("decode", [*FLAGS, "--worker-id", f"dec-{i}"]) for i in range(2)])
+    workers = [start_worker("decode", path, "tcp", [*FLAGS, "--worker-id", f"dec-{i}"]) for i in range(2)]
     yield workers
     for w in workers:
         w.stop()
@@ -132,7 +113,7 @@ def test_worker_killed_mid_stream_migrates_and_the_client_sees_an_exact_stream(
     """SIGKILL the decode worker serving a stream: the router resubmits prompt + tokens so far to the other
     worker, and the client receives exactly the greedy continuation, no token repeated or missing."""
     path = checkpoint("llama")
-    workers = start_workers(path, [("decode", [*FLAGS, "--worker-id", f"mig-{i}"]) for i in range(2)])
+    workers = [start_worker("decode", str(path), "tcp", [*FLAGS, "--worker-id", f"mig-{i}"]) for i in range(2)]
     rt = RouterThread(RouterConfig(model=str(path), workers=tuple(w.address for w in workers)))
     try:
         prompt = [7, 8, 9, 10, 11]
@@ -191,9 +172,9 @@ def test_a_stopped_worker_is_cut_off_and_its_stream_migrates_exactly(
     rather than the request's 300 s deadline. Once the worker is continued, it finds those streams closed and
     frees every block."""
     path = checkpoint("llama")
-    started = start_workers(path, [("decode", [*FLAGS, "--worker-id", f"stop-{i}"]) for i in range(2)]
-                            + ([("prefill", [*FLAGS, "--worker-id", "stop-pre"])] if mode == "disaggregated" else []))
-    decodes, prefill = started[:2], (started[2] if mode == "disaggregated" else None)
+    decodes = [start_worker("decode", str(path), "tcp", [*FLAGS, "--worker-id", f"stop-{i}"]) for i in range(2)]
+    prefill = (start_worker("prefill", str(path), "tcp", [*FLAGS, "--worker-id", "stop-pre"])
+               if mode == "disaggregated" else None)
     addresses = (*(w.address for w in decodes), *([prefill.address] if prefill else []))
     rt = RouterThread(RouterConfig(model=str(path), workers=addresses, worker_dead_after_s=1.0))
     victim: WorkerProcess | None = None
@@ -254,7 +235,7 @@ def test_worker_killed_mid_answer_migrates_a_non_streamed_request_exactly(
     the router holds part of the answer, its decode worker is SIGKILLed; the request continues on the other
     worker from the tokens already received, and the single answer is exactly transformers' greedy text."""
     path = checkpoint("llama")
-    workers = start_workers(path, [("decode", [*FLAGS, "--worker-id", f"migc-{i}"]) for i in range(2)])
+    workers = [start_worker("decode", str(path), "tcp", [*FLAGS, "--worker-id", f"migc-{i}"]) for i in range(2)]
     rt = RouterThread(RouterConfig(model=str(path), workers=tuple(w.address for w in workers)))
     try:
         prompt, n = [12, 13, 14], 400
@@ -316,8 +297,8 @@ def test_two_router_replicas_on_one_redis_build_identical_indexes(redis_url: str
     """Workers publish KV events to one Redis stream; two routers discover the workers from their leases and
     consume the stream into indexes that are equal, even though only one router sent traffic."""
     path = checkpoint("llama")
-    workers = start_workers(path, [("decode", [*FLAGS, "--worker-id", f"rd-{i}", "--redis", redis_url])
-                                   for i in range(2)])
+    workers = [start_worker("decode", str(path), "tcp", [*FLAGS, "--worker-id", f"rd-{i}", "--redis", redis_url])
+               for i in range(2)]
     routers = [RouterThread(RouterConfig(model=str(path), workers=(), redis=redis_url)) for _ in range(2)]
     try:
         deadline = time.monotonic() + 20
@@ -482,8 +463,8 @@ def test_prefill_worker_dead_at_dispatch_is_retried_on_the_other_with_the_exact_
     tracker, so the dead one is the cheapest and is picked. Its Prefill call fails, the request moves to the live
     prefill worker (a retry, not a migration: no token was out yet), and the client gets the exact greedy answer."""
     path = checkpoint("llama")
-    *prefills, decode = start_workers(path, [*(("prefill", [*FLAGS, "--worker-id", f"pre-{i}"]) for i in range(2)),
-                                             ("decode", [*FLAGS, "--worker-id", "dec-r"])])
+    prefills = [start_worker("prefill", str(path), "tcp", [*FLAGS, "--worker-id", f"pre-{i}"]) for i in range(2)]
+    decode = start_worker("decode", str(path), "tcp", [*FLAGS, "--worker-id", "dec-r"])
     rt = RouterThread(RouterConfig(model=str(path), workers=(*(w.address for w in prefills), decode.address)))
     try:
         rt.call(lambda r: cast(Selector, r.dispatcher.prefill_selector).load.on_dispatch("pre-1", 50_000, 0))

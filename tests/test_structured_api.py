@@ -24,7 +24,6 @@ import openai
 import pytest
 from gateway_harness import RouterThread, routed_worker
 
-from auth.token import ensure_cluster_token
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.structured.spec import StructuredOutput
@@ -61,27 +60,9 @@ def _long_prompt(seed: int) -> list[int]:
     return [rng.randrange(2000) for _ in range(160)]  # past min_uncached_tokens: disaggregated when it can be
 
 
-def start_workers(model: Path, specs: list[tuple[str, str, list[str]]]) -> list[WorkerProcess]:
-    """One ``tandem worker`` per (role, KV backend, extra flags), started at once (each pays seconds of imports:
-    one after another they add up), every READY awaited. The cluster token is made first so that all inherit the
-    same one; if one fails to start, the others are stopped."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    ensure_cluster_token()
-    with ThreadPoolExecutor(len(specs)) as ex:
-        futs = [ex.submit(start_worker, role, str(model), backend, extra) for role, backend, extra in specs]
-    errors = [e for f in futs if (e := f.exception()) is not None]
-    if errors:
-        for f in futs:
-            if f.exception() is None:
-                f.result().stop()
-        raise errors[0]
-    return [f.result() for f in futs]
-
-
 @pytest.fixture(scope="module")
 def colocated(model: Path) -> Iterator[tuple[RouterThread, list[WorkerProcess]]]:
-    workers = start_workers(model, [("decode", "tcp", [*FLAGS, "--worker-id", f"so-{i}"]) for i in range(2)])
+    workers = [start_worker("decode", str(model), "tcp", [*FLAGS, "--worker-id", f"so-{i}"]) for i in range(2)]
     rt = RouterThread(RouterConfig(model=str(model), workers=tuple(w.address for w in workers)))
     yield rt, workers
     rt.stop()
@@ -179,8 +160,8 @@ def _requests_seen(w: WorkerProcess) -> int:
 
 @pytest.mark.parametrize("backend", ["tcp", "nixl"])
 def test_disaggregated_output_equals_the_offline_engine(backend: str, model: Path, offline: LLM) -> None:
-    dec, pre = start_workers(model, [("decode", backend, [*FLAGS, "--worker-id", f"sod-{backend}"]),
-                                     ("prefill", backend, [*FLAGS, "--worker-id", f"sop-{backend}"])])
+    dec = start_worker("decode", str(model), backend, [*FLAGS, "--worker-id", f"sod-{backend}"])
+    pre = start_worker("prefill", str(model), backend, [*FLAGS, "--worker-id", f"sop-{backend}"])
     rt = RouterThread(RouterConfig(model=str(model), workers=(dec.address, pre.address)))
     try:
         client = _client(rt)
@@ -204,10 +185,9 @@ def test_decode_worker_killed_mid_output_migrates_and_the_grammar_continues(mode
                                                                            offline: LLM) -> None:
     """SIGKILL the decode worker after five streamed chunks: the router resends prompt + tokens so far to the other
     worker, whose fresh matcher replays them, and the client's text is exactly the uninterrupted output."""
-    started = start_workers(model, [("decode", "tcp", [*FLAGS, "--worker-id", f"som-{i}"]) for i in range(2)]
-                            + ([("prefill", "tcp", [*FLAGS, "--worker-id", "som-pre"])] if mode == "disaggregated"
-                               else []))
-    decodes, pre = started[:2], (started[2] if mode == "disaggregated" else None)
+    decodes = [start_worker("decode", str(model), "tcp", [*FLAGS, "--worker-id", f"som-{i}"]) for i in range(2)]
+    pre = start_worker("prefill", str(model), "tcp", [*FLAGS, "--worker-id", "som-pre"]) \
+        if mode == "disaggregated" else None
     rt = RouterThread(RouterConfig(model=str(model),
                                    workers=(*(w.address for w in decodes), *([pre.address] if pre else []))))
     try:

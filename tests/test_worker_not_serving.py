@@ -12,7 +12,6 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -51,17 +50,8 @@ def _statuses_until_exit(worker: WorkerProcess, timeout_s: float) -> tuple[list[
 
 def test_sigterm_drain_answers_not_serving_until_the_process_exits(checkpoint: Callable[[str], Path]) -> None:
     path = checkpoint("llama")
-    ensure_cluster_token()  # before the two start at once: both inherit the same token
-    with ThreadPoolExecutor(2) as ex:  # at once: each start is seconds of imports
-        futs = [ex.submit(start_worker, "prefill", str(path), "tcp", [*FLAGS, "--debug-transfer-delay-ms", "1500"]),
-                ex.submit(start_worker, "decode", str(path), "tcp", FLAGS)]
-    errors = [e for f in futs if (e := f.exception()) is not None]
-    if errors:  # one failed to start: stop the other
-        for f in futs:
-            if f.exception() is None:
-                f.result().stop()
-        raise errors[0]
-    prefill, decode = (f.result() for f in futs)
+    prefill = start_worker("prefill", str(path), "tcp", [*FLAGS, "--debug-transfer-delay-ms", "1500"])
+    decode = start_worker("decode", str(path), "tcp", FLAGS)
     try:
         prompt = [random.Random(1).randrange(1, 2000) for _ in range(40)]
         params = pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

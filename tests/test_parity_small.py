@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,10 +31,15 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt-small"), arch="llama", size="small")
 
 
-def _reference(path: Path, prompts: list[list[int]]) -> list[list[int]]:
+@pytest.fixture(scope="module")
+def small_hf(small: Path) -> Any:
+    """transformers' model of the small checkpoint, loaded once for the module's three batches (~450 MB in fp32)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(small, dtype=torch.float32).eval()
+
+
+def _reference(model: Any, prompts: list[list[int]]) -> list[list[int]]:
     out: list[list[int]] = []
     with torch.inference_mode():
         for p in prompts:
@@ -52,10 +58,10 @@ def test_small_model_weights_take_the_large_weight_matmul_path(small: Path) -> N
 
 
 @pytest.mark.parametrize("batch", [1, 3, 12])
-def test_small_model_greedy_matches_transformers(small: Path, batch: int) -> None:
+def test_small_model_greedy_matches_transformers(small: Path, small_hf: Any, batch: int) -> None:
     rng = random.Random(batch)
     prompts = [[rng.randrange(8000) for _ in range(rng.randint(5, 90))] for _ in range(batch)]
     llm = LLM(str(small), dtype="float32")
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
-    assert [o.token_ids for o in outs] == _reference(small, prompts)
+    assert [o.token_ids for o in outs] == _reference(small_hf, prompts)
     llm.engine.check_block_accounting()

@@ -27,7 +27,7 @@ from engine.tokenizer import Tokenizer
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from router.server import RouterConfig
-from worker.launcher import start_worker, start_workers
+from worker.launcher import start_worker
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 3000
@@ -66,11 +66,8 @@ def test_a_1_byte_per_second_reader_is_paused_bounded_and_alone(
     its request is aborted and every block is free."""
     path = checkpoint("llama")
     flags = ["--num-kv-blocks", "512", "--threads", "1"]
-    decode_spec = ("decode", str(path), "tcp", [*flags, "--stream-stall-timeout", "600"])
-    if mode == "disaggregated":  # both start at once
-        w, pre = start_workers(decode_spec, ("prefill", str(path), "tcp", flags))
-    else:
-        w, pre = start_workers(decode_spec)[0], None
+    w = start_worker("decode", str(path), "tcp", [*flags, "--stream-stall-timeout", "600"])
+    pre = start_worker("prefill", str(path), "tcp", flags) if mode == "disaggregated" else None
     rt = RouterThread(RouterConfig(model=str(path), workers=(w.address, *([pre.address] if pre else []))))
     stop = threading.Event()
     got = [0]

@@ -25,7 +25,7 @@ from engine.sampling_params import SamplingParams
 from proto.tandem.v1 import worker_pb2 as pb
 from router.handoff import WorkerClient, disaggregated_generate
 from worker.convert import params_to_proto
-from worker.launcher import WorkerProcess, start_worker, start_workers
+from worker.launcher import WorkerProcess, start_worker
 
 BACKENDS = ["tcp", "nixl", "torch"]
 MAX_NEW = 10
@@ -40,13 +40,10 @@ def prompts(n: int, seed: int = 0, prefix: list[int] | None = None) -> list[list
 
 class Pair:
     def __init__(self, model: Path, backend: str, prefill_flags: list[str] | None = None,
-                 decode_flags: list[str] | None = None, extra_prefill: int = 0) -> None:
-        """Both workers (and ``extra_prefill`` more plain prefill workers, in ``self.extra``) start at once."""
-        specs = [("prefill", str(model), backend, FLAGS + (prefill_flags or [])),
-                 ("decode", str(model), backend, FLAGS + (decode_flags or []))]
-        started = start_workers(*specs, *[("prefill", str(model), backend, FLAGS)] * extra_prefill)
-        self.procs: list[WorkerProcess] = started[:2]
-        self.extra = started[2:]
+                 decode_flags: list[str] | None = None) -> None:
+        self.procs: list[WorkerProcess] = []
+        self.procs.append(start_worker("prefill", str(model), backend, FLAGS + (prefill_flags or [])))
+        self.procs.append(start_worker("decode", str(model), backend, FLAGS + (decode_flags or [])))
         self.prefill = WorkerClient.connect(self.procs[0].address)
         self.decode = WorkerClient.connect(self.procs[1].address)
 
@@ -72,7 +69,7 @@ class Pair:
     def close(self) -> None:
         for c in (self.prefill, self.decode):
             c.close()
-        for p in self.procs + self.extra:
+        for p in self.procs:
             p.stop()
 
 
@@ -179,8 +176,8 @@ def test_prefill_killed_mid_transfer_fails_decode_within_lease(backend: str,
     """SIGKILL the prefill process while it stalls between layers: decode reports an explicit failure within the
     lease, frees the reserved blocks, and keeps serving through a healthy prefill worker."""
     path = checkpoint("llama")
-    p = Pair(path, backend, prefill_flags=["--debug-stall-after-layer", "1"], extra_prefill=1)
-    healthy = p.extra[0]
+    p = Pair(path, backend, prefill_flags=["--debug-stall-after-layer", "1"])
+    healthy = start_worker("prefill", str(path), backend, FLAGS)
     try:
         lease_ms = 3000
         with ThreadPoolExecutor(1) as ex:
@@ -210,6 +207,7 @@ def test_prefill_killed_mid_transfer_fails_decode_within_lease(backend: str,
         assert len(out) == MAX_NEW
         good.close()
     finally:
+        healthy.stop()
         p.close()
 
 

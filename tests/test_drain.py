@@ -18,7 +18,7 @@ import pytest
 
 from proto.tandem.v1 import worker_pb2 as pb
 from router.handoff import WorkerClient
-from worker.launcher import start_workers
+from worker.launcher import start_worker
 
 pytestmark = pytest.mark.slow
 FLAGS = ["--num-kv-blocks", "256", "--threads", "1"]
@@ -31,9 +31,8 @@ def test_sigterm_during_a_transfer_exits_only_after_the_transfer_lands(
     (``Load`` too) and refuses new prefills; SIGTERM does not end the process while the transfer is pending; it
     exits cleanly once the transfer landed, and decode continues from that KV exactly as transformers does."""
     path = checkpoint("llama")
-    prefill, decode = start_workers(("prefill", str(path), "tcp", [*FLAGS, "--debug-transfer-delay-ms",
-                                                                    str(DELAY_S * 1000)]),
-                                    ("decode", str(path), "tcp", FLAGS))
+    prefill = start_worker("prefill", str(path), "tcp", [*FLAGS, "--debug-transfer-delay-ms", str(DELAY_S * 1000)])
+    decode = start_worker("decode", str(path), "tcp", FLAGS)
     pre, dec = WorkerClient.connect(prefill.address), WorkerClient.connect(decode.address)
     try:
         prompt = [random.Random(3).randrange(1, 2000) for _ in range(80)]

@@ -139,24 +139,18 @@ def test_a_decode_worker_started_with_kv_io_cpus_keeps_its_transport_threads_the
     the decode worker's KV threads (named ``kv-*``) are on the I/O CPU and its other threads (engine, gRPC) are
     not; a CPU the host lacks is refused at start with exit code 2, before the model loads."""
     from router.handoff import WorkerClient, disaggregated_generate
-    from worker.launcher import start_workers
+    from worker.launcher import start_worker
 
     model = str(checkpoint("llama"))
-    # the refused start runs while the two workers start: three start-ups overlap
-    bad = subprocess.Popen([sys.executable, "-m", "cli.main", "worker", "--role", "decode", "--model", model,
-                            "--kv-io-cpus", "4096"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           cwd=REPO_ROOT)
-    try:
-        pre, dec = start_workers(("prefill", model, "tcp", None),
-                                 ("decode", model, "tcp", ["--kv-io-cpus", str(IO_CPU)]))
-        _, bad_err = bad.communicate(timeout=60)
-    finally:
-        bad.kill()
-        bad.wait(5)
+    bad = subprocess.run([sys.executable, "-m", "cli.main", "worker", "--role", "decode", "--model", model,
+                          "--kv-io-cpus", "4096"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert bad.returncode == 2
+    assert "--kv-io-cpus: KV I/O CPUs [4096] do not exist on this host" in bad.stderr
+
+    pre = start_worker("prefill", model, "tcp")
+    dec = start_worker("decode", model, "tcp", ["--kv-io-cpus", str(IO_CPU)])
     p, d = WorkerClient.connect(pre.address), WorkerClient.connect(dec.address)
     try:
-        assert bad.returncode == 2
-        assert "--kv-io-cpus: KV I/O CPUs [4096] do not exist on this host" in bad_err
         from proto.tandem.v1 import worker_pb2 as pb
 
         params = pb.SamplingParams(max_tokens=4, ignore_eos=True)

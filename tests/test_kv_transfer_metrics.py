@@ -23,7 +23,7 @@ from test_dashboards_live import _constants
 from prefill_worker.connector import TransferTiming
 from router.metric_catalogue import WORKER_METRICS
 from router.server import RouterConfig
-from worker.launcher import WorkerProcess, start_workers
+from worker.launcher import WorkerProcess, start_worker
 from worker.metrics import WorkerMetrics
 
 
@@ -74,10 +74,10 @@ def test_kv_transfer_panels_return_data_from_prometheus_scraping_a_prefill_and_a
     workers: list[WorkerProcess] = []
     rt = prom = None
     try:
-        workers = start_workers(("prefill", model, "tcp", [*WORKER_FLAGS, "--worker-id", "km-prefill",
-                                                           "--metrics-port", str(port)]),
-                                ("decode", model, "tcp", [*WORKER_FLAGS, "--worker-id", "km-decode",
-                                                          "--metrics-port", str(decode_port)]))
+        workers = [start_worker("prefill", model, "tcp", [*WORKER_FLAGS, "--worker-id", "km-prefill",
+                                                          "--metrics-port", str(port)]),
+                   start_worker("decode", model, "tcp", [*WORKER_FLAGS, "--worker-id", "km-decode",
+                                                     "--metrics-port", str(decode_port)])]
         assert [w.metrics_port for w in workers] == [port, decode_port]  # advertised to the launcher
         prom = Prometheus([f"127.0.0.1:{port}", f"127.0.0.1:{decode_port}"], tmp_path)
         # both scraped at 0 before the request: a series whose first sample is already 1 has no rate yet

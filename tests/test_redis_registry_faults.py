@@ -26,7 +26,7 @@ import redis
 from gateway_harness import RouterThread
 
 from router.server import RouterConfig
-from worker.launcher import WorkerProcess, start_workers
+from worker.launcher import WorkerProcess, start_worker
 
 pytestmark = pytest.mark.slow
 LEASE_S = 1.5
@@ -103,8 +103,8 @@ def test_redis_restarted_empty_mid_load_fails_no_request_and_the_index_resyncs(
     workers: list[WorkerProcess] = []
     rt: RouterThread | None = None
     try:
-        workers = start_workers(*[("decode", str(path), "tcp", [*FLAGS, "--worker-id", f"rf-{i}",
-                                                                "--redis", redis_server.url]) for i in range(2)])
+        workers = [start_worker("decode", str(path), "tcp", [*FLAGS, "--worker-id", f"rf-{i}",
+                                                              "--redis", redis_server.url]) for i in range(2)]
         rt = RouterThread(RouterConfig(model=str(path), workers=(), redis=redis_server.url))
         deadline = time.monotonic() + 30
         while len(rt.call(lambda r: r.pool.available("decode"))) < 2:

@@ -24,7 +24,7 @@ import pytest
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
 from router.session import SessionError, WorkerSession, host_of
-from worker.launcher import start_workers
+from worker.launcher import start_worker
 
 pytestmark = pytest.mark.slow
 FLAGS = ["--num-kv-blocks", "256", "--threads", "1"]
@@ -43,8 +43,12 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 class Pair:
     def __init__(self, model: Path) -> None:
         self.model = model
-        self.prefill, self.decode = start_workers(("prefill", str(model), "tcp", FLAGS),
-                                                  ("decode", str(model), "tcp", FLAGS))
+        self.prefill = start_worker("prefill", str(model), "tcp", FLAGS)
+        try:
+            self.decode = start_worker("decode", str(model), "tcp", FLAGS)
+        except BaseException:
+            self.prefill.stop()
+            raise
 
     def stop(self) -> None:
         for w in (self.prefill, self.decode):
@@ -232,9 +236,8 @@ def test_a_decode_worker_killed_mid_stream_migrates_a_disaggregated_request_exac
     from router.server import RouterConfig
 
     path = checkpoint("llama")
-    pre, *decs = start_workers(("prefill", str(path), "tcp", [*FLAGS, "--worker-id", "sd-pre"]),
-                               *[("decode", str(path), "tcp", [*FLAGS, "--worker-id", f"sd-dec-{i}"])
-                                 for i in range(2)])
+    pre = start_worker("prefill", str(path), "tcp", [*FLAGS, "--worker-id", "sd-pre"])
+    decs = [start_worker("decode", str(path), "tcp", [*FLAGS, "--worker-id", f"sd-dec-{i}"]) for i in range(2)]
     rt = RouterThread(RouterConfig(model=str(path), workers=(pre.address, *(w.address for w in decs))))
     try:
         prompt = [random.Random(17).randrange(2000) for _ in range(120)]

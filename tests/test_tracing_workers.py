@@ -28,7 +28,7 @@ from test_tandem_up import Cluster
 
 from router.server import RouterConfig
 from router.tracing import RequestTracer
-from worker.launcher import WorkerProcess, start_workers
+from worker.launcher import WorkerProcess, start_worker
 
 pytestmark = pytest.mark.slow
 WORKER_SPANS = {"prefill_worker.prefill", "prefill_worker.kv_transfer", "decode_worker.kv_landing",
@@ -81,10 +81,10 @@ def traced(checkpoint: Callable[[str], Path]) -> Iterator[tuple[RouterThread, Co
     provider = TracerProvider(resource=Resource.create({"service.name": "tandem-router"}))
     provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True)))
     try:
-        workers = start_workers(*[(role, model, "tcp", [*WORKER_FLAGS, "--worker-id", f"trw-{role}",
-                                                        "--otlp-endpoint", endpoint])
-                                  for role in ("prefill", "decode")],
+        workers = [start_worker(role, model, "tcp", [*WORKER_FLAGS, "--worker-id", f"trw-{role}",
+                                                     "--otlp-endpoint", endpoint],
                                 env={"OTEL_BSP_SCHEDULE_DELAY": "100"})  # export within 0.1 s, not 5 s
+                   for role in ("prefill", "decode")]
         rt = RouterThread(RouterConfig(model=model, workers=tuple(w.address for w in workers), min_uncached_tokens=32))
 
         def attach(router: object) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from proto.tandem.v1 import worker_pb2 as pb
 from proto.tandem.v1 import worker_pb2_grpc as pb_grpc
-from worker.launcher import start_workers
+from worker.launcher import start_worker
 
 pytestmark = pytest.mark.slow
 STREAMS = 512
@@ -36,7 +36,8 @@ def test_512_concurrent_decode_streams_all_run_at_once_exactly_and_free_every_bl
     would serve 64 and queue the rest behind them), every one completes with MAX_NEW tokens, a sample equals
     transformers token for token, and no block is left held on either worker."""
     path = checkpoint("llama")
-    prefill, decode = start_workers(("prefill", str(path), "tcp", FLAGS), ("decode", str(path), "tcp", FLAGS))
+    prefill = start_worker("prefill", str(path), "tcp", FLAGS)
+    decode = start_worker("decode", str(path), "tcp", FLAGS)
     rng = random.Random(512)
     prompts = [[rng.randrange(1, 2000) for _ in range(12)] for _ in range(STREAMS)]
     try:

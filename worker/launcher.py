@@ -104,22 +104,3 @@ def start_worker(role: str, model: str, kv_backend: str = "tcp", extra: list[str
         raise TimeoutError(f"{role} worker not ready within {timeout_s}s:\n{''.join(log[-40:])}")
     threading.Thread(target=lambda: proc.stdout.read() if proc.stdout else None, daemon=True).start()
     return WorkerProcess(role, proc, port, log, metrics_port)
-
-
-def start_workers(*specs: tuple[str, str, str, list[str] | None], env: dict[str, str] | None = None,
-                  cpus: set[int] | None = None) -> list[WorkerProcess]:
-    """Start several workers (``(role, model, kv_backend, extra)`` each) at once and wait for all of them: their
-    start-ups (imports, model load) overlap instead of adding up. If any fails, the ones that started are stopped
-    and the first failure is raised."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(specs)) as ex:
-        futs = [ex.submit(start_worker, role, model, backend, extra, env=env, cpus=cpus)
-                for role, model, backend, extra in specs]
-    errors = [f.exception() for f in futs if f.exception() is not None]
-    if errors:
-        for f in futs:
-            if f.exception() is None:
-                f.result().stop()
-        raise errors[0]  # type: ignore[misc]
-    return [f.result() for f in futs]

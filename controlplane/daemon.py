@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from dataclasses import dataclass
 
 from auth.credentials import Credentials
 from controlplane.controller import Controller, ControllerConfig
-from controlplane.local_cluster import stop_on_signals
+from controlplane.local_cluster import ray_env_defaults, stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +34,7 @@ class DaemonConfig:
 
 
 def _init_ray(address: str) -> None:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray_env_defaults()
     import ray
 
     if address == "local":  # loopback only, as `tandem up`'s

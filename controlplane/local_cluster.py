@@ -142,6 +142,16 @@ def say(msg: str) -> None:
     print(f"[tandem up +{time.monotonic() - _STARTED:.2f}s] {msg}", flush=True)
 
 
+def ray_env_defaults() -> None:
+    """What every Ray that Tandem starts gets unless the environment says otherwise: no token auth (a local
+    cluster; Tandem's own cluster token guards its RPCs), no usage stats, and 120 s rather than Ray's 30 s for its GCS
+    to publish its port (a 2-CPU host busy with a previous cluster's exit can take longer). ``tandem up``, ``tandem
+    controller`` and the test suite call it before Ray starts."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+
+
 def run_up(cfg: UpConfig, prepare: Preparation, frontend: FrontendFactory, planner: Planner | None = None) -> int:
     """Start Ray, the workers, the router ``frontend`` builds and the Control API; serve until a signal. A busy
     port fails before Ray starts (so should a bad model, in the caller, before this). With a ``planner``, the
@@ -151,10 +161,7 @@ def run_up(cfg: UpConfig, prepare: Preparation, frontend: FrontendFactory, plann
     check_bindable(cfg.host, cfg.port, "the HTTP API")
     if cfg.grpc_port is not None and cfg.grpc_port > 0:
         check_bindable(cfg.host, cfg.grpc_port, "the gRPC API")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Ray waits 30 s for its GCS to publish its port; a 2-CPU host busy with a previous cluster's exit can take longer
-    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+    ray_env_defaults()
     # The cluster's secret (auth/token.py), before Ray starts: its processes, so every worker, inherit it, and the
     # router and controller here hold it too. Admin RPCs (Drain, Snapshot, Abort) need it even with TLS off.
     from auth.token import ensure_cluster_token

@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.local_cluster import ray_env_defaults
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Local Ray clusters without token auth, and UCX (NIXL) over loopback: what .ci/run sets, so that the README's
+# Local Ray clusters as tandem up starts them (no token auth, 120 s for the GCS port: Ray's 30 s ran out once in
+# CI right after another cluster's teardown), and UCX (NIXL) over loopback: what .ci/run sets, so that the README's
 # plain `python3 -m pytest -q` runs the same way.
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+ray_env_defaults()
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
-# Ray's 30 s wait for its GCS port ran out once in CI (2 CPUs, right after another cluster's teardown)
-os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 
 def pytest_configure(config: pytest.Config) -> None:

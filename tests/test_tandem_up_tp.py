@@ -25,6 +25,7 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
+from cli_runs import run_at_once
 from openai.types.chat import ChatCompletionMessageParam
 from test_tandem_up import Cluster, _alive
 
@@ -50,24 +51,11 @@ Runs = dict[str, tuple[Path, subprocess.CompletedProcess[str]]]
 def bad_split_runs(checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Runs:
     """Every bad split's ``tandem up`` at once, each in its own TANDEM_HOME (one process of ~2 s of imports each;
     side by side instead of one after another): by ' '.join(flags), its home and how it ended."""
-    started = []
-    for flags, _ in BAD_SPLITS:
-        home = tmp_path_factory.mktemp("bad-split-home")
-        env = {**os.environ, "TANDEM_HOME": str(home), "RAY_AUTH_MODE": "disabled"}
-        cmd = [sys.executable, "-m", "cli.main", "up", "--model", str(checkpoint("llama")), *flags]
-        started.append((" ".join(flags), home, cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                                                                     stderr=subprocess.PIPE, text=True, env=env)))
-    runs: Runs = {}
-    try:
-        for key, home, cmd, proc in started:
-            out, err = proc.communicate(timeout=120)
-            runs[key] = (home, subprocess.CompletedProcess(cmd, proc.returncode, out, err))
-    finally:
-        for *_, proc in started:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate(timeout=10)
-    return runs
+    homes = [tmp_path_factory.mktemp("bad-split-home") for _ in BAD_SPLITS]
+    done = run_at_once([["up", "--model", str(checkpoint("llama")), *flags] for flags, _ in BAD_SPLITS],
+                       [{**os.environ, "TANDEM_HOME": str(home), "RAY_AUTH_MODE": "disabled"} for home in homes],
+                       timeout_s=120)
+    return {" ".join(flags): (home, d) for (flags, _), home, d in zip(BAD_SPLITS, homes, done, strict=True)}
 
 
 @pytest.mark.parametrize(("flags", "message"), BAD_SPLITS)

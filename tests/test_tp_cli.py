@@ -6,26 +6,18 @@ near-tie shown in transformers' own logits at the first differing step (``tests/
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
+from cli_runs import run_at_once, tandem
 from parallel_parity import assert_greedy_matches
 
 
 def _argv(path: Path, *flags: str) -> list[str]:
     return ["generate", "--model", str(path), "--prompt", "Hello", "--prompt", "Tandem serves tokens", "--max-tokens",
             "8", "--ignore-eos", "--json", "--num-kv-blocks", "64", *flags]
-
-
-def _generate(path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cli.main", *_argv(path, *flags)], capture_output=True, text=True,
-                          timeout=600)
 
 
 @pytest.mark.parametrize(("flags", "constraint"), [
@@ -38,15 +30,9 @@ def _generate(path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
 ])
 def test_generate_refuses_a_bad_split_with_exit_code_2(checkpoint: Callable[[str], Path], flags: list[str],
                                                        constraint: str, capsys: pytest.CaptureFixture[str]) -> None:
-    if flags == ["--tp", "3"]:  # one case as the real command, for its exit code: a process pays ~4 s of imports
-        res = _generate(checkpoint("llama"), *flags)
-        code, stderr = res.returncode, res.stderr
-    else:  # the others through the same entry point in this process (main returns the exit code)
-        from cli.main import main
-
-        before = {c.pid for c in psutil.Process().children(recursive=True)}
-        code, stderr = main(_argv(checkpoint("llama"), *flags)), capsys.readouterr().err
-        assert {c.pid for c in psutil.Process().children(recursive=True)} <= before, "a rank or worker started"
+    # one case as the real command, for its exit code (a process pays ~4 s of imports); the others through main here
+    code, _, stderr = tandem(_argv(checkpoint("llama"), *flags), capsys, as_process=flags == ["--tp", "3"],
+                             timeout_s=600)
     assert code == 2, stderr
     assert constraint in stderr
     assert "Traceback" not in stderr
@@ -55,9 +41,8 @@ def test_generate_refuses_a_bad_split_with_exit_code_2(checkpoint: Callable[[str
 @pytest.mark.slow
 def test_generate_tp2_prints_tp1s_greedy_tokens(checkpoint: Callable[[str], Path]) -> None:
     path = checkpoint("llama")
-    with ThreadPoolExecutor(2) as pool:  # side by side: greedy tokens do not depend on the machine's load
-        one_run, two_run = pool.submit(_generate, path), pool.submit(_generate, path, "--tp", "2")
-        one, two = one_run.result(), two_run.result()
+    # side by side: greedy tokens do not depend on the machine's load
+    one, two = run_at_once([_argv(path), _argv(path, "--tp", "2")], timeout_s=600)
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     rows = [[json.loads(line)["token_ids"] for line in r.stdout.splitlines()] for r in (one, two)]
     assert len(rows[0]) == 2 and all(len(t) == 8 for t in rows[0])
@@ -79,7 +64,7 @@ def _hf_greedy_with_logits(path: Path, prompt: list[int], max_new: int) -> tuple
 @pytest.mark.slow
 def test_generate_disaggregated_tp2_prints_transformers_greedy_tokens(checkpoint: Callable[[str], Path]) -> None:
     path = checkpoint("llama")
-    res = _generate(path, "--mode", "disaggregated", "--tp", "2", "--kv-backend", "tcp")
+    (res,) = run_at_once([_argv(path, "--mode", "disaggregated", "--tp", "2", "--kv-backend", "tcp")], timeout_s=600)
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in res.stdout.splitlines()]
     assert len(rows) == 2

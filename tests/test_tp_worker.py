@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from cli_runs import tandem
 from parallel_parity import assert_greedy_matches, serve_greedy
 
 from worker.launcher import WorkerProcess, start_worker
@@ -87,16 +87,8 @@ def test_a_split_the_model_cannot_take_is_refused_before_any_rank_starts(
         checkpoint: Callable[[str], Path], flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     t0 = time.monotonic()
     argv = ["worker", "--model", str(checkpoint("llama")), *flags]
-    if flags == ["--role", "both", "--tp", "3"]:  # one case as the real command, for its exit code (~4 s of imports)
-        done = subprocess.run([sys.executable, "-m", "cli.main", *argv], capture_output=True, text=True, timeout=120)
-        code, out, err = done.returncode, done.stdout, done.stderr
-    else:  # the others through the same entry point in this process (main returns the exit code)
-        from cli.main import main
-
-        before = {c.pid for c in psutil.Process().children(recursive=True)}
-        code = main(argv)
-        out, err = capsys.readouterr()
-        assert {c.pid for c in psutil.Process().children(recursive=True)} <= before, "a rank process started"
+    # one case as the real command, for its exit code (~4 s of imports); the others through main in this process
+    code, out, err = tandem(argv, capsys, as_process=flags == ["--role", "both", "--tp", "3"])
     assert code == 2, err
     assert message in err
     assert "READY" not in out and time.monotonic() - t0 < 120

@@ -350,6 +350,9 @@ def test_planner_scales_decode_up_within_budget_resumes_after_restart_and_drains
                 # at 8 req/s x 100 tokens, decode needs 5 replicas of 200 tok/s at 80%: max 4, and the budget 3
                 await until(lambda: "budget: 4 GPUs allow 3" in (api.autoscaling().get("tiers") or {}).get(
                     "decode", {}).get("reason", ""), timeout=20, what="the budget named as the reason")
+                # the forecast's smoothed level climbs toward the observed 8 req/s over the ticks (CI once read 4.0)
+                await until(lambda: ((api.autoscaling().get("state") or {}).get("forecast") or {}).get(
+                    "level", 0) > 4, timeout=20, what="the forecast level above 4")
                 st = api.autoscaling()
                 assert st["tiers"]["prefill"]["desired"] == 1 and st["observed"]["requestRate"] > 4
                 changed = st["state"]["tiers"]["decode"]["lastChangeTime"]

@@ -1,6 +1,7 @@
 """The two interfaces every transport implements, and the typed hand-off from decode to prefill.
 
     decode:  reserve → PENDING → (first bytes) IN_FLIGHT → (every layer landed) DONE | FAILED → release
+             → (release returned True: a one-sided WRITE may still land) held → listed by ``quiet()`` → free
     prefill: start → IN_FLIGHT → send_layer × L → finish → (receiver acknowledged) DONE | FAILED → release
 
 Failures are never silent (peer death, mismatch and lease expiry each give FAILED with a message, and tell the
@@ -176,5 +177,12 @@ class KVReceiver(_Side):
         """Open a lease on already-allocated blocks and describe them for the sender."""
 
     @abc.abstractmethod
-    def release(self, request_id: str) -> None:
-        """Forget the request; bytes that still arrive for it are discarded, never written."""
+    def release(self, request_id: str) -> bool:
+        """Forget the request; bytes that still arrive for it are discarded, never written. Returns whether its
+        blocks must stay held: True when a sender may still write into them on its own (NIXL WRITEs posted before
+        it learnt of the failure); the owner frees them once :meth:`quiet` lists the request. False: free now."""
+
+    def quiet(self) -> list[str]:
+        """Requests whose ``release`` returned True and into whose blocks nothing can be written any more, each
+        listed once (then their blocks may be reused). Backends whose own threads land every byte hold nothing."""
+        return []

@@ -36,6 +36,8 @@ class Reservation:
     expected_senders: int = 0  # known at the first HELLO (depends on the source TP)
     finishes: int = 0
     peers: list[Any] = field(default_factory=list)  # backend handles to answer ACK/FAIL on
+    accepted: set[Any] = field(default_factory=set)  # NIXL: peers sent READY (they may WRITE until their QUIET)
+    quiet: set[Any] = field(default_factory=set)  # NIXL: peers that sent QUIET (they never write again)
 
 
 class LandingReceiver(KVReceiver):
@@ -83,7 +85,7 @@ class LandingReceiver(KVReceiver):
             self._by_tid[tid] = entry
         return dest
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str) -> bool:
         entry = self.book.find(request_id)
         if entry is not None:
             self.book.fail(entry, "receiver: released before completion", notify_peer=True, tell_owner=False)
@@ -94,6 +96,7 @@ class LandingReceiver(KVReceiver):
             entry = self.book.pop(request_id)
             if entry is not None:
                 self._by_tid.pop(entry.ctx.transfer_id, None)
+        return False  # every byte is written by this receiver's threads, and none after the wait above
 
     def _live(self, tid: int) -> Entry | None:
         """The entry for ``tid`` if bytes for it may still be written."""

@@ -7,6 +7,23 @@ thread itself (it is on the critical path). The receiver counts landed bytes fro
 after each WRITE, answers ACK when every layer landed, and polls on a schedule predicted from the prefill's layer
 pace, woken early by a UDP doorbell the sender rings (a hint only). A HELLO for a reservation that is gone is
 answered with FAIL, so the sender frees its blocks at once. UCX settings: :func:`kvtransfer.nixl_agent.ucx_environment`.
+
+No WRITE lands in blocks decode gave to another request. The receiver's threads never move a byte, so releasing a
+reservation cannot wait for a write in progress, as the tcp and torch receivers do. Instead, per leg::
+
+    sender:   HELLO ─► (READY) ─► WRITE × L ─► FINISH ─► (ACK) DONE
+              FAILED or released, at any point ─► no post from then on ─► every posted WRITE DONE or ERR ─► QUIET
+    receiver: HELLO of a live reservation ─► the peer is *accepted* ─► READY
+              released before DONE ─► held (release returns True) until every accepted peer sent QUIET ─► quiet()
+
+A sender posts nothing before its leg's READY, nor after its lease deadline, so a reservation released before it
+accepted any HELLO has no writer and is freed at once (a later HELLO gets FAIL, never READY). The round trip is
+hidden behind preparing the leg's descriptors and the first layer's compute. An accepted peer that never sends QUIET
+(killed, partitioned) holds the blocks until the lease deadline plus ``QUARANTINE_GRACE_S``. That assumes a dead
+process cannot write: its WRITEs in flight end with it (UCX over TCP or shared memory: the receiver's UCX finishes
+within the grace what already reached its socket; RDMA: the kernel tears down the dead process's queue pairs, and a
+WRITE of a destroyed queue pair is not executed), and that the two hosts' clocks agree to well within the grace
+(the sender stops posting at its own deadline, which is at most the receiver's lease, in wall-clock time).
 """
 
 from __future__ import annotations
@@ -25,7 +42,7 @@ from kvtransfer.base import DestinationInfo, KVCaches, KVSender, TransferState
 from kvtransfer.book import Entry, OnFailed
 from kvtransfer.config import TransferConfig
 from kvtransfer.io_cpus import start_io_thread
-from kvtransfer.landing import LandingReceiver
+from kvtransfer.landing import LandingReceiver, Reservation
 from kvtransfer.layout import KVLayout
 from kvtransfer.nixl_agent import Agent, Backoff, Doorbell, Ringer, data_notif, handed_after, split_endpoint
 from kvtransfer.outgoing import Leg, Outbound
@@ -36,10 +53,14 @@ log = logging.getLogger(__name__)
 ACTIVE_POLL_S = 2.5e-4
 IDLE_POLL_S = 0.5
 HELLO_WINDOW_S = 0.002
+RING_WINDOW_S = 0.005  # how long a doorbell ring that found no notification keeps the watcher polling fast
 MAX_SLEEP_S = 0.02  # the longest sleep while some reservation has layers due
 # Where the last layer may land, around its predicted time, in layer times: polled every ACTIVE_POLL_S. One
 # prefill's layer times spread around their mean (other processes, memory bandwidth), hence the margins.
 DUE_EARLY, DUE_LATE = 0.3, 0.6
+# A released reservation whose accepted senders did not all send QUIET is held this long past its lease deadline: a
+# sender past its deadline posts nothing, so only WRITEs of a dead or partitioned one can be left (module docstring).
+QUARANTINE_GRACE_S = 1.0
 
 
 @dataclass(slots=True)
@@ -52,8 +73,10 @@ class _LegPlan:
     handles: list[Any] = field(default_factory=list)  # per layer: its prepared WRITE, None once taken to post
     pending: list[tuple[int, Any]] = field(default_factory=list)  # (layer, xfer handle)
     waiting: list[tuple[int, Any, float]] = field(default_factory=list)  # (layer, CUDA event, handed at) to post
-    hello_at: float = 0.0  # monotonic, when this leg's HELLO went out
+    hello_at: float = 0.0  # monotonic, when this leg's HELLO went out (0: it did not)
     finish_sent: bool = False
+    ready: bool = False  # the receiver accepted our HELLO: WRITEs may be posted from now on, never before
+    quiet: bool = False  # failed or released: every posted WRITE reached a final state, handles freed, QUIET sent
 
 
 def piece_offsets(pieces: Sequence[Piece], src: KVLayout, dst: KVLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -90,6 +113,10 @@ class NixlSender(KVSender):
         self._ringer = Ringer()
         self._stop = threading.Event()
         self._wake = threading.Event()
+        # Taken around "may this leg post?" and the post itself, and by _quiesce: once a leg is quiet no post can
+        # follow. Lock order: _post_lock, then the agent's lock, then the book's.
+        self._post_lock = threading.RLock()
+        self._quiescing: list[Entry] = []  # released entries whose legs are not quiet yet (under the book's lock)
         self._thread = start_io_thread(self.config.io_cpus, self._progress, "kv-nixl-progress")
         self.book.start(self.config)
 
@@ -122,6 +149,8 @@ class NixlSender(KVSender):
             except Exception as e:
                 self.book.fail(entry, f"sender: HELLO to {lp.remote} failed: {e}")
                 return
+            self._ringer.ring(lp.bell)  # the receiver answers READY now, not at its next tick
+        self._wake.set()  # the progress thread prepares the legs' WRITEs while READY is on its way
 
     def send_layer(self, request_id: str, layer: int) -> None:
         entry = self.book.get(request_id)
@@ -144,7 +173,7 @@ class NixlSender(KVSender):
         completion here too (NIXL sends the DATA notification only then); False to leave it to the progress thread
         (a leg not prepared yet)."""
         with self.book.lock:
-            if any(leg.peer is None or leg.peer.dlists is None for leg in entry.ctx.legs):
+            if any(leg.peer is None or leg.peer.dlists is None or not leg.peer.ready for leg in entry.ctx.legs):
                 return False
         for leg in entry.ctx.legs:
             self._post(entry, leg, layer, handed)
@@ -162,15 +191,26 @@ class NixlSender(KVSender):
 
     def release(self, request_id: str) -> None:
         entry = self.out.release(request_id)
-        if entry is not None:
+        if entry is None:
+            return
+        if entry.state == TransferState.DONE:  # acknowledged: every WRITE completed before its DATA notification
             self._drain(entry)
+            return
+        with self.book.lock:  # FAILED: the progress thread waits out its posted WRITEs, then sends QUIET
+            self._quiescing.append(entry)
+        self._wake.set()
 
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
         self._thread.join(self.config.close_timeout_s * 0.6)
         self.book.stop(self.config.close_timeout_s * 0.2)
-        for entry in self.book.entries():
+        with self.book.lock:
+            left, self._quiescing = self.book.entries() + self._quiescing, []
+        for entry in left:
+            if entry.state != TransferState.DONE:
+                self.book.fail(entry, "sender: closed before completion")
+                self._quiesce(entry)  # QUIET for the legs whose WRITEs are over; the others' receivers wait out
             self._drain(entry)
         self._ringer.close()
         self._agent.close()
@@ -213,40 +253,94 @@ class NixlSender(KVSender):
         :func:`kvtransfer.nixl_agent.data_notif`), so the receiver can predict the last layer from the compute's
         pace rather than from notifications that this thread may have posted late."""
         lp: _LegPlan = leg.peer
-        if entry.state >= TransferState.DONE:
-            return
-        try:
-            if lp.dlists is None:
-                self._prepare(leg)
-            with self.book.lock:  # each prepared WRITE is posted once: a layer sent twice gets a fresh one
-                handle = lp.handles[layer] if layer < len(lp.handles) else None
-                if handle is not None:
-                    lp.handles[layer] = None
-            handle = handle if handle is not None else self._make_write(leg, layer)
-            notif = data_notif(_data_header(leg, layer), handed - lp.hello_at)
-            with self._agent.lock:
-                state = self._agent.nixl.transfer(handle, notif)
-        except Exception as e:
-            self.book.fail(entry, f"sender: posting layer {layer} to {lp.remote} failed: {e}", notify_peer=True)
-            return
-        if state == "ERR":
-            self.book.fail(entry, f"sender: NIXL refused layer {layer} to {lp.remote}", notify_peer=True)
-            self._agent.release(handle)
-            return
-        with self.book.lock:
-            lp.pending.append((layer, handle))
+        with self._post_lock:  # _quiesce cannot declare the leg quiet between this check and the post
+            if entry.state >= TransferState.DONE or lp.quiet:
+                return
+            if time.monotonic() >= entry.deadline:  # the receiver's lease may be over: its blocks may be reused
+                self.book.fail(entry, f"sender: lease expired before layer {layer} was posted to {lp.remote}",
+                               notify_peer=True)
+                return
+            try:
+                if lp.dlists is None:
+                    self._prepare(leg)
+                with self.book.lock:  # each prepared WRITE is posted once: a layer sent twice gets a fresh one
+                    handle = lp.handles[layer] if layer < len(lp.handles) else None
+                    if handle is not None:
+                        lp.handles[layer] = None
+                handle = handle if handle is not None else self._make_write(leg, layer)
+                notif = data_notif(_data_header(leg, layer), handed - lp.hello_at)
+                with self._agent.lock:
+                    state = self._agent.nixl.transfer(handle, notif)
+            except Exception as e:
+                self.book.fail(entry, f"sender: posting layer {layer} to {lp.remote} failed: {e}", notify_peer=True)
+                return
+            if state == "ERR":
+                self.book.fail(entry, f"sender: NIXL refused layer {layer} to {lp.remote}", notify_peer=True)
+                self._agent.release(handle)
+                return
+            with self.book.lock:
+                lp.pending.append((layer, handle))
 
     def _drain(self, entry: Entry) -> None:
+        """Release every handle of ``entry`` now, posted or not (DONE, or closing)."""
         for leg in entry.ctx.legs:
-            lp: _LegPlan | None = leg.peer
-            if lp is None:
-                continue
-            with self.book.lock:
-                pending, lp.pending, lp.waiting = lp.pending, [], []
-                unposted, lp.handles = [h for h in lp.handles if h is not None], []
-                dlists, lp.dlists = lp.dlists, None
-            for handle in [h for _, h in pending] + unposted + list(dlists or ()):
-                self._agent.release(handle)
+            if leg.peer is not None:
+                self._drain_leg(leg.peer)
+
+    def _drain_leg(self, lp: _LegPlan) -> None:
+        with self.book.lock:
+            pending, lp.pending, lp.waiting = lp.pending, [], []
+            unposted, lp.handles = [h for h in lp.handles if h is not None], []
+            dlists, lp.dlists = lp.dlists, None
+        for handle in [h for _, h in pending] + unposted + list(dlists or ()):
+            self._agent.release(handle)
+
+    def _quiesce(self, entry: Entry) -> bool:
+        """A FAILED or released ``entry``: for each leg whose posted WRITEs all reached a final state (DONE or ERR),
+        release its handles and tell its receiver QUIET (it never writes there again); True once every leg is
+        quiet. A WRITE still in progress past the lease deadline plus ``QUARANTINE_GRACE_S`` is released anyway:
+        the receiver stopped waiting for it by then. Never blocks: the progress thread calls it again."""
+        all_quiet = True
+        with self._post_lock:  # no post between the last check below and QUIET
+            for leg in entry.ctx.legs:
+                lp: _LegPlan | None = leg.peer
+                if lp is None or lp.quiet:
+                    continue
+                with self.book.lock:
+                    lp.waiting = []  # handed over, never posted: dropped
+                    candidates = list(lp.pending)
+                overdue = time.monotonic() >= entry.deadline + QUARANTINE_GRACE_S
+                for layer, handle in candidates:
+                    with self._agent.lock:
+                        with self.book.lock:
+                            if (layer, handle) not in lp.pending:
+                                continue  # collected by _check_pending on the forward thread
+                        try:
+                            state = self._agent.nixl.check_xfer_state(handle)
+                        except Exception:
+                            state = "ERR"
+                        if state == "PROC" and not overdue:
+                            continue
+                        with self.book.lock:
+                            lp.pending.remove((layer, handle))
+                        try:
+                            handle.release()
+                        except Exception as e:  # an in-flight handle may refuse; NIXL frees it with the agent
+                            log.debug("nixl: release of a WRITE of layer %d failed: %s", layer, e)
+                with self.book.lock:
+                    still = bool(lp.pending)
+                if still:
+                    all_quiet = False
+                    continue
+                self._drain_leg(lp)
+                lp.quiet = True
+                if lp.hello_at:  # the receiver may have accepted our HELLO: it holds the blocks until QUIET
+                    try:
+                        self._agent.send(lp.remote, control(Kind.QUIET, leg.dest.transfer_id))
+                        self._ringer.ring(lp.bell)
+                    except Exception as e:  # the receiver's hold then ends at its lease deadline plus the grace
+                        log.debug("nixl sender: QUIET to %s failed: %s", lp.remote, e)
+        return all_quiet
 
     def _progress(self) -> None:
         pace = Backoff(self.config.poll_interval_s)
@@ -269,26 +363,48 @@ class NixlSender(KVSender):
         for entry in self.book.entries():
             if entry.state >= TransferState.DONE:
                 if entry.state == TransferState.FAILED:
-                    self._drain(entry)
+                    busy = not self._quiesce(entry) or busy
                 continue
             for leg in entry.ctx.legs:
                 self._advance(entry, leg)
                 lp: _LegPlan | None = leg.peer
-                busy = busy or (lp is not None and bool(lp.pending or lp.waiting or
+                busy = busy or (lp is not None and bool(lp.pending or lp.waiting or (lp.hello_at and not lp.ready) or
                                                        (entry.ctx.finish_requested and not leg.acked)))
+        with self.book.lock:
+            quiescing = list(self._quiescing)
+        for entry in quiescing:
+            if self._quiesce(entry):
+                with self.book.lock:
+                    self._quiescing.remove(entry)
+            else:
+                busy = True
         notifs = self._agent.get_new_notifs()
-        for remote, msgs in notifs.items():  # ACK and FAIL, for the leg of that transfer id on that agent
+        for remote, msgs in notifs.items():  # READY, ACK and FAIL, for the leg of that transfer id on that agent
             for msg in map(bytes, msgs):
                 frame = unpack(msg)
                 for entry in self.book.entries():
                     for leg in entry.ctx.legs:
-                        if leg.dest.transfer_id == frame.transfer_id and leg.dest.agent_name == remote:
+                        if leg.dest.transfer_id != frame.transfer_id or leg.dest.agent_name != remote:
+                            continue
+                        if frame.kind == Kind.READY:
+                            if leg.peer is not None:
+                                with self.book.lock:
+                                    leg.peer.ready = True
+                                self._advance(entry, leg)  # post the layers already handed over, now
+                        else:
                             self.out.on_reply(entry, leg, frame, msg[HEADER_SIZE : HEADER_SIZE + frame.payload_len])
         return busy or bool(notifs)
 
     def _advance(self, entry: Entry, leg: Leg) -> None:
         lp: _LegPlan | None = leg.peer
         if lp is None:
+            return
+        if not lp.ready:  # nothing is posted before READY: prepare the WRITEs meanwhile
+            if lp.dlists is None:
+                try:
+                    self._prepare(leg)
+                except Exception as e:
+                    self.book.fail(entry, f"sender: preparing the WRITEs to {lp.remote} failed: {e}", notify_peer=True)
             return
         for layer, ev, handed in list(lp.waiting):
             if ev is None or ev.query():
@@ -369,6 +485,15 @@ class _Pace:
         return self.hello_lo + self.last[1] + (layers - 1 - self.last[0]) * lt, lt
 
 
+@dataclass(slots=True)
+class _Held:
+    """A reservation released before DONE whose accepted senders may still WRITE into its blocks."""
+
+    request_id: str
+    writers: set[str]  # accepted peers (agent names) that have not sent QUIET
+    until: float  # monotonic: the lease deadline plus QUARANTINE_GRACE_S, when a silent writer counts as dead
+
+
 class NixlReceiver(LandingReceiver):
     """Registers the KV tensors, publishes them in the hand-off, and counts landed layers from the senders'
     notifications."""
@@ -384,6 +509,8 @@ class NixlReceiver(LandingReceiver):
         self._reserved = threading.Event()  # set by reserve: the watcher starts polling
         self._pace: dict[int, _Pace] = {}  # transfer id -> timing, from its HELLO on (watcher thread only)
         self._poll_prev = self._poll_now = 0.0  # the watcher's previous and current poll times
+        self._held: dict[int, _Held] = {}  # transfer id -> released, still writable (under the book's lock)
+        self._quiet: list[str] = []  # held requests that turned quiet, for quiet() (under the book's lock)
         self._thread = start_io_thread(self.config.io_cpus, self._watch, "kv-nixl-notifs")
         self.book.start(self.config)
 
@@ -401,6 +528,67 @@ class NixlReceiver(LandingReceiver):
         dest = super().reserve(request_id, dst_block_ids, num_tokens, deadline_s)
         self._reserved.set()
         return dest
+
+    def release(self, request_id: str) -> bool:
+        """Release ``request_id``; True when its blocks must stay held because a sender we sent READY has not sent
+        QUIET yet (not for a DONE reservation: every WRITE completed before its DATA notification)."""
+        entry = self.book.find(request_id)
+        if entry is None:
+            return False
+        self.book.fail(entry, "receiver: released before completion", notify_peer=True, tell_owner=False)
+        with self.book.lock:  # after the fail: no peer is accepted from now on (_accept checks the state)
+            res: Reservation = entry.ctx
+            writers = set() if entry.state == TransferState.DONE else res.accepted - res.quiet
+            self.book.pop(request_id)
+            self._by_tid.pop(res.transfer_id, None)
+            if writers:
+                self._held[res.transfer_id] = _Held(request_id, writers, entry.deadline + QUARANTINE_GRACE_S)
+        if writers:
+            self._reserved.set()  # the watcher polls for their QUIET
+        return bool(writers)
+
+    def quiet(self) -> list[str]:
+        with self.book.lock:
+            self._end_overdue(time.monotonic())
+            out, self._quiet = self._quiet, []
+        return out
+
+    def held(self) -> int:
+        """Released reservations still held for a writer's QUIET."""
+        with self.book.lock:
+            return len(self._held)
+
+    def _end_overdue(self, now: float) -> None:
+        """Holds past their lease deadline plus the grace end: a writer silent that long is dead (module docstring).
+        Under the book's lock."""
+        for tid in [tid for tid, h in self._held.items() if now >= h.until]:
+            held = self._held.pop(tid)
+            log.warning("nixl receiver: %s freed at its lease deadline + %.1fs: no QUIET from %s", held.request_id,
+                        QUARANTINE_GRACE_S, sorted(held.writers))
+            self._quiet.append(held.request_id)
+
+    def _on_quiet(self, tid: int, remote: str) -> None:
+        """``remote`` will never write into transfer ``tid`` again."""
+        with self.book.lock:
+            held = self._held.get(tid)
+            if held is not None:
+                held.writers.discard(remote)
+                if not held.writers:
+                    del self._held[tid]
+                    self._quiet.append(held.request_id)
+                return
+            entry = self._by_tid.get(tid)  # failed (or racing its failure) but not released yet
+            if entry is not None:
+                entry.ctx.quiet.add(remote)
+
+    def _accept(self, entry: Entry, remote: str) -> None:
+        """Admit ``remote``'s WRITEs into a live reservation: recorded before READY goes out, under the lock
+        ``release`` takes after failing the entry, so a release either sees the peer or the peer gets no READY."""
+        with self.book.lock:
+            if entry.state >= TransferState.DONE:
+                return
+            entry.ctx.accepted.add(remote)
+        self._agent.send(remote, control(Kind.READY, entry.ctx.transfer_id))
 
     def close(self) -> None:
         self._stop.set()
@@ -420,16 +608,21 @@ class NixlReceiver(LandingReceiver):
         No reservation: no polling (``reserve`` wakes it). No HELLO yet: every ``poll_interval_s``. Right after a
         HELLO: a doubling tick up to ``ACTIVE_POLL_S``. Then half the time left until the predicted last layer
         (:class:`_Pace`), and ``ACTIVE_POLL_S`` from ``DUE_EARLY`` layer times before it to ``DUE_LATE`` after it or
-        while layers keep landing. Every sleep is a ``select`` on the doorbell, which cuts it short.
+        while layers keep landing. Every sleep is a ``select`` on the doorbell, which cuts it short (and a ring that
+        found nothing yet is followed by polls every ``ACTIVE_POLL_S`` for ``RING_WINDOW_S``: its notification trails).
         """
         pace = Backoff(self.config.poll_interval_s)
+        expect_until = 0.0  # after a ring that found no notification: poll every ACTIVE_POLL_S until then
         while not self._stop.is_set():
-            if not self._in_flight():  # a reserve racing this check sets _reserved: no lost wake-up
+            if not self._in_flight() and not self._held:  # a reserve or release racing this sets _reserved
                 self._reserved.wait(IDLE_POLL_S)
                 self._reserved.clear()
             # Not an Event wait: a timed Event.wait costs about twice the CPU of a plain sleep or a select. Only a
-            # sender's doorbell (its last layer is written) or close() (bounded by MAX_SLEEP_S) cuts the sleep short.
-            self._bell.wait(self._next_sleep(time.monotonic(), pace))
+            # sender's doorbell (a HELLO or QUIET sent, its last layer written) or close() (bounded by MAX_SLEEP_S)
+            # cuts the sleep short.
+            now = time.monotonic()
+            sleep = self._next_sleep(now, pace)
+            rung = self._bell.wait(sleep if now >= expect_until else min(sleep, ACTIVE_POLL_S))
             if self._stop.is_set():
                 return
             self._poll_prev, self._poll_now = self._poll_now, time.monotonic()
@@ -438,6 +631,10 @@ class NixlReceiver(LandingReceiver):
             except Exception:
                 log.exception("nixl receiver: get_new_notifs failed")
                 continue
+            if notifs:
+                expect_until = 0.0
+            elif rung:  # the notification the ring announces may trail the datagram: look again soon
+                expect_until = self._poll_now + RING_WINDOW_S
             for remote, msgs in notifs.items():
                 for msg in msgs:
                     try:
@@ -447,10 +644,15 @@ class NixlReceiver(LandingReceiver):
                         log.exception("nixl receiver: bad notification from %s", remote)
             for tid in [tid for tid in self._pace if self._live(tid) is None]:
                 del self._pace[tid]
+            if self._held:
+                with self.book.lock:
+                    self._end_overdue(time.monotonic())
 
     def _next_sleep(self, now: float, pace: Backoff) -> float:
         """This tick's sleep, by the rules of :meth:`_watch`."""
         tick, best, window = self.config.poll_interval_s, MAX_SLEEP_S, False
+        if self._held:  # a QUIET is due (its sender rings the doorbell too)
+            best = tick
         layers = len(self._agent.bases) or 1  # registered layers
         for entry in self._in_flight():  # a snapshot, taken under the book's lock
             p = self._pace.get(entry.ctx.transfer_id)
@@ -481,6 +683,9 @@ class NixlReceiver(LandingReceiver):
         """Act on one notification; returns its kind, or None when it was for no live reservation."""
         frame = unpack(msg)
         payload = msg[HEADER_SIZE : HEADER_SIZE + frame.payload_len] if frame.kind != Kind.DATA else b""
+        if frame.kind == Kind.QUIET:
+            self._on_quiet(frame.transfer_id, remote)
+            return frame.kind
         entry = self._live(frame.transfer_id)
         if frame.kind == Kind.HELLO:
             try:
@@ -491,6 +696,7 @@ class NixlReceiver(LandingReceiver):
                     self._control_frame(frame, payload, name)
                     return None
                 self._on_hello(entry, layout, name)
+                self._accept(entry, name)
                 if frame.transfer_id not in self._pace:  # the first sender's HELLO starts the clock
                     self._pace[frame.transfer_id] = _Pace(max(self._poll_prev, entry.started), self._poll_now)
             except ValueError as e:

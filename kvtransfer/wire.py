@@ -1,6 +1,7 @@
 """Fixed binary frames shared by the tcp, torch and NIXL-notification paths: a 40-byte big-endian header, then
 ``payload_len`` bytes (DATA: raw KV of one piece, K or V; HELLO: the sender's layout as JSON; FAIL: a reason).
-Nothing is pickled.
+Nothing is pickled. READY and QUIET are NIXL's only (its WRITEs land without the receiver's threads, see
+:mod:`kvtransfer.nixl_backend`): READY admits a leg's WRITEs, QUIET promises that no WRITE of it can still land.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class Kind(IntEnum):
     FINISH = 3  # sender → receiver: the leg has sent every layer
     ACK = 4  # receiver → sender: every layer landed
     FAIL = 5  # either way: the request failed, payload is the reason
+    READY = 6  # receiver → sender (NIXL): HELLO accepted, the leg may WRITE from now on (never before)
+    QUIET = 7  # sender → receiver (NIXL): every WRITE of this leg reached a final state; it never writes again
 
 
 @dataclass(slots=True, frozen=True)

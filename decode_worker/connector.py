@@ -16,6 +16,11 @@
   delivered the first token (sampled by prefill). Whichever comes second makes the request loaded; the engine
   accepts the token and moves it to Running. A request whose first token does not arrive within its lease fails.
 - **Running**: an ordinary engine request; the next token is computed from the received KV.
+- **Held** (:class:`Held`): a request whose reservation ended before its KV landed (aborted, failed, expired)
+  while a sender may still write into its blocks on its own (NIXL's one-sided WRITEs): ``receiver.release``
+  returned True, so ``request_finished`` keeps its blocks held until the receiver lists it in ``quiet()``; then
+  ``get_finished`` reports it in ``sent`` and the engine frees them. tcp and torch land every byte on the
+  receiver's threads and hold nothing.
 
 A replica with TP ranks (``decode_worker/ranks.py``) reserves on every rank, answers one destination per rank, and
 counts a request landed only once every rank landed its heads; a failure on any rank fails it, released everywhere.
@@ -110,6 +115,27 @@ class Waiting:
         return ready, failed
 
 
+class Held:
+    """Requests whose released reservation may still be written by a sender: freed once the receiver says quiet."""
+
+    def __init__(self) -> None:
+        self.writable: set[str] = set()  # release returned True, not quiet yet
+        self.blocks: set[str] = set()  # the engine holds their blocks (request_finished returned True)
+        self.quiet: set[str] = set()  # the receiver listed them quiet
+
+    def __len__(self) -> int:
+        return len(self.writable | self.blocks)
+
+    def settle(self, quiet: list[str]) -> list[str]:
+        """Add the receiver's newly quiet requests; return those whose held blocks the engine may free now."""
+        self.quiet.update(quiet)
+        self.writable.difference_update(quiet)
+        free = sorted(self.blocks & self.quiet)
+        self.blocks.difference_update(free)
+        self.quiet.difference_update(free)
+        return free
+
+
 class DecodeConnector(KVConnector):
     remote_wait_s = REMOTE_ONLY_WAIT_S
 
@@ -121,6 +147,7 @@ class DecodeConnector(KVConnector):
         self.prealloc = Prealloc()
         self.transfer = Transfer()
         self.waiting = Waiting()
+        self.held = Held()
         self.failed: OrderedDict[str, str] = OrderedDict()
         self._wake = wake
         self.on_landed: list[Callable[[str, bool], object]] = []  # (request, landed or failed): traces
@@ -164,7 +191,8 @@ class DecodeConnector(KVConnector):
         return max(len(self.transfer.entries), self.ranks.outstanding() if self.ranks is not None else 0)
 
     def _release(self, request_id: str) -> None:
-        self.receiver.release(request_id)
+        if self.receiver.release(request_id):
+            self.held.writable.add(request_id)
         if self.ranks is not None:
             self.ranks.release(request_id)
 
@@ -178,10 +206,13 @@ class DecodeConnector(KVConnector):
         if self.transfer.entries.pop(rid, None) is not None:
             self._release(rid)
         self.waiting.entries.pop(rid, None)
+        if rid in self.held.writable or rid in self.held.quiet:  # quiet before it finished: freed next step
+            self.held.blocks.add(rid)
+            return True
         return False
 
     def has_pending(self) -> bool:
-        return bool(self.transfer.entries or self.waiting.entries)
+        return bool(self.transfer.entries or self.waiting.entries or self.held.blocks)
 
     # ---- worker side ---------------------------------------------------------------------------------------
 
@@ -203,6 +234,8 @@ class DecodeConnector(KVConnector):
 
     def get_finished(self) -> FinishedTransfers:
         done = FinishedTransfers()
+        if self.held:
+            done.sent = self.held.settle(self.receiver.quiet())
         if not self.transfer.entries and not self.waiting.entries:
             return done
         now = time.time()

@@ -3,7 +3,8 @@
 Incoming DATA is checked against the reservation before a byte is written; bytes for an unknown, released, failed
 or expired request are discarded, since the engine may have reused those blocks. A request is DONE when every layer
 landed (possibly from several source ranks); a FINISH from every source with bytes missing is a failure.
-``release`` waits for a write in progress on the receiver's own threads, so nothing is written after it.
+``release`` waits for a write in progress on the receiver's own threads, so nothing is written after it and it returns
+False (free the blocks now); NIXL, whose senders write on their own, overrides it (:mod:`kvtransfer.nixl_backend`).
 """
 
 from __future__ import annotations

@@ -609,10 +609,12 @@ class NixlReceiver(LandingReceiver):
         HELLO: a doubling tick up to ``ACTIVE_POLL_S``. Then half the time left until the predicted last layer
         (:class:`_Pace`), and ``ACTIVE_POLL_S`` from ``DUE_EARLY`` layer times before it to ``DUE_LATE`` after it or
         while layers keep landing. Every sleep is a ``select`` on the doorbell, which cuts it short (and a ring that
-        found nothing yet is followed by polls every ``ACTIVE_POLL_S`` for ``RING_WINDOW_S``: its notification trails).
+        found nothing yet is followed by polls from 50 us up to ``ACTIVE_POLL_S`` apart for ``RING_WINDOW_S``: its
+        notification trails).
         """
         pace = Backoff(self.config.poll_interval_s)
-        expect_until = 0.0  # after a ring that found no notification: poll every ACTIVE_POLL_S until then
+        expect_until = 0.0  # after a ring that found no notification: poll fast until then
+        trail = Backoff(ACTIVE_POLL_S)  # that fast poll: from 50 us, doubling up to ACTIVE_POLL_S
         while not self._stop.is_set():
             if not self._in_flight() and not self._held:  # a reserve or release racing this sets _reserved
                 self._reserved.wait(IDLE_POLL_S)
@@ -622,7 +624,7 @@ class NixlReceiver(LandingReceiver):
             # cuts the sleep short.
             now = time.monotonic()
             sleep = self._next_sleep(now, pace)
-            rung = self._bell.wait(sleep if now >= expect_until else min(sleep, ACTIVE_POLL_S))
+            rung = self._bell.wait(sleep if now >= expect_until else min(sleep, trail.next_timeout()))
             if self._stop.is_set():
                 return
             self._poll_prev, self._poll_now = self._poll_now, time.monotonic()
@@ -635,6 +637,7 @@ class NixlReceiver(LandingReceiver):
                 expect_until = 0.0
             elif rung:  # the notification the ring announces may trail the datagram: look again soon
                 expect_until = self._poll_now + RING_WINDOW_S
+                trail.reset()
             for remote, msgs in notifs.items():
                 for msg in msgs:
                     try:

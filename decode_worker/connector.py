@@ -17,10 +17,11 @@
   accepts the token and moves it to Running. A request whose first token does not arrive within its lease fails.
 - **Running**: an ordinary engine request; the next token is computed from the received KV.
 - **Held** (:class:`Held`): a request whose reservation ended before its KV landed (aborted, failed, expired)
-  while a sender may still write into its blocks on its own (NIXL's one-sided WRITEs): ``receiver.release``
-  returned True, so ``request_finished`` keeps its blocks held until the receiver lists it in ``quiet()``; then
-  ``get_finished`` reports it in ``sent`` and the engine frees them. tcp and torch land every byte on the
-  receiver's threads and hold nothing.
+  while a sender may still write into its blocks: a NIXL WRITE posted on its own (``receiver.release`` returned
+  True), or, with TP ranks, a follower that has not answered the release yet. ``request_finished`` keeps its blocks
+  held until the receiver lists it in ``quiet()`` and every follower answered; then ``get_finished`` reports it in
+  ``sent`` and the engine frees them. A single-rank tcp or torch decode lands every byte on the receiver's threads
+  and holds nothing.
 
 A replica with TP ranks (``decode_worker/ranks.py``) reserves on every rank, answers one destination per rank, and
 counts a request landed only once every rank landed its heads; a failure on any rank fails it, released everywhere.
@@ -47,6 +48,9 @@ from kvtransfer.layout import KVLayout
 
 log = logging.getLogger(__name__)
 REMOTE_ONLY_WAIT_S = 0.05  # the engine loop's backstop while only transfers are pending: how late a failure is seen
+# A held request's blocks are freed this long after its lease deadline at the latest, whatever is unanswered (the
+# receiver's own hold ends 1 s after it; only a follower rank that never answers its release waits this out).
+HOLD_LIMIT_S = 10.0
 FAILED_MEMORY = 1024  # why recent requests failed, kept for a Decode call that arrives after the failure
 
 
@@ -116,23 +120,41 @@ class Waiting:
 
 
 class Held:
-    """Requests whose released reservation may still be written by a sender: freed once the receiver says quiet."""
+    """Requests released before their KV landed whose blocks a sender may still write into."""
 
     def __init__(self) -> None:
-        self.writable: set[str] = set()  # release returned True, not quiet yet
+        self.until: dict[str, float] = {}  # request -> wall-clock time its hold ends at the latest
+        self.receiver: set[str] = set()  # waiting for this rank's receiver to list them quiet
         self.blocks: set[str] = set()  # the engine holds their blocks (request_finished returned True)
-        self.quiet: set[str] = set()  # the receiver listed them quiet
 
     def __len__(self) -> int:
-        return len(self.writable | self.blocks)
+        return len(self.until)
 
-    def settle(self, quiet: list[str]) -> list[str]:
-        """Add the receiver's newly quiet requests; return those whose held blocks the engine may free now."""
-        self.quiet.update(quiet)
-        self.writable.difference_update(quiet)
-        free = sorted(self.blocks & self.quiet)
-        self.blocks.difference_update(free)
-        self.quiet.difference_update(free)
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.until
+
+    def add(self, request_id: str, receiver: bool, until: float) -> None:
+        self.until[request_id] = until
+        if receiver:
+            self.receiver.add(request_id)
+
+    def settle(self, quiet: list[str], followers_done: Callable[[str], bool], now: float) -> list[str]:
+        """Note the receiver's newly quiet requests; return the held ones whose blocks the engine may free now."""
+        self.receiver.difference_update(quiet)
+        free = []
+        for rid in sorted(self.blocks):
+            if now > self.until[rid]:
+                log.warning("request %s: blocks freed %.0f s past its lease with a release unanswered", rid,
+                            HOLD_LIMIT_S)
+            elif rid in self.receiver or not followers_done(rid):
+                continue
+            free.append(rid)
+            self.blocks.discard(rid)
+            self.receiver.discard(rid)
+            del self.until[rid]
+        for rid in [rid for rid, t in self.until.items() if now > t and rid not in self.blocks]:
+            self.receiver.discard(rid)  # the engine never finished it here: nothing to free
+            del self.until[rid]
         return free
 
 
@@ -190,11 +212,16 @@ class DecodeConnector(KVConnector):
         """Requests whose KV is landing, or (with ranks) whose reservation a follower still holds."""
         return max(len(self.transfer.entries), self.ranks.outstanding() if self.ranks is not None else 0)
 
-    def _release(self, request_id: str) -> None:
-        if self.receiver.release(request_id):
-            self.held.writable.add(request_id)
+    def _release(self, request_id: str, deadline_s: float, landed: bool = False) -> None:
+        """Release ``request_id`` on every rank; unless it ``landed`` everywhere, hold its blocks while a sender may
+        still write into them (:class:`Held`)."""
+        receiver_hold = self.receiver.release(request_id)
+        followers = False
         if self.ranks is not None:
             self.ranks.release(request_id)
+            followers = bool(self.ranks.ranks)
+        if not landed and (receiver_hold or followers):
+            self.held.add(request_id, receiver_hold, deadline_s + HOLD_LIMIT_S)
 
     # ---- scheduler side ------------------------------------------------------------------------------------
 
@@ -203,10 +230,10 @@ class DecodeConnector(KVConnector):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         rid = request.request_id
-        if self.transfer.entries.pop(rid, None) is not None:
-            self._release(rid)
+        if (entry := self.transfer.entries.pop(rid, None)) is not None:
+            self._release(rid, entry.deadline_s)
         self.waiting.entries.pop(rid, None)
-        if rid in self.held.writable or rid in self.held.quiet:  # quiet before it finished: freed next step
+        if rid in self.held:  # freed by get_finished once nothing can write into its blocks
             self.held.blocks.add(rid)
             return True
         return False
@@ -235,7 +262,9 @@ class DecodeConnector(KVConnector):
     def get_finished(self) -> FinishedTransfers:
         done = FinishedTransfers()
         if self.held:
-            done.sent = self.held.settle(self.receiver.quiet())
+            ranks = self.ranks
+            done.sent = self.held.settle(self.receiver.quiet(), (lambda _: True) if ranks is None else ranks.released,
+                                         time.time())
         if not self.transfer.entries and not self.waiting.entries:
             return done
         now = time.time()
@@ -247,8 +276,8 @@ class DecodeConnector(KVConnector):
                     for landing_hook in self.on_landing:
                         landing_hook(ok, waited - self.transfer.entries[rid].reserved_at)
         for rid in landed:
-            self.waiting.entries[rid] = self.transfer.entries.pop(rid)
-            self._release(rid)
+            entry = self.waiting.entries[rid] = self.transfer.entries.pop(rid)
+            self._release(rid, entry.deadline_s, landed=True)
         for hook in self.on_landed:
             for rid in landed:
                 hook(rid, True)
@@ -259,8 +288,8 @@ class DecodeConnector(KVConnector):
             del self.waiting.entries[loaded.request_id]
         for f in failed + failed_waiting:
             log.info("request %s failed: %s", f.request_id, f.message)
-            if self.transfer.entries.pop(f.request_id, None) is not None:
-                self._release(f.request_id)
+            if (gone := self.transfer.entries.pop(f.request_id, None)) is not None:
+                self._release(f.request_id, gone.deadline_s)
             self.waiting.entries.pop(f.request_id, None)
             self.failed[f.request_id] = f.message
             while len(self.failed) > FAILED_MEMORY:

@@ -5,7 +5,9 @@ block ids in its own receiver (``worker/rank_kv.py``); the reply carries one des
 (:func:`encode_destinations`), and the prefill side sends each of its ranks' head slices to the decode ranks whose
 heads overlap. A request is landed only when rank 0's receiver and every follower reported it landed; a failure
 reported by any rank fails it. Releasing it (landed, failed, aborted, finished) releases it on every rank, and a
-follower answers each release, so :meth:`DecodeRanks.outstanding` counts the follower reservations still alive.
+follower answers each release once nothing can be written into its blocks any more (NIXL: its senders are quiet), so
+:meth:`DecodeRanks.outstanding` counts the follower reservations still alive, and the decode connector keeps a
+request's blocks held until :meth:`DecodeRanks.released`.
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ class DecodeRanks:
         self.releasing.open(request_id, self.ranks)
         for rank in self.ranks:
             self.replica.tell(rank, ("release", request_id))
+
+    def released(self, request_id: str) -> bool:
+        """Every follower answered ``request_id``'s release: none can still have bytes written into its blocks."""
+        return not self.releasing.owes(request_id)
 
     def outstanding(self) -> int:
         """Follower reservations not yet released (alive on some rank)."""

@@ -11,7 +11,8 @@ settings) and every follower starts it for its ``KVLayout(tp_size, tp_rank)``. W
 - decode, a call: ``("reserve", request_id, block_ids, num_tokens, deadline_s)`` opens a receive on rank 0's block
   ids (this rank's cache has the same blocks) and answers the serialised destination;
 - a tell: ``("release", request_id)`` forgets the request (a send still going is cancelled, bytes still arriving are
-  discarded), answered by the report ``("released", request_id)``.
+  discarded), answered by the report ``("released", request_id)`` once nothing can be written into its blocks any
+  more (at once, except for a NIXL receive a sender may still WRITE into: when its receiver lists it ``quiet()``).
 
 A reporter thread polls the transport and reports each outcome once: ``("sent", request_id, ok, error, bytes)``
 when a send ended (released here at once: this rank reads its blocks no more), ``("landed", request_id, ok,
@@ -88,6 +89,7 @@ class RankKV:
         self.report = report
         self.lock = threading.Lock()
         self.watch: dict[str, _Watch] = {}
+        self.held: set[str] = set()  # released receives a sender may still write into: answered once quiet
         self.wake = threading.Event()
         self.stop = threading.Event()
         sender_cls, receiver_cls = get_backend(self.backend)
@@ -131,7 +133,13 @@ class RankKV:
             rid = payload[1]
             with self.lock:
                 self.watch.pop(rid, None)
-            self.side.release(rid)
+            if self.receiver is None:
+                self.side.release(rid)
+            elif self.receiver.release(rid):
+                with self.lock:
+                    self.held.add(rid)
+                self.wake.set()
+                return
             self.report(("released", rid))
 
     def close(self) -> None:
@@ -169,10 +177,16 @@ class RankKV:
     def _reporter(self) -> None:
         watched: list[tuple[str, _Watch]] = []
         while not self.stop.is_set():
-            self.wake.wait(POLL_S if watched else IDLE_S)
+            self.wake.wait(POLL_S if watched or self.held else IDLE_S)
             self.wake.clear()
             with self.lock:
                 watched = list(self.watch.items())
+            if self.held and self.receiver is not None:
+                for rid in self.receiver.quiet():
+                    with self.lock:
+                        self.held.discard(rid)
+                    with contextlib.suppress(OSError):
+                        self.report(("released", rid))
             now = time.time()
             for rid, w in watched:
                 try:

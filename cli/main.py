@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 unexpected failure, 2 bad input (bad flags, prompt too 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -110,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
         up.add_argument(f"--{tier}-tp", type=int, default=None, help=f"tensor-parallel ranks of each {tier} replica "
                         "(its worker's child processes, joined by gloo; each sends or lands its own heads' KV)")
     up.add_argument("--pp", type=int, default=None, help="pipeline stages of each replica")
+    up.add_argument("--threads", type=int, default=None,
+                    help="torch threads of each worker rank (default: this host's CPUs divided among the ranks "
+                    "started, at least 1)")
     up.add_argument("--ep", type=int, default=None, help="expert-parallel ranks of each replica (a MoE model)")
     up.add_argument("--kv-backend", default=None, choices=["auto", "nixl", "torch", "tcp"],
                     help="KV transfer between the tiers (default tcp, the fastest to start; auto: nixl where "
@@ -412,13 +416,16 @@ def _cmd_up(args: argparse.Namespace) -> int:
              "served_model_name": args.served_model_name, "api_key_file": args.api_key_file,
              "api_keys": tuple(args.api_key) if args.api_key else None, "vllm_metrics": args.vllm_metrics,
              "otlp_endpoint": args.otlp_endpoint, "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
-             "pp": args.pp, "ep": args.ep, "lora": tuple(args.lora) if args.lora else None}
+             "pp": args.pp, "ep": args.ep, "lora": tuple(args.lora) if args.lora else None,
+             "threads": args.threads}
     settings.update({k: v for k, v in flags.items() if v is not None})
     try:
         cfg = UpConfig(**settings)
         from cli.autoscale import autoscale_planner, autoscale_settings
 
         planner = autoscale_planner(cfg, autoscale_settings(args, autoscale))
+        if planner is not None and cfg.threads is None:  # the threads of as many ranks as the autoscaler may run
+            cfg = dataclasses.replace(cfg, threads=cfg.worker_threads(ranks=planner.cfg.planner.gpu_budget))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

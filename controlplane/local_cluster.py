@@ -81,6 +81,10 @@ class UpConfig:
     ep: int = 1
     # LoRA adapters every worker replica serves, ``NAME=DIR`` each (tandem up --lora; controlplane/controller.py)
     lora: tuple[str, ...] = ()
+    # torch intra-op threads of each worker rank (tandem up --threads); None: this host's CPUs shared among the ranks
+    # started here (:meth:`worker_threads`). A Ray actor's child would otherwise run one thread (Ray sets
+    # OMP_NUM_THREADS=1 for an actor of fractional CPUs), leaving a lone colocated replica one core of many.
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         from worker.launcher import KV_BACKENDS
@@ -100,6 +104,8 @@ class UpConfig:
             if self.kv_backend == "torch":
                 raise ValueError("kv_backend torch cannot move the KV of replicas with ranks: use tcp, nixl or auto")
         check_lora(self.lora)
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"threads must be an int >= 1, got {self.threads!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
         if self.grpc_port is not None and self.grpc_port >= 65536:
@@ -117,6 +123,30 @@ class UpConfig:
         """A ``tier`` replica's ranks, one placement-group bundle each (engine/parallel/config.py's world size)."""
         tp = self.prefill_tp if tier == "prefill" else self.decode_tp
         return max(tp, self.ep) * self.pp
+
+    def worker_threads(self, cpus: int | None = None, ranks: int | None = None) -> int:
+        """Each worker rank's torch threads: ``threads`` when given, else the host's usable CPUs (``cpus``; default
+        this process's affinity) divided among ``ranks`` (default: the ranks started here), at least one. ``tandem up
+        --autoscale`` passes its rank budget, so the replicas it adds do not oversubscribe the cores; replicas added
+        by ``tandem scale`` get the same count as the first, so scaling past the CPUs oversubscribes them: give
+        ``threads`` (``--threads 1``) for a cluster that will grow on a small host."""
+        if self.threads is not None:
+            return self.threads
+        if cpus is None:
+            cpus = len(os.sched_getaffinity(0))
+        if ranks is None:
+            ranks = self.prefill * self.ranks_of("prefill") + self.decode * self.ranks_of("decode")
+        return max(1, cpus // max(ranks, 1))
+
+    def flags_for_workers(self, cpus: int | None = None) -> tuple[str, ...]:
+        """The flags every worker gets: ``worker_flags``, then ``--threads`` unless they set it, and the OTLP
+        endpoint when tracing is on."""
+        flags = self.worker_flags
+        if "--threads" not in flags:
+            flags = (*flags, "--threads", str(self.worker_threads(cpus)))
+        if self.otlp_endpoint:  # the workers trace their part of each request to the router's collector
+            flags = (*flags, "--otlp-endpoint", self.otlp_endpoint)
+        return flags
 
 
 def _process_start() -> float:
@@ -215,8 +245,7 @@ class LocalCluster:
         cfg = self.cfg
         self.controller = controller = Controller(ControllerConfig(
             str(self.model), cfg.prefill, cfg.decode, self.kv_backend, cfg.cpus_per_replica,
-            # the workers trace their part of each request to the router's collector (worker/tracing.py)
-            worker_flags=(*cfg.worker_flags, *(("--otlp-endpoint", cfg.otlp_endpoint) if cfg.otlp_endpoint else ())),
+            worker_flags=cfg.flags_for_workers(),
             redis=cfg.redis, drain_timeout_s=cfg.drain_timeout_s,
             prefill_ranks=cfg.ranks_of("prefill"), decode_ranks=cfg.ranks_of("decode"),
             prefill_parallel=(cfg.prefill_tp, cfg.pp, cfg.ep), decode_parallel=(cfg.decode_tp, cfg.pp, cfg.ep),

@@ -55,8 +55,10 @@ def test_tandem_scale_a_running_tandem_up_and_replace_a_killed_worker(checkpoint
     env = {**{k: v for k, v in os.environ.items() if k != "TANDEM_CLUSTER_TOKEN"}, "TANDEM_HOME": str(tmp_path),
            "RAY_AUTH_MODE": "disabled"}
     port = _free_port()
+    # --threads 1: this cluster grows to two replicas, which the one replica's default (every core) would oversubscribe
     up = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--model", str(model), "--prefill", "0",
-                           "--decode", "1", "--port", str(port), "--grpc-port", "-1"], stdout=subprocess.PIPE,
+                           "--decode", "1", "--port", str(port), "--grpc-port", "-1", "--threads", "1"],
+                          stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     lines: list[str] = []
     pids: set[int] = set()

@@ -97,6 +97,37 @@ def _controller_args(*flags: str) -> argparse.Namespace:
     return p.parse_args(["--model", "/m", "--redis", "redis://r:6379", *flags])
 
 
+def test_tandem_up_shares_the_hosts_cpus_among_its_worker_ranks_as_torch_threads() -> None:
+    """``tandem up``'s workers each get ``--threads``: the CPUs divided among the ranks it starts (a lone colocated
+    replica takes every core; 1 prefill + 1 decode take half each; a TP=2 replica's ranks share), at least 1, or
+    the autoscaler's rank budget (cli/main.py), or what ``--threads`` / the workers' own flags say."""
+    assert UpConfig(prefill=0, decode=1).worker_threads(cpus=2) == 2
+    assert UpConfig(prefill=1, decode=1).worker_threads(cpus=2) == 1
+    assert UpConfig(prefill=1, decode=1).worker_threads(cpus=1) == 1
+    assert UpConfig(prefill=0, decode=1, decode_tp=2).worker_threads(cpus=8) == 4
+    assert UpConfig(prefill=1, decode=2).worker_threads(cpus=16) == 5
+    assert UpConfig(prefill=0, decode=1).worker_threads(cpus=4, ranks=3) == 1
+    assert UpConfig(prefill=0, decode=1, threads=3).worker_threads(cpus=2, ranks=2) == 3
+    flags = UpConfig(prefill=0, decode=1, otlp_endpoint="127.0.0.1:4317",
+                     worker_flags=("--max-num-seqs", "2")).flags_for_workers(cpus=2)
+    assert flags == ("--max-num-seqs", "2", "--threads", "2", "--otlp-endpoint", "127.0.0.1:4317")
+    own = UpConfig(prefill=0, decode=1, worker_flags=("--threads", "1")).flags_for_workers(cpus=8)
+    assert own == ("--threads", "1")
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="threads must be an int >= 1"):
+            UpConfig(threads=bad)  # type: ignore[arg-type]
+
+
+def test_tandem_up_refuses_a_bad_threads_flag_before_anything_starts(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cli_runs import tandem
+
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    code, _, err = tandem(["up", "--threads", "0"], capsys, as_process=False)
+    assert code == 2 and "threads must be an int >= 1, got 0" in err, err
+    assert not (tmp_path / "up.json").exists()
+
+
 def test_per_tier_ranks_and_kv_backends_parse_and_default_to_the_shared_flags() -> None:
     from cli.controller import controller_config
 

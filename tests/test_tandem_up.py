@@ -448,6 +448,15 @@ def test_a_real_prometheus_scrapes_the_gateway_and_sees_every_worker(cluster: Cl
     assert prom.proc.returncode is not None
 
 
+def test_every_worker_runs_the_hosts_cpus_shared_among_the_ranks_as_torch_threads(cluster: Cluster) -> None:
+    """The worker processes ``tandem up`` started (one prefill, one decode) each got ``--threads`` = this host's
+    CPUs // 2, at least 1, rather than the one thread Ray's OMP_NUM_THREADS would leave them."""
+    want = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    for pid in cluster.state["worker_pids"]:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        assert argv[argv.index("--threads") + 1] == want, argv
+
+
 def test_a_dead_worker_replica_is_restarted_and_re_registered(cluster: Cluster, client: openai.OpenAI,
                                                                checkpoint: Callable[[str], Path],
                                                                hf_greedy: Callable[..., list[int]]) -> None:

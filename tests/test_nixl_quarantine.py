@@ -121,7 +121,7 @@ def test_a_sender_past_its_deadline_writes_nothing_more(agents: tuple) -> None:
     deadline first): layers handed over after it are never written, and the receiver's hold ends with its QUIET."""
     r, s, dst, _ = agents
     d = r.reserve("late", DST, 8, time.time() + 30)
-    s.start("late", d, SRC, time.time() + 0.5)
+    s.start("late", d, SRC, time.time() + 3.0)  # room for the first HELLO (agents added) under load
     s.send_layer("late", 0)
     _until(lambda: r.poll("late").layers_done >= 1, 10, "layer 0 to land")
     _fill(dst, DST, range(1, 4))

@@ -47,6 +47,8 @@ def add_controller_args(p: argparse.ArgumentParser) -> None:
                            "ranks (its workers' --" + dim + ")")
         p.add_argument(f"--{tier}-kv-backend", default=None, choices=KV_BACKEND_CHOICES,
                        help=f"{tier} workers' KV transport")
+        p.add_argument(f"--{tier}-threads", type=int, default=None,
+                       help=f"torch threads of each {tier} rank (default: the workers' own, one under Ray)")
     p.add_argument("--tier-resources", action="store_true",
                    help="each bundle also asks for one unit of the Ray resource tandem_<tier>, which only that "
                         "tier's nodes advertise (the operator's worker groups do), so replicas land on their own tier")
@@ -105,6 +107,7 @@ def controller_config(args: argparse.Namespace, creds: Credentials) -> Controlle
         prefill_kv_backend=args.prefill_kv_backend, decode_kv_backend=args.decode_kv_backend,
         prefill_parallel=(args.prefill_tp, args.prefill_pp, args.prefill_ep),
         decode_parallel=(args.decode_tp, args.decode_pp, args.decode_ep),
+        prefill_threads=args.prefill_threads, decode_threads=args.decode_threads,
         tier_resources=args.tier_resources, worker_metrics_port=_metrics_port(args), lora=_lora(args))
 
 

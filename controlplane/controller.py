@@ -85,6 +85,10 @@ class ControllerConfig:
     # against the model; its ranks are the worker's child processes, inside the replica's bundles)
     prefill_parallel: tuple[int, int, int] = (1, 1, 1)
     decode_parallel: tuple[int, int, int] = (1, 1, 1)
+    # Each rank's torch threads in a tier (its workers' --threads; the operator derives them from a rank's CPUs).
+    # None: whatever ``worker_flags`` say, else the worker's default (one thread under Ray's OMP_NUM_THREADS=1).
+    prefill_threads: int | None = None
+    decode_threads: int | None = None
     # Each bundle also asks for one unit of the Ray custom resource ``tandem_<tier>``, which the operator's worker
     # group of that tier advertises once per rank (operators/render_ray.py): a tier's replicas land only on its own
     # pods. Off for a local Ray (``tandem up``), which advertises no such resource.
@@ -105,6 +109,9 @@ class ControllerConfig:
             if backend is not None and backend not in KV_BACKENDS:
                 raise ValueError(f"unknown {name} {backend!r} (choose from {', '.join(KV_BACKENDS)})")
         for name in ("prefill_ranks", "decode_ranks"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("prefill_threads", "decode_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("prefill_parallel", "decode_parallel"):
@@ -147,9 +154,12 @@ class ControllerConfig:
         return self.ranks if own is None else own
 
     def parallel_flags(self, tier: str) -> tuple[str, ...]:
-        """The worker flags of a ``tier`` replica's ranks (none for a single rank)."""
+        """The worker flags of a ``tier`` replica's ranks: its layout (none for a single rank) and each rank's
+        threads when the tier names them (after ``worker_flags``, so they win as argparse reads them)."""
         tp, pp, ep = self.parallel_of(tier)
-        return tuple(f for name, n in (("--tp", tp), ("--pp", pp), ("--ep", ep)) if n > 1 for f in (name, str(n)))
+        threads = self.prefill_threads if tier == "prefill" else self.decode_threads
+        return (*(f for name, n in (("--tp", tp), ("--pp", pp), ("--ep", ep)) if n > 1 for f in (name, str(n))),
+                *(("--threads", str(threads)) if threads is not None else ()))
 
     def kv_backend_of(self, tier: str) -> str:
         own = self.prefill_kv_backend if tier == "prefill" else self.decode_kv_backend

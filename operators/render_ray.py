@@ -67,10 +67,12 @@ def controller_args(spec: DeploymentSpec) -> list[str]:
     # Per tier: its ranks and KV backend, and --tier-resources, so each replica's bundles ask for the tier's Ray
     # resource and land on that tier's worker group only.
     # Its tp, pp and ep reach the tier's workers (--tp/--pp/--ep) through the controller.
+    # And each rank's torch threads, from the CPUs a rank of the tier asks for.
     tiers = [flag for t in spec.tiers for flag in (f"--{t.name}-ranks", str(t.ranks),
                                                    f"--{t.name}-kv-backend", t.kv_backend,
                                                    f"--{t.name}-tp", str(t.tp), f"--{t.name}-pp", str(t.pp),
-                                                   f"--{t.name}-ep", str(t.ep))]
+                                                   f"--{t.name}-ep", str(t.ep),
+                                                   *((f"--{t.name}-threads", str(t.threads)) if t.threads else ()))]
     return ["controller", "--model", spec.model.path, "--redis", pods.redis_url(spec),
             "--prefill", str(prefill.replicas if prefill else 0), "--decode", str(decode.replicas),
             "--control-port", str(CONTROL_PORT), "--host", "0.0.0.0", "--kv-backend", decode.kv_backend, *tiers,

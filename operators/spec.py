@@ -160,6 +160,20 @@ class TierSpec:
         per_rank = (self.resources.get("limits") or {}).get("nvidia.com/gpu")
         return self.ranks * (int(per_rank) if per_rank is not None else 1)
 
+    @property
+    def threads(self) -> int | None:
+        """Each rank's torch threads: its whole CPUs (the limit, else the request; at least 1), or None when the spec
+        gives no CPU (the worker keeps its default). Without it a rank would run the single thread Ray's
+        OMP_NUM_THREADS=1 leaves an actor's child, whatever the pod asked for."""
+        for section in ("limits", "requests"):
+            cpu = (self.resources.get(section) or {}).get("cpu")
+            if cpu is not None:
+                m = _QUANTITY.match(str(cpu))
+                assert m is not None  # __post_init__ checked every quantity
+                cores = float(m.group(1)) / (1000 if m.group(2) == "m" else 1)
+                return max(1, int(cores))
+        return None
+
     def clamp(self, replicas: int) -> int:
         return min(max(replicas, self.min_replicas), self.max_replicas)
 

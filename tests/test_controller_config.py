@@ -25,7 +25,7 @@ from controlplane.replica import ReplicaSpec
     {"prefill": -1}, {"decode": 300}, {"kv_backend": "carrier-pigeon"}, {"cpus_per_replica": 0}, {"ranks": 0},
     {"drain_timeout_s": 0}, {"start_timeout_s": -1}, {"reconcile_interval_s": 0}, {"prefill_ranks": 0},
     {"decode_ranks": -1}, {"decode_kv_backend": "rdma"}, {"prefill_kv_backend": ""}, {"decode_parallel": (0, 1, 1)},
-    {"prefill_parallel": (2, 1)},
+    {"prefill_parallel": (2, 1)}, {"decode_threads": 0}, {"prefill_threads": -1},
 ])
 def test_controller_config_refuses_bad_values(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):

@@ -421,7 +421,8 @@ def test_rendered_commands_parse_with_the_real_parsers(monkeypatch: pytest.Monke
     # and each tier's tp/pp/ep, which the controller hands that tier's workers as --tp/--pp/--ep
     cc = controller_config(c, Credentials(None))
     assert (cc.prefill_parallel, cc.decode_parallel) == ((1, 1, 1), (2, 1, 1))
-    assert (cc.parallel_flags("prefill"), cc.parallel_flags("decode")) == ((), ("--tp", "2"))
+    # (and each decode rank's threads: its 500m request, at least one thread; prefill gives no CPU: none passed)
+    assert (cc.parallel_flags("prefill"), cc.parallel_flags("decode")) == ((), ("--tp", "2", "--threads", "1"))
     assert (c.auth_token_file, c.tls_cert, c.tls_key, c.tls_ca, c.tls_server_name) == creds
     # What `tandem controller` hands each worker (cli/controller.py): its own credential flags. The mounted files do
     # not exist here, so their checks are skipped.
@@ -432,7 +433,7 @@ def test_rendered_commands_parse_with_the_real_parsers(monkeypatch: pytest.Monke
     w = p.parse_args(["--role", "decode", "--model", c.model, *c.worker_flag, *to_flags(from_args(c),
                                                                                            c.auth_token_file),
                       *cc.parallel_flags("decode")])
-    assert (w.tp, w.pp, w.ep) == (2, 1, 1)
+    assert (w.tp, w.pp, w.ep, w.threads) == (2, 1, 1, 1)
     assert w.dtype == "bfloat16" and (w.auth_token_file, w.tls_cert, w.tls_key, w.tls_ca, w.tls_server_name) == creds
     groups = objs[("RayCluster", "llama")]["spec"]["workerGroupSpecs"]
     worker_pod = next(g for g in groups if g["groupName"] == "decode")
@@ -502,3 +503,34 @@ def test_a_layout_the_controller_refused_makes_the_deployment_degraded_with_its_
     assert st["decode"] == "0/1"
     unreachable = deployment_status(spec, 3, {"prefill": 2, "decode": 1}, None, "Status on x: UNAVAILABLE", None)
     assert {c["type"]: c["reason"] for c in unreachable["conditions"]}["Degraded"] == "AsExpected"
+
+
+@pytest.mark.parametrize(("resources", "threads"), [
+    ({"requests": {"cpu": "4"}}, 4), ({"requests": {"cpu": "2500m"}}, 2), ({"requests": {"cpu": "250m"}}, 1),
+    ({"requests": {"cpu": "2"}, "limits": {"cpu": "6"}}, 6), ({"limits": {"cpu": "3.5"}}, 3),
+    ({"requests": {"memory": "8Gi"}}, None), ({}, None),
+])
+def test_each_tiers_ranks_run_as_many_torch_threads_as_whole_cpus_they_ask_for(
+        resources: dict[str, Any], threads: int | None) -> None:
+    """A rank's CPUs (its limit, else its request; whole cores, at least one) become ``tandem controller
+    --decode-threads``, which the controller hands that tier's workers as ``--threads`` and the worker's own parser
+    reads; no CPU in the spec: no flag, the worker keeps its default."""
+    import argparse
+
+    from auth.credentials import Credentials
+    from cli.controller import add_controller_args, controller_config
+    from worker.server import add_worker_args
+
+    td = _td(decode={"replicas": 1, "tp": 1, "kvBackend": "nixl", "resources": resources})
+    args = _controller_args(td)
+    assert (args[args.index("--decode-threads") + 1] if "--decode-threads" in args else None) == (
+        None if threads is None else str(threads))
+    assert "--prefill-threads" not in args
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_controller_args(p)
+    cc = controller_config(p.parse_args(args[1:]), Credentials(None))
+    assert (cc.prefill_threads, cc.decode_threads) == (None, threads)
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_worker_args(p)
+    w = p.parse_args(["--role", "decode", "--model", cc.model, "--threads", "9", *cc.parallel_flags("decode")])
+    assert w.threads == (9 if threads is None else threads)  # the tier's count wins over a shared --worker-flag

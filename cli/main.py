@@ -14,6 +14,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+# grpcio >= 1.81 (grpc/grpc#43055): with gRPC's fork support on, a child that a process busy in gRPC forks (not
+# vforks: subprocess with preexec_fn, as worker.launcher pins a worker's CPUs) can abort in gRPC's poller before it
+# execs (epoll_wait: Bad file descriptor; 7-9 of 300 such forks on this VM, tests/test_grpc_fork.py). No Tandem
+# process uses gRPC in a forked child, so it is off in every `tandem` process, and through the environment in the
+# processes they start (Ray's included). Read when grpc is first imported, which this module does not do.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

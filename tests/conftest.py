@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import cli.main  # noqa: F401  (before anything imports grpc: gRPC's fork support off, as in every tandem process)
 from controlplane.local_cluster import ray_env_defaults
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -10,8 +10,9 @@
   field named.
 - **Waiting** (:class:`Waiting`): the request is an ordinary engine request generating one token, so it batches and
   chunks with everything else and reuses the prefix cache.
-- **Inflight** (:class:`Inflight`): in the step that computes the prompt's last chunk, the send starts at layer 0 and
-  each layer is handed to the sender the moment that layer's forward finishes (``save_kv_layer``), so the transfer
+- **Inflight** (:class:`Inflight`): the step that computes the prompt's last chunk opens the send before its forward
+  (so the transport's handshake, NIXL's HELLO and READY, overlaps layer 0), and each layer is handed to the sender
+  the moment that layer's forward finishes (``save_kv_layer``), so the transfer
   overlaps the remaining layers. When the engine request finishes, ``request_finished`` has the engine hold its
   blocks, so the sender still reads intact KV; the first token goes back to the caller at once: TTFT never waits on
   the transfer. The hold ends when the sender reports DONE or FAILED (peer death, lease expiry), reported by
@@ -82,8 +83,7 @@ class Waiting:
 
     dests: tuple[DestinationInfo, ...]
     deadline_s: float
-    started: bool = False
-    started_at: float = 0.0  # perf_counter when its first layer went to the sender
+    started_at: float = 0.0  # perf_counter when its first layer went to the sender (the send opens a step earlier)
     mine: tuple[DestinationInfo, ...] = ()
 
 
@@ -185,14 +185,22 @@ class PrefillConnector(KVConnector):
         if self.waiting:
             self._sends = [r for r, n in zip(requests, num_new_tokens, strict=True)
                            if r.num_computed_tokens + n == r.num_tokens and r.request_id in self.waiting]
-        if self.ranks is not None and self._sends:
-            kv = self._kv
-            assert kv is not None  # registered when the connector was attached
-            for req in self._sends:  # the followers' legs go with this step's rows
-                w = self.waiting[req.request_id]
-                nblocks = -(-req.num_prompt_tokens // kv.block_size)
-                w.mine = self.ranks.split(req.request_id, w.dests, kv.block_ids(req.request_id)[:nblocks],
-                                          w.deadline_s)
+        if not self._sends:
+            return
+        kv = self._kv
+        assert kv is not None  # registered when the connector was attached
+        for req in list(self._sends):
+            rid = req.request_id
+            w = self.waiting[rid]
+            nblocks = -(-req.num_prompt_tokens // kv.block_size)
+            try:
+                if self.ranks is not None:  # the followers' legs go with this step's rows
+                    w.mine = self.ranks.split(rid, w.dests, kv.block_ids(rid)[:nblocks], w.deadline_s)
+                # The send opens before the step's forward (its handshake, e.g. NIXL's HELLO and READY, overlaps
+                # layer 0), and layer 0 goes out the moment that layer is computed.
+                self.sender.start(rid, w.mine, kv.block_ids(rid)[:nblocks], w.deadline_s)
+            except Exception as e:  # a broken transfer must not take the engine down
+                self._drop(req, e)
 
     def save_kv_layer(self, layer: int) -> None:
         if not self._sends:
@@ -207,10 +215,8 @@ class PrefillConnector(KVConnector):
             if w is None:
                 continue
             try:
-                if not w.started:
-                    nblocks = -(-req.num_prompt_tokens // kv.block_size)
-                    self.sender.start(rid, w.mine, kv.block_ids(rid)[:nblocks], w.deadline_s)
-                    w.started, w.started_at = True, time.perf_counter()
+                if not w.started_at:
+                    w.started_at = time.perf_counter()
                 if not delay:
                     self.sender.send_layer(rid, layer)
                 if self.stall is not None and layer == self.stall[0]:
@@ -224,10 +230,14 @@ class PrefillConnector(KVConnector):
                     self.inflight[rid] = Inflight(w.deadline_s, time.perf_counter(), started_at=w.started_at)
                     del self.waiting[rid]
             except Exception as e:  # a broken transfer must not take the engine down
-                log.warning("transfer of %s failed to start: %s", rid, e)
-                self.waiting.pop(rid, None)
-                self.sender.release(rid)
-                self._sends.remove(req)
+                self._drop(req, e)
+
+    def _drop(self, req: Request, error: Exception) -> None:
+        """``req``'s send could not start or go on: it leaves this step's sends and Waiting, released."""
+        log.warning("transfer of %s failed to start: %s", req.request_id, error)
+        self.waiting.pop(req.request_id, None)
+        self.sender.release(req.request_id)
+        self._sends.remove(req)
 
     def get_finished(self) -> FinishedTransfers:
         done = FinishedTransfers()

@@ -4,16 +4,17 @@ inter-token latency of a real ``tandem up`` run of the same workload within 20%.
 
 The real side: ``tandem up`` (real Ray, a real prefill and a real decode worker process, the router) on the built-in
 small Llama (~110M parameters, float32: big enough that a step is its matmuls and weight reads, not Python), sent one
-request at a time (512 random prompt tokens, 32 output tokens, greedy, EOS ignored) over streaming HTTP; TTFT and the
-mean gap between tokens are taken at the client. The simulated side: the same model's config.json, the same requests,
-one prefill and one decode replica whose "GPU" is ``bench/ceilings.py``'s measurement of this CPU at the decode
-worker's own thread count (read from the running worker's environment: Ray gives a fractional-CPU actor
-``OMP_NUM_THREADS=1``), in a fresh process, taken just before and just after the requests while ``tandem up`` idles
-(the mean of the two), with MFU = MBU = 1 (they are already achieved rates). The measured decode and prefill steps,
-less the roofline's time for each, give the per-step and per-token costs the roofline charges every step; nothing is
-taken from the run it is compared with. When the two measurements differ by more than 25% the machine's speed moved
-under the run (a shared machine), and the test is skipped with both figures rather than compared against a moving
-target.
+request at a time (512 random prompt tokens, 32 output tokens, greedy, EOS ignored, fresh prompts in every round so
+that no prefix is cached) over streaming HTTP; TTFT and the mean gap between tokens are taken at the client, and the
+median request's are compared (a neighbour's burst during one request of a shared CI host does not decide it).
+The simulated side: the same model's config.json, the same requests, one prefill and one decode replica whose
+"GPU" is ``bench/ceilings.py``'s measurement of this CPU at the decode worker's own thread count (read from the
+running worker's ``--threads``, which ``tandem up`` sets), in a fresh process, taken just before and just after the
+requests while ``tandem up`` idles (the mean of the two), with MFU = MBU = 1 (they are already achieved rates).
+The measured decode and prefill steps, less the roofline's time for each, give the per-step and per-token costs the
+roofline charges every step; nothing is taken from the run it is compared with. When the two measurements differ by
+more than 25% the machine's speed moved under the run (a shared machine), and the test is skipped with both figures
+rather than compared against a moving target.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -52,8 +54,8 @@ def _free_port() -> int:
 
 
 def _worker_threads(home: Path, role: str) -> int:
-    """The torch threads of the ``tandem up`` worker of ``role`` started with ``TANDEM_HOME=home``: its
-    ``OMP_NUM_THREADS``, else the CPUs it may run on."""
+    """The torch threads of the ``tandem up`` worker of ``role`` started with ``TANDEM_HOME=home``: its ``--threads``
+    (``tandem up`` gives every worker one), else its ``OMP_NUM_THREADS``, else the CPUs it may run on."""
     for proc in psutil.process_iter(["cmdline"]):
         cmd = proc.info["cmdline"] or []
         if "worker" not in cmd or (f"--role={role}" not in cmd and role not in cmd[cmd.index("worker"):]):
@@ -63,6 +65,8 @@ def _worker_threads(home: Path, role: str) -> int:
         except (psutil.AccessDenied, psutil.NoSuchProcess):
             continue
         if env.get("TANDEM_HOME") == str(home):
+            if "--threads" in cmd:
+                return int(cmd[cmd.index("--threads") + 1])
             return int(env.get("OMP_NUM_THREADS") or len(proc.cpu_affinity() or []) or os.cpu_count() or 1)
     raise AssertionError(f"no {role} worker with TANDEM_HOME={home} found")
 
@@ -98,8 +102,8 @@ def _tandem_up(model: Path, home: Path) -> Iterator[int]:
                 proc.wait(10)
 
 
-def _requests(model: Path, port: int) -> tuple[list[float], list[float]]:
-    rng = random.Random(0)
+def _requests(model: Path, port: int, seed: int) -> tuple[list[float], list[float]]:
+    rng = random.Random(seed)  # a round's own prompts: a later round on the same cluster must not hit the cache
     ttft, itl = [], []
     with httpx.Client(timeout=300) as client:
         for i in range(REQUESTS + 1):  # the first one warms the path up and is not counted
@@ -129,7 +133,7 @@ def _verdict(before: Ceilings, after: Ceilings, real: tuple[float, float], sim: 
              report: str) -> None:
     """Skip only when one of the three measured figures moved more than ``STEADY`` between before and after (the
     "GPU" changed speed under the run, so there is nothing to compare with), naming the figure; otherwise assert the
-    mean TTFT and inter-token latency within 20% of the real run's."""
+    median request's TTFT and inter-token latency within 20% of the real run's."""
     drifts = {"GEMM rate": _drift(before.gemm_flops, after.gemm_flops),
               "read bandwidth": _drift(before.read_bandwidth, after.read_bandwidth),
               "decode step": _drift(before.decode_step_s, after.decode_step_s),
@@ -162,20 +166,20 @@ def test_the_comparison_skips_only_on_drift_and_otherwise_asserts_20_percent() -
 ROUNDS = 2  # measurement rounds on one tandem up; a systematic error fails every one
 
 
-def _round(model: Path, cfg: ModelConfig, home: Path, port: int) -> tuple[Ceilings, Ceilings, tuple[float, float],
-                                                                          tuple[float, float], str]:
+def _round(model: Path, cfg: ModelConfig, home: Path, port: int, seed: int
+           ) -> tuple[Ceilings, Ceilings, tuple[float, float], tuple[float, float], str]:
     """One measurement: ceilings, the real requests, ceilings again; and the simulator's prediction from them."""
     threads = _worker_threads(home, "decode")
     before = worker_ceilings(model, PROMPT, OUTPUT, threads)
-    real_ttft, real_itl = _requests(model, port)
+    real_ttft, real_itl = _requests(model, port, seed)
     after = worker_ceilings(model, PROMPT, OUTPUT, threads)
     ceilings = Ceilings((before.gemm_flops + after.gemm_flops) / 2, (before.read_bandwidth + after.read_bandwidth) / 2,
                         (before.decode_step_s + after.decode_step_s) / 2, PROMPT, threads,
                         (before.prefill_step_s + after.prefill_step_s) / 2)
     trace = [TraceRequest(1000.0 * i, PROMPT, OUTPUT, (1000 + 2 * i, 1001 + 2 * i)) for i in range(REQUESTS)]
     sim_ttft, sim_itl = predict(cfg, ceilings, trace)
-    real = (sum(real_ttft) / len(real_ttft), sum(real_itl) / len(real_itl))
-    sim = (sum(sim_ttft) / len(sim_ttft), sum(sim_itl) / len(sim_itl))
+    real = (statistics.median(real_ttft), statistics.median(real_itl))
+    sim = (statistics.median(sim_ttft), statistics.median(sim_itl))
     report = (f"TTFT real {real[0]:.3f} s sim {sim[0]:.3f} s; ITL real {real[1] * 1e3:.1f} ms sim "
               f"{sim[1] * 1e3:.1f} ms (per request {', '.join(f'{x * 1e3:.1f}' for x in real_itl)}); worker threads "
               f"{threads}; ceilings before {before}, after {after}")
@@ -194,8 +198,8 @@ def test_the_simulator_on_this_cpus_ceilings_predicts_a_real_tandem_up_run_withi
     home = tmp_path / "home"
     misses: list[str] = []
     with _tandem_up(model, home) as port:
-        for _ in range(ROUNDS):
-            before, after, real, sim, report = _round(model, cfg, home, port)
+        for seed in range(ROUNDS):
+            before, after, real, sim, report = _round(model, cfg, home, port, seed)
             print(report)
             try:
                 _verdict(before, after, real, sim, report)

@@ -108,10 +108,7 @@ class ControllerConfig:
             backend = getattr(self, name)
             if backend is not None and backend not in KV_BACKENDS:
                 raise ValueError(f"unknown {name} {backend!r} (choose from {', '.join(KV_BACKENDS)})")
-        for name in ("prefill_ranks", "decode_ranks"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("prefill_threads", "decode_threads"):
+        for name in ("prefill_ranks", "decode_ranks", "prefill_threads", "decode_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("prefill_parallel", "decode_parallel"):
@@ -153,7 +150,7 @@ class ControllerConfig:
         own = self.prefill_ranks if tier == "prefill" else self.decode_ranks
         return self.ranks if own is None else own
 
-    def parallel_flags(self, tier: str) -> tuple[str, ...]:
+    def tier_flags(self, tier: str) -> tuple[str, ...]:
         """The worker flags of a ``tier`` replica's ranks: its layout (none for a single rank) and each rank's
         threads when the tier names them (after ``worker_flags``, so they win as argparse reads them)."""
         tp, pp, ep = self.parallel_of(tier)
@@ -424,7 +421,7 @@ class Controller:
         from controlplane.replica import ReplicaSpec, WorkerReplica
 
         spec = ReplicaSpec(r.tier, self.cfg.model, self.cfg.kv_backend_of(r.tier), self.cfg.cpus_per_replica,
-                           (*self._flags(), *self.cfg.parallel_flags(r.tier),
+                           (*self._flags(), *self.cfg.tier_flags(r.tier),
                             *(f for a in self.cfg.lora for f in ("--lora", a))), self.cfg.worker_host)
         try:
             r.placement_group = replica_placement_group(self.cfg, r.tier, f"tandem-{r.replica_id}")

@@ -422,7 +422,7 @@ def test_rendered_commands_parse_with_the_real_parsers(monkeypatch: pytest.Monke
     cc = controller_config(c, Credentials(None))
     assert (cc.prefill_parallel, cc.decode_parallel) == ((1, 1, 1), (2, 1, 1))
     # (and each decode rank's threads: its 500m request, at least one thread; prefill gives no CPU: none passed)
-    assert (cc.parallel_flags("prefill"), cc.parallel_flags("decode")) == ((), ("--tp", "2", "--threads", "1"))
+    assert (cc.tier_flags("prefill"), cc.tier_flags("decode")) == ((), ("--tp", "2", "--threads", "1"))
     assert (c.auth_token_file, c.tls_cert, c.tls_key, c.tls_ca, c.tls_server_name) == creds
     # What `tandem controller` hands each worker (cli/controller.py): its own credential flags. The mounted files do
     # not exist here, so their checks are skipped.
@@ -432,7 +432,7 @@ def test_rendered_commands_parse_with_the_real_parsers(monkeypatch: pytest.Monke
     add_worker_args(p)
     w = p.parse_args(["--role", "decode", "--model", c.model, *c.worker_flag, *to_flags(from_args(c),
                                                                                            c.auth_token_file),
-                      *cc.parallel_flags("decode")])
+                      *cc.tier_flags("decode")])
     assert (w.tp, w.pp, w.ep, w.threads) == (2, 1, 1, 1)
     assert w.dtype == "bfloat16" and (w.auth_token_file, w.tls_cert, w.tls_key, w.tls_ca, w.tls_server_name) == creds
     groups = objs[("RayCluster", "llama")]["spec"]["workerGroupSpecs"]
@@ -532,5 +532,5 @@ def test_each_tiers_ranks_run_as_many_torch_threads_as_whole_cpus_they_ask_for(
     assert (cc.prefill_threads, cc.decode_threads) == (None, threads)
     p = argparse.ArgumentParser(exit_on_error=False)
     add_worker_args(p)
-    w = p.parse_args(["--role", "decode", "--model", cc.model, "--threads", "9", *cc.parallel_flags("decode")])
+    w = p.parse_args(["--role", "decode", "--model", cc.model, "--threads", "9", *cc.tier_flags("decode")])
     assert w.threads == (9 if threads is None else threads)  # the tier's count wins over a shared --worker-flag

@@ -402,7 +402,9 @@ class NixlSender(KVSender):
         if lp is None:
             return
         if not lp.ready:  # nothing is posted before READY: prepare the WRITEs meanwhile
-            if lp.dlists is None:
+            # Only once its HELLO is out: until then start() may still be planning the leg's pieces on its thread
+            # (a leg prepared from an empty plan failed the transfer, once in CI).
+            if lp.dlists is None and lp.hello_at:
                 try:
                     self._prepare(leg)
                 except Exception as e:

@@ -19,6 +19,7 @@ pytest.importorskip("nixl")
 
 from bench.kv_peer import digest, make_caches
 from kvtransfer import DestinationInfo, KVLayout, TransferState
+from kvtransfer.book import Entry
 from kvtransfer.nixl_backend import NixlReceiver, NixlSender, piece_offsets
 from kvtransfer.plan import plan_leg
 
@@ -113,6 +114,42 @@ def test_sender_fails_at_once_when_decode_released_before_seeing_its_hello() -> 
             time.sleep(0.01)
         st = s.poll("gone")
         assert st.state == TransferState.FAILED and "no live reservation" in (st.error or ""), st
+    finally:
+        s.close()
+        r.close()
+
+
+def test_a_progress_tick_while_start_still_plans_the_leg_does_not_prepare_it_from_an_empty_plan() -> None:
+    """The progress thread prepares a leg's WRITEs while its READY is on the way, but only once the leg's HELLO is
+    out: before that, ``start`` may still be planning the leg's pieces on the caller's thread. Here the plan is
+    slowed down and the progress thread woken in the middle of it (what a tick of its own poll did once in CI,
+    which failed the transfer with "index 0 is out of bounds"); the transfer still lands every byte."""
+    r, s = NixlReceiver(), NixlSender()
+    plan = s.out.plan
+
+    def slow_plan(entry: Entry) -> KVLayout:
+        s._wake.set()  # a progress tick now, with the leg's peer set and its pieces not yet planned
+        time.sleep(0.3)
+        return plan(entry)
+
+    s.out.plan = slow_plan  # type: ignore[method-assign]
+    try:
+        src, dst = make_caches(LAYOUT, 8, 1), make_caches(LAYOUT, 8, None)
+        r.register(dst, LAYOUT)
+        s.register(src, LAYOUT)
+        d = r.reserve("planned", [5, 6], 8, time.time() + 60)
+        s.start("planned", d, [1, 2], time.time() + 60)
+        for layer in range(LAYOUT.num_layers):
+            s.send_layer("planned", layer)
+        s.finish("planned")
+        end = time.monotonic() + 15
+        while not (s.poll("planned").finished and r.poll("planned").finished) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert s.poll("planned").state == r.poll("planned").state == TransferState.DONE, (
+            s.poll("planned"), r.poll("planned"))
+        for (sk, sv), (dk, dv) in zip(src, dst, strict=True):  # bit patterns (random bytes hold NaNs)
+            for a, b in ((sk, dk), (sv, dv)):
+                assert torch.equal(a[[1, 2]].view(torch.uint8), b[[5, 6]].view(torch.uint8))
     finally:
         s.close()
         r.close()

@@ -7,17 +7,18 @@ so no output can complete inside the measured steps and the batch stays full): w
 masks thread during the forward pass (:mod:`engine.structured.prefetch`) and with them filled inline in the sampler;
 the engine's default depends on the host's CPUs (``Sampler.mask_overlap``), and ``overhead_pct`` is the default's.
 
-Each side has its own engine (same checkpoint, same settings), and the three are stepped in turn, one decode step
-each, the order rotating every step: each constrained step is paired with the unconstrained step taken right beside
-it, so load from other processes, which on a shared host moves the step time by several times within seconds, hits
-both members of a pair alike. Prefill is done before the clock starts: only decode steps are timed, through
-``LLMEngine.step`` (schedule, forward, mask, sample, matcher advance), in wall time and in the engine thread's CPU
-time (what the step costs the thread that runs it: the masks thread's work is not in it, its waits are in the wall
-time). A round is ``--steps`` such turns on fresh requests; round 0 warms up and is not counted, then ``--repeats``
-rounds are. Reported per side: the median step over all counted steps (wall and CPU) and the range of the rounds'
-medians; per constrained side: ``overhead_*_pct`` (``median constrained / median unconstrained - 1``) and
-``pair_overhead_*_pct``, the median over all pairs of ``constrained / unconstrained - 1`` with the range of the
-rounds' own medians of it (the figure to quote on a loaded host).
+Three engines (same checkpoint, same settings) play the three sides, the roles rotating over the engines from round
+to round (identical engines differ in speed by up to several per cent, see ``_cast``), and the three are stepped in
+turn, one decode step each, the order rotating every step: each constrained step is paired with the unconstrained
+step taken right beside it, so load from other processes, which on a shared host moves the step time by several
+times within seconds, hits both members of a pair alike. Prefill is done before the clock starts: only decode steps
+are timed, through ``LLMEngine.step`` (schedule, forward, mask, sample, matcher advance), in wall time and in the
+engine thread's CPU time (what the step costs the thread that runs it: the masks thread's work is not in it, its
+waits are in the wall time). A round is ``--steps`` such turns on fresh requests; round 0 warms up and is not
+counted, then ``--repeats`` rounds are. Reported per side: the median step over all counted steps (wall and CPU) and
+the range of the rounds' medians; per constrained side: ``overhead_*_pct`` (``median constrained / median
+unconstrained - 1``) and ``pair_overhead_*_pct``, the median over all pairs of ``constrained / unconstrained - 1``
+with the range of the rounds' own medians of it (the figure to quote on a loaded host).
 
 The grammar is compiled (and cached) before timing, as a server does on the first request with a schema.
 
@@ -76,6 +77,20 @@ def _round(sides: list[tuple[LLMEngine, SamplingParams]], prompt: list[int], bat
     return times
 
 
+def _cast(engines: list[LLMEngine], roles: list[tuple[SamplingParams, bool]], r: int
+          ) -> list[tuple[LLMEngine, SamplingParams]]:
+    """Round ``r``'s sides: role i played by engine ``(i + r) % 3``, its masks thread set for the role. Identical
+    engines are not equally fast: in an A/A run (all three unconstrained) on small-llama the engine built first
+    stepped 5-6% slower than the other two at batch 1, every round, and on tiny-llama up to ~1%, so a side tied to one
+    engine carried that engine's bias; rotating the roles over the rounds spreads it over all sides."""
+    sides = []
+    for i, (params, overlap) in enumerate(roles):
+        engine = engines[(i + r) % len(engines)]
+        engine.sampler.mask_overlap = overlap
+        sides.append((engine, params))
+    return sides
+
+
 def _pairs(constrained: list[list[Step]], free: list[list[Step]]) -> dict[str, Any]:
     """``constrained / unconstrained - 1`` (%) per pair of adjacent steps: the median over all pairs, and the range of
     the rounds' medians."""
@@ -96,21 +111,21 @@ def run_structured_bench(model: Path, batch_sizes: tuple[int, ...], steps: int, 
     config = EngineConfig(model=str(model), num_threads=threads,
                           cache=CacheConfig(enable_prefix_caching=False, memory_budget_bytes=256 << 20),
                           scheduler=SchedulerConfig(max_num_seqs=max(batch_sizes)))
-    free_engine, overlap_engine, inline_engine = (LLMEngine(config) for _ in range(3))
-    prompt = free_engine.tokenizer.encode_chat([{"role": "user", "content": "List the inventory as JSON."}])
+    engines = [LLMEngine(config) for _ in range(3)]
+    prompt = engines[0].tokenizer.encode_chat([{"role": "user", "content": "List the inventory as JSON."}])
     spec = StructuredOutput("json_schema", json.dumps(SCHEMA), strict=True)
-    for engine in (overlap_engine, inline_engine):
+    for engine in engines:
         engine.grammars.grammar(spec)  # compiled once, as on a server's first request with this schema
-    default = free_engine.sampler.mask_overlap
-    overlap_engine.sampler.mask_overlap, inline_engine.sampler.mask_overlap = True, False
+    default = engines[0].sampler.mask_overlap
     free = SamplingParams(max_tokens=budget, temperature=1.0, seed=0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=budget, temperature=1.0, seed=0, structured=spec)
     names = ("unconstrained", "json_schema_overlap", "json_schema_inline")
-    sides = [(free_engine, free), (overlap_engine, constrained), (inline_engine, constrained)]
+    roles = [(free, default), (constrained, True), (constrained, False)]  # params, mask_overlap
     rows = []
     for b in batch_sizes:
         rounds: list[list[list[Step]]] = [[] for _ in names]  # side -> round -> steps
         for r in range(repeats + 1):  # round 0 warms up this batch size and is not counted
+            sides = _cast(engines, roles, r)
             times = _round(sides, prompt, b, steps if r else 4)
             if r:
                 for i, t in enumerate(times):

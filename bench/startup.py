@@ -230,8 +230,9 @@ def _tandem_down(env: dict[str, str], repo: Path, timeout_s: float = 120.0) -> i
 def _vllm_env(vllm_python: Path) -> dict[str, str]:
     """run_offline.py's CPU environment (a value the caller set wins), for the venv of ``vllm_python``."""
     from bench.vllm_cpu.run_offline import cpu_environment
+    from worker.launcher import without_added_huge_page_malloc
 
-    return cpu_environment(dict(os.environ), str(vllm_python.parent.parent))
+    return cpu_environment(without_added_huge_page_malloc(os.environ), str(vllm_python.parent.parent))
 
 
 def run_vllm_once(vllm_python: Path, model: Path, timeout_s: float = 300.0) -> dict[str, Any]:

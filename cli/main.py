@@ -450,8 +450,36 @@ def _cmd_up(args: argparse.Namespace) -> int:
     os._exit(rc)
 
 
+_ENGINE_COMMANDS = ("generate", "bench", "worker")  # run engines in this process, or start processes that do
+
+
+def _reexec_with_huge_page_malloc(command: str) -> None:
+    """Re-exec this command once with glibc's huge-page malloc tunable (``worker.launcher.HUGE_PAGE_TUNABLE``: read
+    only at process start) if it runs engines and the environment lacks it; exec keeps the PID and open files, and
+    nothing has started yet. Not on other C libraries, nor glibc before 2.35, where the tunable does not exist."""
+    if command not in _ENGINE_COMMANDS or not sys.platform.startswith("linux"):
+        return
+    try:
+        lib, _, version = os.confstr("CS_GNU_LIBC_VERSION").partition(" ")  # type: ignore[union-attr]
+        if lib != "glibc" or tuple(int(x) for x in version.split(".")[:2]) < (2, 35):
+            return
+    except (ValueError, OSError, AttributeError):
+        return
+    from worker.launcher import with_huge_page_malloc
+
+    env = with_huge_page_malloc(os.environ)
+    if env.get("GLIBC_TUNABLES") == os.environ.get("GLIBC_TUNABLES"):
+        return
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError:
+        return  # runs on, with 4 KiB pages
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None:  # the real command line, not a caller's (tests call main with their own argv)
+        _reexec_with_huge_page_malloc(args.command)
     if args.command == "model":
         if args.model_command == "quantize":
             from cli.quantize import run_quantize

@@ -80,9 +80,12 @@ def _round(sides: list[tuple[LLMEngine, SamplingParams]], prompt: list[int], bat
 def _cast(engines: list[LLMEngine], roles: list[tuple[SamplingParams, bool]], r: int
           ) -> list[tuple[LLMEngine, SamplingParams]]:
     """Round ``r``'s sides: role i played by engine ``(i + r) % 3``, its masks thread set for the role. Identical
-    engines are not equally fast: in an A/A run (all three unconstrained) on small-llama the engine built first
+    engines are not always equally fast: in an A/A run (all three unconstrained) on small-llama the engine built first
     stepped 5-6% slower than the other two at batch 1, every round, and on tiny-llama up to ~1%, so a side tied to one
-    engine carried that engine's bias; rotating the roles over the rounds spreads it over all sides."""
+    engine carried that engine's bias. That was malloc on 4 KiB pages (the later engines' weights partly landed on
+    huge pages); with the huge-page malloc every engine process now gets (``worker.launcher.HUGE_PAGE_TUNABLE``) the
+    same A/A run is within -1..+0.3%. Rotating the roles over the rounds spreads whatever bias is left over all
+    sides."""
     sides = []
     for i, (params, overlap) in enumerate(roles):
         engine = engines[(i + r) % len(engines)]

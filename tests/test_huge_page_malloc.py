@@ -34,13 +34,18 @@ def _anon_huge_kib(pid: int) -> int:
     return 0
 
 
+def _glibc_has_the_tunable() -> bool:
+    """glibc 2.35 or newer: the C library the CLI re-execs for (``cli.main._reexec_with_huge_page_malloc``)."""
+    lib, _, version = (os.confstr("CS_GNU_LIBC_VERSION") or "").partition(" ")
+    return lib == "glibc" and tuple(int(x) for x in version.split(".")[:2]) >= (2, 35)
+
+
 def _huge_pages_possible() -> bool:
     try:
         mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
         return False
-    lib, _, version = (os.confstr("CS_GNU_LIBC_VERSION") or "").partition(" ")
-    return "[never]" not in mode and lib == "glibc" and tuple(int(x) for x in version.split(".")[:2]) >= (2, 35)
+    return "[never]" not in mode and _glibc_has_the_tunable()
 
 
 def test_the_tunable_is_added_once_and_a_users_choice_wins() -> None:
@@ -78,6 +83,9 @@ def test_a_worker_started_without_the_tunable_re_execs_with_it_and_gets_huge_pag
     try:
         _wait_ready(proc)
         environ = _environ(proc.pid)
+        if not _glibc_has_the_tunable():  # no re-exec where the tunable does not exist
+            assert "GLIBC_TUNABLES" not in environ
+            return
         assert environ.get("GLIBC_TUNABLES") == f"{HUGE_PAGE_TUNABLE}=1"  # the same PID, re-exec'd with it
         if _huge_pages_possible():
             assert _anon_huge_kib(proc.pid) >= 2048, "no anonymous huge page in a worker with the tunable"

@@ -459,14 +459,10 @@ def _reexec_with_huge_page_malloc(command: str) -> None:
     nothing has started yet. Not on other C libraries, nor glibc before 2.35, where the tunable does not exist."""
     if command not in _ENGINE_COMMANDS or not sys.platform.startswith("linux"):
         return
-    try:
-        lib, _, version = os.confstr("CS_GNU_LIBC_VERSION").partition(" ")  # type: ignore[union-attr]
-        if lib != "glibc" or tuple(int(x) for x in version.split(".")[:2]) < (2, 35):
-            return
-    except (ValueError, OSError, AttributeError):
-        return
-    from worker.launcher import with_huge_page_malloc
+    from worker.launcher import huge_page_malloc_supported, with_huge_page_malloc
 
+    if not huge_page_malloc_supported():
+        return
     env = with_huge_page_malloc(os.environ)
     if env.get("GLIBC_TUNABLES") == os.environ.get("GLIBC_TUNABLES"):
         return

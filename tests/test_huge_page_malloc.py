@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from worker.launcher import HUGE_PAGE_TUNABLE, start_worker, with_huge_page_malloc, without_added_huge_page_malloc
+from worker.launcher import (
+    HUGE_PAGE_TUNABLE,
+    huge_page_malloc_supported,
+    start_worker,
+    with_huge_page_malloc,
+    without_added_huge_page_malloc,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,18 +40,12 @@ def _anon_huge_kib(pid: int) -> int:
     return 0
 
 
-def _glibc_has_the_tunable() -> bool:
-    """glibc 2.35 or newer: the C library the CLI re-execs for (``cli.main._reexec_with_huge_page_malloc``)."""
-    lib, _, version = (os.confstr("CS_GNU_LIBC_VERSION") or "").partition(" ")
-    return lib == "glibc" and tuple(int(x) for x in version.split(".")[:2]) >= (2, 35)
-
-
 def _huge_pages_possible() -> bool:
     try:
         mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
         return False
-    return "[never]" not in mode and _glibc_has_the_tunable()
+    return "[never]" not in mode and huge_page_malloc_supported()
 
 
 def test_the_tunable_is_added_once_and_a_users_choice_wins() -> None:
@@ -83,7 +83,7 @@ def test_a_worker_started_without_the_tunable_re_execs_with_it_and_gets_huge_pag
     try:
         _wait_ready(proc)
         environ = _environ(proc.pid)
-        if not _glibc_has_the_tunable():  # no re-exec where the tunable does not exist
+        if not huge_page_malloc_supported():  # no re-exec where the tunable does not exist
             assert "GLIBC_TUNABLES" not in environ
             return
         assert environ.get("GLIBC_TUNABLES") == f"{HUGE_PAGE_TUNABLE}=1"  # the same PID, re-exec'd with it

@@ -21,12 +21,22 @@ from auth.token import ensure_cluster_token
 # mode is ``madvise`` (the common default), an engine's weights, oneDNN's packed copies of them and its activations
 # otherwise sit on 4 KiB pages, and a memory-bound decode step pays a TLB miss every 4 KiB of weights it streams.
 # Measured on this project's AMD EPYC VM (docs/benchmarks.md §1): small-llama fp32 single-sequence decode 36.0 ->
-# 29.8 ms a step, bf16 19.8 -> 18.0 ms a token; batch-32 decode and the tiny model (cache-resident) unchanged. Only
+# 29.8 ms a step, bf16 20.4-20.8 -> 17.1-17.5 ms a token; batch-32 decode and the tiny model (cache-resident)
+# unchanged. Only
 # read when a process starts, so it goes into the environment of every engine process Tandem starts, and the CLI's
 # own engine commands re-exec once to get it (``cli.main``). A GLIBC_TUNABLES that already names it wins (``=0``
 # turns it off).
 HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb"
 _ADDED_MARK = "TANDEM_ADDED_MALLOC_TUNABLE"  # set where Tandem added the tunable, so a peer's env can drop it again
+
+
+def huge_page_malloc_supported() -> bool:
+    """Whether this process's C library has the tunable: glibc 2.35 or newer."""
+    lib, _, version = (os.confstr("CS_GNU_LIBC_VERSION") or "").partition(" ")
+    try:
+        return lib == "glibc" and tuple(int(x) for x in version.split(".")[:2]) >= (2, 35)
+    except ValueError:
+        return False
 
 
 def with_huge_page_malloc(env: Mapping[str, str]) -> dict[str, str]:

@@ -147,9 +147,7 @@ def test_a_progress_tick_while_start_still_plans_the_leg_does_not_prepare_it_fro
             time.sleep(0.01)
         assert s.poll("planned").state == r.poll("planned").state == TransferState.DONE, (
             s.poll("planned"), r.poll("planned"))
-        for (sk, sv), (dk, dv) in zip(src, dst, strict=True):  # bit patterns (random bytes hold NaNs)
-            for a, b in ((sk, dk), (sv, dv)):
-                assert torch.equal(a[[1, 2]].view(torch.uint8), b[[5, 6]].view(torch.uint8))
+        assert digest(src, [1, 2]) == digest(dst, [5, 6])
     finally:
         s.close()
         r.close()

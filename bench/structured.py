@@ -4,8 +4,10 @@ decoding, at each batch size, side by side in one run.
 Workload: ``B`` copies of one chat prompt decode ``--steps`` steps each, sampled at temperature 1 (seeded), once with
 no constraint and twice all constrained by one JSON schema (an object holding an array of at least 50 small objects,
 so no output can complete inside the measured steps and the batch stays full): with the grammar masks filled on the
-masks thread during the forward pass (:mod:`engine.structured.prefetch`) and with them filled inline in the sampler;
-the engine's default depends on the host's CPUs (``Sampler.mask_overlap``), and ``overhead_pct`` is the default's.
+native masks thread during the forward pass (:mod:`engine.structured.prefetch`) and with them filled inline in the
+sampler; the engine's default is the thread wherever a C compiler built it (``Sampler.mask_overlap``), and
+``overhead_pct`` is the default's. Each round's requests copy the schema's template, which the previous round's
+finished requests left warm (``GrammarCompiler.recycle``), as a server's later requests of a schema find it.
 
 Three engines (same checkpoint, same settings) play the three sides, the roles rotating over the engines from round
 to round (identical engines differ in speed by up to several per cent, see ``_cast``), and the three are stepped in

@@ -1,15 +1,15 @@
-"""``python3 -m bench.structured_advance``: the matcher work of one constrained decode step at batch B, each way the
-engine could do it, without the model: advancing the matchers by their sampled tokens (one ``consume_token`` per row,
-or one ``LLExecutor.consume_token_par`` call for the batch), filling the next masks (one ``unsafe_compute_mask_ptr``
-per row, or one executor call for the batch), and when the fill happens (after a stand-in for the forward pass has
-evicted the caches, as the sampler computes it, or in the same pass as the advance, while each matcher's state is in
-cache: a change tried and not kept, as it saved ~2% of this work here and nothing resolvable in the engine).
+"""``python3 -m bench.structured_advance``: the matcher work of one constrained decode step at batch B, without the
+model, each way the engine has done it: llguidance's Python API (a ``consume_token`` per row, then an
+``unsafe_compute_mask_ptr`` per row after the forward pass: what the engine ran before the C API), and the C API the
+engine runs now (:mod:`engine.structured.native`: the same advance, then the masks filled inline in one call, or on
+the native masks thread while the forward pass runs, the engine's thread paying only the start and the finish).
 
 Workload: ``B`` matchers of the structured bench's JSON schema (:data:`bench.structured.SCHEMA`), each replaying its
 own random walk through the grammar (tokens drawn uniformly from the allowed ones, seeded), ``--steps`` steps, the
-ways interleaved round by round. A step's "forward pass" is a multiply over a 32 MiB tensor on the calling thread,
-untimed. Reported per way: median wall and process CPU time of the timed part per step (process CPU counts
-llguidance's pool threads too), over ``--rounds`` rounds.
+ways interleaved round by round, each way's matchers copied from a template warmed by the previous round (as
+``GrammarCompiler.recycle`` keeps it in the engine). A step's "forward pass" is a multiply over a 32 MiB tensor on
+the calling thread, untimed. Reported per way: median wall and thread CPU time of the timed part per step, over
+``--rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ import torch
 
 from bench.structured import SCHEMA
 from engine.structured.compiler import GrammarCompiler
+from engine.structured.native import MaskFiller
 from engine.structured.spec import StructuredOutput
 from engine.tokenizer import Tokenizer
 
-WAYS = ("row advance, row fill after", "par advance, par fill after", "row advance + fill in one pass")
+WAYS = ("python API: row advance, row fill after", "C API: row advance, fill after in one call",
+        "C API: row advance, fill on the masks thread")
 
 
 def _walks(compiler: GrammarCompiler, spec: StructuredOutput, batch: int, steps: int, seed: int) -> list[list[int]]:
@@ -43,7 +45,7 @@ def _walks(compiler: GrammarCompiler, spec: StructuredOutput, batch: int, steps:
     for _ in range(batch):
         m, walk = compiler.matcher(spec), []
         for _ in range(steps):
-            m.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
+            assert m.compute_mask_into(mask.ctypes.data, words * 4)
             allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:compiler.vocab_size])
             token = int(allowed[rng.randrange(len(allowed))])
             assert m.consume_token(token)
@@ -60,7 +62,9 @@ def run_advance_bench(model: Path, batch: int, steps: int, rounds: int) -> dict[
     compiler = GrammarCompiler(Tokenizer(model), vocab, None)
     spec = StructuredOutput("json_schema", json.dumps(SCHEMA), strict=True)
     walks = _walks(compiler, spec, batch, steps, seed=0)
-    executor = llg.LLExecutor()
+    py_template = llg.LLMatcher(compiler.tokenizer, compiler.grammar(spec), log_level=0)
+    filler = MaskFiller()
+    eos = compiler.eos_token_id
     words = (vocab + 31) // 32
     bitmask = torch.empty(batch, words, dtype=torch.int32)
     ptr, row_bytes = bitmask.data_ptr(), words * 4
@@ -70,33 +74,33 @@ def run_advance_bench(model: Path, batch: int, steps: int, rounds: int) -> dict[
     for r in range(rounds):
         for k in range(len(WAYS)):
             way = WAYS[(r + k) % len(WAYS)]
-            ms = [compiler.matcher(spec) for _ in range(batch)]
+            if way == WAYS[0]:
+                ms: list[Any] = [py_template.deep_copy() for _ in range(batch)]
+            else:
+                ms = [compiler.matcher(spec) for _ in range(batch)]
             for step in range(steps):
-                pairs = [(m, walk[step]) for m, walk in zip(ms, walks, strict=True)]
                 forward.mul_(1.0)
-                t0, c0 = time.perf_counter(), time.process_time()
-                if way == WAYS[0]:
-                    for m, t in pairs:
-                        m.consume_token(t)
-                        m.is_stopped()
-                elif way == WAYS[1]:
-                    executor.consume_token_par(pairs)
-                    for m, _ in pairs:
-                        m.is_stopped()
-                else:
-                    for j, (m, t) in enumerate(pairs):
-                        if m.consume_token(t) and not m.is_stopped():
-                            m.unsafe_compute_mask_ptr(ptr + j * row_bytes, row_bytes)
-                t1, c1 = time.perf_counter(), time.process_time()
+                t0, c0 = time.perf_counter(), time.thread_time()
+                for m, walk in zip(ms, walks, strict=True):
+                    m.consume_token(walk[step])
+                    m.is_stopped()
+                if way == WAYS[2] and filler.threaded:
+                    filler.start(ms, ptr, words, eos)
+                t1, c1 = time.perf_counter(), time.thread_time()
                 forward.mul_(1.0)
-                t2, c2 = time.perf_counter(), time.process_time()
+                t2, c2 = time.perf_counter(), time.thread_time()
                 if way == WAYS[0]:
                     for j, m in enumerate(ms):
                         m.unsafe_compute_mask_ptr(ptr + j * row_bytes, row_bytes)
-                elif way == WAYS[1]:
-                    executor.unsafe_compute_mask_ptr([(m, j) for j, m in enumerate(ms)], ptr, row_bytes, batch)
+                elif way == WAYS[1] or not filler.threaded:
+                    filler.fill(ms, ptr, words, eos)
+                else:
+                    filler.finish()
                 wall[way].append((t1 - t0) + (time.perf_counter() - t2))
-                cpu[way].append((c1 - c0) + (time.process_time() - c2))
+                cpu[way].append((c1 - c0) + (time.thread_time() - c2))
+            if way != WAYS[0]:
+                compiler.recycle(spec, ms[0])
+    filler.close()
     return {"model": str(model), "batch": batch, "steps": steps, "rounds": rounds, "cpus": os.cpu_count(),
             "load_average": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()],
             "ways": {w: {"wall_us": round(statistics.median(wall[w]) * 1e6, 1),
@@ -118,7 +122,7 @@ def main() -> None:
         return
     print(f"matcher advance + mask fill per step, batch {report['batch']}, {report['steps']} steps x "
           f"{report['rounds']} rounds, load average {report['load_average'][0]} -> "
-          f"{report['load_average_after'][0]} on {report['cpus']} CPUs: median wall us (process CPU us)")
+          f"{report['load_average_after'][0]} on {report['cpus']} CPUs: median wall us (thread CPU us)")
     for way, v in report["ways"].items():
         print(f"  {way:<34} {v['wall_us']:>9.1f} ({v['cpu_us']:.1f})")
 

@@ -407,6 +407,10 @@ class LLMEngine:
         return None
 
     def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        if req.matcher is not None and req.is_finished and req.params.structured is not None:
+            self.sampler.settle_masks()  # no mask fill may still hold it
+            self.grammars.recycle(req.params.structured, req.matcher)  # its warm lexer serves the next requests
+            req.matcher = None
         detok = self._detok.get(req.request_id)
         return RequestOutput(
             request_id=req.request_id,

@@ -11,20 +11,20 @@ probabilities and generator state, so the same seed gives the same tokens whatev
 Unseeded rows share the engine's generator.
 
 Constrained rows (``params.structured``): after penalties and bias, every token the request's grammar does not allow
-next gets -inf (:mod:`engine.structured.bitmask`), then the same pick. On a host with CPUs to spare the masks are
-filled on a worker thread while the forward pass runs (:meth:`Sampler.prefetch`, which the model runner calls before
-it; see :mod:`engine.structured.prefetch`).
+next gets -inf (:mod:`engine.structured.bitmask`), then the same pick. The masks are filled on a native thread while
+the forward pass runs (:meth:`Sampler.prefetch`, which the model runner calls before it; see
+:mod:`engine.structured.prefetch`), or inline where no C compiler built that thread.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import llguidance as llg
 import torch
 
 from engine.request import Request, TokenLogprobs
-from engine.structured.bitmask import SMALL_HOST, MaskBatch, MaskBuffers
+from engine.structured.bitmask import MaskBatch, MaskBuffers
+from engine.structured.native import MaskFiller
 from engine.structured.prefetch import MaskPrefetch
 
 
@@ -38,32 +38,37 @@ class Sampler:
     def __init__(self, generator: torch.Generator | None = None, vocab_size: int = 0) -> None:
         self.generator = generator or torch.Generator().manual_seed(0)
         self.vocab_size = vocab_size  # the grammar masks' width (0: the logits' width)
-        self._llg: llg.LLExecutor | None = None
+        self._filler: MaskFiller | None = None
         self._prefetch: MaskPrefetch | None = None
         self._mask_buffers = MaskBuffers()  # one step's masks at a time, prefetched or inline
         self._width = 0  # the logits' width, as last seen
-        # Grammar masks filled on the masks thread during the forward pass, where the host has a CPU to spare for it;
-        # on two CPUs or fewer the thread's GIL hand-offs cost more than the fill (tandem bench structured, which
-        # times both). False: filled inline, in __call__.
-        self.mask_overlap = not SMALL_HOST
+        # Grammar masks filled on the native masks thread during the forward pass; the engine's thread takes the
+        # rows it has not begun, so this is never slower than inline (tandem bench structured times both). False:
+        # filled inline, in __call__. Off where no C compiler built the thread.
+        self.mask_overlap = self.filler().threaded
 
-    def _executor(self) -> llg.LLExecutor:
-        if self._llg is None:
-            self._llg = llg.LLExecutor()
-        return self._llg
+    def filler(self) -> MaskFiller:
+        if self._filler is None:
+            self._filler = MaskFiller()
+        return self._filler
 
     def prefetch(self, requests: list[Request]) -> None:
         """Start filling the grammar masks of ``requests`` (the rows of the next call) on the masks thread."""
         if not self.mask_overlap or not self._width or all(r.matcher is None for r in requests):
             return
         if self._prefetch is None:
-            self._prefetch = MaskPrefetch(self._executor(), self._mask_buffers)
+            self._prefetch = MaskPrefetch(self.filler(), self._mask_buffers)
         self._prefetch.start([r.matcher for r in requests], self.vocab_size or self._width, self._width)
+
+    def settle_masks(self) -> None:
+        """Complete a mask fill started for a step no sampler took (its matchers are then free to change)."""
+        if self._prefetch is not None:
+            self._prefetch.settle()
 
     def _masks(self, requests: list[Request], width: int) -> MaskBatch:
         matchers = [r.matcher for r in requests]
         masks = self._prefetch.take(matchers, width) if self._prefetch is not None else None
-        return masks or MaskBatch(self._executor(), matchers, self.vocab_size or width, width, self._mask_buffers)
+        return masks or MaskBatch(self.filler(), matchers, self.vocab_size or width, width, self._mask_buffers)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """``logits``: float32 [len(requests), vocab], on CPU or GPU."""

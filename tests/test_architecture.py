@@ -61,8 +61,8 @@ ROUTER_ENGINE = frozenset(
     }
 )
 # The engine's leaves import nothing of Tandem but each other and LEAF_PACKAGES; engine.kernels is the C block
-# hasher that engine.block_hash loads.
-ENGINE_LEAVES = ROUTER_ENGINE | {"engine.kernels"}
+# hasher that engine.block_hash loads, engine.structured.native llguidance's C API that the compiler's matchers use.
+ENGINE_LEAVES = ROUTER_ENGINE | {"engine.kernels", "engine.structured.native"}
 LEAF_PACKAGES = frozenset({"native"})
 # The simulator reuses the engine's scheduler side, nothing that runs a forward pass, and the planner.
 SIM_ENGINE = frozenset(

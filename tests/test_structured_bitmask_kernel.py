@@ -5,13 +5,20 @@ for CPU fp32 logits and the bias path for others."""
 
 from __future__ import annotations
 
-import llguidance as llg
+import json
+from collections.abc import Callable
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from engine.structured import bitmask as bm
 from engine.structured.bitmask import MaskBatch, apply_kernel, mask_bias
+from engine.structured.compiler import GrammarCompiler
+from engine.structured.native import MaskFiller
+from engine.structured.spec import StructuredOutput
+from engine.tokenizer import Tokenizer
 
 kernel = apply_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler, or native kernels disabled")
@@ -54,16 +61,22 @@ def test_the_kernel_equals_a_masked_fill_and_the_bias_path(width: int, rows: lis
     assert torch.equal(via_bias, want)
 
 
-def test_apply_uses_the_kernel_for_cpu_fp32_logits_and_the_bias_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
-    tok = llg.LLTokenizer(llg.TokenizerWrapper(_Bytes()))  # type: ignore[arg-type]
-    matcher = llg.LLMatcher(tok, llg.LLMatcher.grammar_from_regex("[a-c]{2}"), log_level=0)
-    batch = MaskBatch(llg.LLExecutor(1), [None, matcher], tok.vocab_size, tok.vocab_size + 3)
-    logits = torch.randn(2, tok.vocab_size + 3)
+def test_apply_uses_the_kernel_for_cpu_fp32_logits_and_the_bias_otherwise(
+        monkeypatch: pytest.MonkeyPatch, checkpoint: Callable[[str], Path]) -> None:
+    path = checkpoint("llama")
+    tokenizer = Tokenizer(path)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    grammars = GrammarCompiler(tokenizer, vocab, tokenizer.eos_token_id)
+    matcher = grammars.matcher(StructuredOutput("regex", "[a-c]{2}"))
+    batch = MaskBatch(MaskFiller(), [None, matcher], vocab, vocab + 3)
+    logits = torch.randn(2, vocab + 3)
     kernel_out = logits.clone()
     batch.apply(kernel_out)
     assert batch.bias is None  # the kernel ran: no bias was built
     allowed = torch.isfinite(kernel_out[1]).nonzero().flatten().tolist()
-    assert allowed == [ord(c) for c in "abc"] and torch.equal(kernel_out[0], logits[0])
+    texts = [tokenizer.decode([t]) for t in allowed]
+    assert allowed and all(0 < len(t) <= 2 and set(t) <= set("abc") for t in texts), texts
+    assert torch.equal(kernel_out[0], logits[0])
     monkeypatch.setattr(bm, "apply_kernel", lambda: None)
     bias_out = logits.clone()
     batch.apply(bias_out)
@@ -72,16 +85,3 @@ def test_apply_uses_the_kernel_for_cpu_fp32_logits_and_the_bias_otherwise(monkey
     monkeypatch.undo()
     batch.apply(half)
     assert torch.isfinite(half[1]).nonzero().flatten().tolist() == allowed
-
-
-class _Bytes:
-    """A byte-level tokenizer for llguidance: token i is byte i, plus an end-of-sequence token 256."""
-
-    def __init__(self) -> None:
-        self.eos_token_id = 256
-        self.bos_token_id = None
-        self.tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
-        self.special_token_ids = [256]
-
-    def __call__(self, s: bytes) -> list[int]:
-        return list(s)

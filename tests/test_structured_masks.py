@@ -1,21 +1,20 @@
 """Grammar masks in the sampler: the additive bias equals llguidance's bitmask bit for bit, adding it equals a masked
-fill, and masks filled on the masks thread during the forward pass give exactly the tokens of masks filled inline
-(greedy and seeded sampling, constrained rows mixed with unconstrained ones)."""
+fill, and masks filled on the native masks thread during the forward pass give exactly the tokens of masks filled
+inline (greedy and seeded sampling, constrained rows mixed with unconstrained ones)."""
 
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import llguidance as llg
 import pytest
 import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.structured.bitmask import MaskBatch, MaskBuffers, mask_bias
+from engine.structured.native import MaskFiller, NativeMatcher
 from engine.structured.prefetch import MaskPrefetch
 from engine.structured.spec import StructuredOutput
 
@@ -46,14 +45,14 @@ def test_the_bias_is_zero_exactly_where_the_bitmask_allows_and_minus_inf_elsewhe
 def test_applying_the_masks_equals_a_masked_fill_of_the_constrained_rows(llm: LLM, rows: list[int]) -> None:
     grammars = llm.engine.grammars
     spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
-    matchers: list[llg.LLMatcher | None] = [grammars.matcher(spec) if i in rows else None for i in range(4)]
+    matchers: list[NativeMatcher | None] = [grammars.matcher(spec) if i in rows else None for i in range(4)]
     for i, text in zip(rows, ['{"name":"a', '{"name":"abc","n":1'], strict=False):
         m = matchers[i]
         assert m is not None and m.consume_tokens(llm.tokenizer.encode(text, add_special_tokens=False))
     width = grammars.vocab_size + 7
     logits = torch.randn(4, width, generator=torch.Generator().manual_seed(1))
     logits[0, 5] = -0.0
-    masks = MaskBatch(llg.LLExecutor(1), matchers, grammars.vocab_size, width)
+    masks = MaskBatch(MaskFiller(), matchers, grammars.vocab_size, width)
     got = logits.clone()
     masks.apply(got)
     want = logits.clone()
@@ -67,28 +66,29 @@ def test_applying_the_masks_equals_a_masked_fill_of_the_constrained_rows(llm: LL
     assert 0 < int(torch.isfinite(got[rows]).sum()) < len(rows) * width
 
 
-def test_a_prefetch_for_other_rows_is_not_used_and_one_never_started_is_filled_inline(llm: LLM) -> None:
+def test_a_prefetch_for_other_rows_is_not_used_and_one_never_taken_is_completed(llm: LLM) -> None:
     grammars = llm.engine.grammars
     m = grammars.matcher(StructuredOutput("regex", "[0-9]{3}"))
-    pf = MaskPrefetch(llg.LLExecutor(1), MaskBuffers())
+    filler = MaskFiller()
+    if not filler.threaded:
+        pytest.skip("no C compiler, or native kernels disabled: no masks thread")
+    pf = MaskPrefetch(filler, MaskBuffers())
     try:
         pf.start([m, None], grammars.vocab_size, grammars.vocab_size)
         assert pf.take([None, m], grammars.vocab_size) is None  # different rows: the sampler fills its own
-        gate = threading.Event()
-        pf._pool.submit(gate.wait, 30)  # the masks thread is busy: the next fill cannot start
         pf.start([m], grammars.vocab_size, grammars.vocab_size)
         batch = pf.take([m], grammars.vocab_size)
-        gate.set()
-        assert batch is not None and batch.bias is None and pf.inline == 1  # cancelled before it began
+        assert batch is not None and batch.filled and pf.prefetched == 2
         logits = torch.zeros(1, grammars.vocab_size)
-        batch.apply(logits)  # filled inline now
+        batch.apply(logits)
         allowed = {int(t) for t in torch.nonzero(torch.isfinite(logits[0]))}
         assert allowed and all(llm.tokenizer.decode([t]).isdigit() for t in allowed)
         pf.start([m], grammars.vocab_size, grammars.vocab_size)
-        pf.settle()  # started, never taken (a forward pass that raised): waited for, then dropped
+        pf.settle()  # started, never taken (a forward pass that raised): completed, then dropped
         assert pf.take([m], grammars.vocab_size) is None
+        assert m.consume_token(next(iter(allowed)))  # the matcher is free again
     finally:
-        pf.close()
+        filler.close()
 
 
 def test_masks_filled_during_the_forward_give_the_tokens_of_masks_filled_inline(llm: LLM) -> None:

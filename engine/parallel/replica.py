@@ -153,6 +153,9 @@ class _NoSampler:
     def prefetch(self, requests: list[Request]) -> None:
         return None
 
+    def settle_masks(self) -> None:
+        return None
+
     def __call__(self, logits: Any, requests: list[Request]) -> SampleResult | None:
         return None
 

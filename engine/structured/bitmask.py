@@ -1,7 +1,7 @@
 """The token bitmask of a batch's constrained rows: computed by llguidance, applied to the logits in the sampler.
 
 A :class:`MaskBatch` holds one step's masks. :meth:`MaskBatch.fill` has llguidance write one int32 bitmask row per
-constrained request; any thread may fill, as llguidance computes with the GIL released. :meth:`MaskBatch.apply`
+constrained request, off the GIL. :meth:`MaskBatch.apply`
 masks the constrained rows of the logits. CPU fp32 logits (the engine's) take the native kernel
 ``apply_bitmask.c``: one pass that writes -inf where a bit is clear and skips all-ones words, ~10 us for 32 rows of
 2k tokens. Elsewhere (GPU logits, other dtypes, no C compiler) the bits become an additive bias (0 where a token is
@@ -9,14 +9,13 @@ allowed, -inf where not, in bfloat16, built with integer ops on the unpacked bit
 same rows on this project's busy 2-vCPU host, where the kernel saved that much engine-thread CPU per step at batch 32
 (``tandem bench structured``; docs/benchmarks.md). Both equal a masked fill (for finite logits ``x + 0 == x`` and
 ``x + -inf == -inf``; the bias turns a -0.0 logit into +0.0, which compares, exponentiates and divides alike).
-Unconstrained rows are never touched, so they sample exactly as in a batch without constrained requests. Where the
-host has CPUs to spare the fill runs on a worker thread while the forward pass computes (:mod:`.prefetch`); the
-sampler fills inline whatever was not prefetched.
+Unconstrained rows are never touched, so they sample exactly as in a batch without constrained requests. The fill
+runs on the native masks thread while the forward pass computes (:mod:`.prefetch`); the sampler's thread takes
+whatever rows it has not begun.
 
-One fill, two ways: a single call into llguidance's executor for the whole batch (one GIL release; its pool spreads
-the rows over its threads), or one call per row on the calling thread. Inline fills on hosts with two CPUs or fewer
-use the second: the executor's pool thread there spins for work beside the engine's own thread (10 ms against 5 ms
-a step for 32 JSON-schema rows on a busy 2-core host).
+The fill is one ctypes call for the batch into ``llg_masks.c`` (:class:`~engine.structured.native.MaskFiller`),
+which computes each row with llguidance's C API off the GIL; a row whose matcher is in its error state allows only
+EOS, as llguidance's Python API writes it.
 """
 
 from __future__ import annotations
@@ -24,21 +23,18 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import llguidance as llg
 import numpy as np
 import torch
 
+from engine.structured.native import MaskFiller, NativeMatcher
 from native.build import BASE_FLAGS, compile_shared, compiler, enabled
 
 log = logging.getLogger(__name__)
-
-SMALL_HOST = (os.cpu_count() or 1) <= 2
 _NEG_INF_BITS = np.int16(-128)  # 0xFF80: bfloat16 -inf
 
 
@@ -84,8 +80,8 @@ class MaskBatch:
     """Masks for one step. ``matchers[i]`` is row i's matcher, or None for an unconstrained row. ``width`` is the
     logits' width (the model's head may have padding columns past the grammar's vocabulary: they are disallowed)."""
 
-    def __init__(self, executor: llg.LLExecutor, matchers: Sequence[llg.LLMatcher | None], vocab_size: int,
-                 width: int, buffers: MaskBuffers | None = None) -> None:
+    def __init__(self, filler: MaskFiller, matchers: Sequence[NativeMatcher | None], vocab_size: int, width: int,
+                 buffers: MaskBuffers | None = None) -> None:
         self.matchers = list(matchers)
         self.rows = [i for i, m in enumerate(matchers) if m is not None]
         self.all_rows = len(self.rows) == len(matchers)
@@ -94,25 +90,34 @@ class MaskBatch:
         # every word of every row is written by the fill: no need to initialise it. One bit per token, 32 to a word,
         # as llguidance.torch.get_bitmask_shape computes it: importing that module costs every engine process
         # torch._dynamo (its @torch.compile), seconds of start-up on a 2-core host, for this one line.
-        self.bitmask = self._buffers.bitmask(len(self.rows), (vocab_size + 31) // 32) \
-            if self.rows else None
+        self.words = (vocab_size + 31) // 32
+        self.bitmask = self._buffers.bitmask(len(self.rows), self.words) if self.rows else None
         self.filled = False
         self.bias: torch.Tensor | None = None  # bfloat16 [constrained rows, width]: 0 or -inf, built where needed
-        self._pairs = [(m, j) for j, m in enumerate(m for m in matchers if m is not None)]
-        self._executor = executor
+        self.constrained: list[NativeMatcher] = [m for m in matchers if m is not None]
+        if self.constrained:
+            tok = self.constrained[0].tokenizer
+            if (tok.vocab_size + 31) // 32 != self.words:
+                raise ValueError(f"masks of {self.words} words for a grammar vocabulary of {tok.vocab_size} tokens")
+            self.eos = tok.eos_token_id
+        self._filler = filler
 
-    def fill(self, one_call: bool = not SMALL_HOST) -> None:
-        """Compute the masks (once). ``one_call``: the whole batch in one call into llguidance's executor."""
+    def start(self) -> None:
+        """Hand the fill to the filler's native thread; the caller must ``finish`` before reading the masks."""
+        if self.bitmask is not None and not self.filled:
+            self._filler.start(self.constrained, self.bitmask.data_ptr(), self.words, self.eos)
+
+    def finish(self) -> None:
+        """The fill ``start`` began, completed (the calling thread takes the rows the worker has not begun)."""
+        if self.bitmask is not None and not self.filled:
+            self._filler.finish()
+            self.filled = True
+
+    def fill(self) -> None:
+        """Compute the masks (once), on the calling thread."""
         if self.bitmask is None or self.filled:
             return
-        # Straight into our own contiguous int32 buffer (llguidance checks each row's size against its vocabulary):
-        # llguidance.torch's per-row wrapper slices a tensor view per row, ~2.5 us a row, more than most masks cost.
-        ptr, row_bytes = self.bitmask.data_ptr(), self.bitmask.shape[1] * 4
-        if one_call and len(self._pairs) > 1:
-            self._executor.unsafe_compute_mask_ptr(self._pairs, ptr, row_bytes, len(self._pairs))
-        else:
-            for m, j in self._pairs:
-                m.unsafe_compute_mask_ptr(ptr + j * row_bytes, row_bytes)
+        self._filler.fill(self.constrained, self.bitmask.data_ptr(), self.words, self.eos)
         self.filled = True
 
     def apply(self, logits: torch.Tensor) -> None:

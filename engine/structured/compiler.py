@@ -4,9 +4,12 @@ Why llguidance rather than xgrammar: both are what vLLM and SGLang use, with com
 microseconds a token) and Earley/pushdown grammars for JSON schema, regex and EBNF. llguidance is one small abi3
 wheel with no Python dependencies, while xgrammar's wheel depends on torch, transformers and triton (hundreds of MB
 on a CPU host, and a torch requirement that must never be resolved here); llguidance reports unsupported JSON
-schema keywords and malformed regexes with precise messages (our 400s quote them), builds masks off the GIL on its
-own thread pool (so they overlap the forward pass, see :mod:`engine.structured.bitmask`), and converts llama.cpp's
-GBNF as well as Lark, so one ``grammar`` kind takes both.
+schema keywords and malformed regexes with precise messages (our 400s quote them), exports a C API in the same wheel
+(so a native thread fills the masks while the forward pass runs, with no GIL: :mod:`engine.structured.native`), and
+converts llama.cpp's GBNF as well as Lark, so one ``grammar`` kind takes both.
+
+Validation (the router's 400s) goes through llguidance's Python API; the workers' matchers through its C API, made
+from the same validated grammar text. ``tests/test_structured_native.py`` walks both and compares their masks.
 
 The router validates with the same compiler (and tokenizer) as the workers, so a spec that would fail on a worker
 is refused with a 400 before any worker is reached.
@@ -19,6 +22,7 @@ from collections import OrderedDict
 
 import llguidance as llg
 
+from engine.structured.native import NativeMatcher, NativeTokenizer
 from engine.structured.spec import StructuredOutput
 from engine.tokenizer import Tokenizer
 
@@ -33,8 +37,11 @@ class GrammarCompiler:
         eos = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
         self.tokenizer = llg.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos)
         self.vocab_size = vocab_size
+        self.eos_token_id: int = self.tokenizer.eos_token
+        self._source = tokenizer
+        self._native: NativeTokenizer | None = None  # built with the first matcher: the router only validates
         self._cache: OrderedDict[str, str] = OrderedDict()
-        self._matchers: OrderedDict[str, llg.LLMatcher] = OrderedDict()  # compiled, never advanced: copied per request
+        self._matchers: OrderedDict[str, NativeMatcher] = OrderedDict()  # compiled, never advanced: copied per request
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.hits = 0
@@ -64,27 +71,56 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return grammar
 
-    def matcher(self, spec: StructuredOutput, replay: list[int] | None = None) -> llg.LLMatcher:
+    @property
+    def native(self) -> NativeTokenizer:
+        """The tokenizer the matchers are made with (llguidance's C API: :mod:`engine.structured.native`)."""
+        with self._lock:
+            if self._native is None:
+                src = self._source
+                self._native = NativeTokenizer(src.to_json(), self.vocab_size, self.eos_token_id,
+                                               lambda text: src.encode(text, add_special_tokens=False))
+            return self._native
+
+    def matcher(self, spec: StructuredOutput, replay: list[int] | None = None) -> NativeMatcher:
         """A fresh matcher for ``spec`` that has consumed ``replay`` (tokens generated before a migration): a copy
         of the spec's compiled matcher, kept beside its grammar (a copy costs ~3 µs where compiling again cost
-        ~1.2 ms for the benchmark's schema)."""
+        ~1.2 ms for the benchmark's schema). Made through llguidance's C API, so that the masks can be filled off
+        the GIL; they equal the Python API's."""
         key = spec.key
         with self._lock:
             template = self._matchers.get(key)
             if template is not None:
                 self._matchers.move_to_end(key)
+                m = template.deep_copy()  # under the lock: recycle() may swap the template
         if template is None:
-            template = llg.LLMatcher(self.tokenizer, self.grammar(spec), log_level=0)
+            template = self.native.matcher(self.grammar(spec))
             if template.is_error():
                 raise ValueError(_message(spec, template.get_error()))
             with self._lock:
                 self._matchers[key] = template
                 if len(self._matchers) > self._cache_size:
                     self._matchers.popitem(last=False)
-        m = template.deep_copy()
+                m = template.deep_copy()
         if replay and not m.consume_tokens(replay):
             raise ValueError(_message(spec, f"the {len(replay)} replayed tokens do not match it: {m.get_error()}"))
         return m
+
+
+    def recycle(self, spec: StructuredOutput, matcher: NativeMatcher) -> None:
+        """A finished request's matcher, reset to the grammar's start, becomes its spec's template.
+
+        Why: llguidance's lexer builds its automaton lazily, state by state, as the text it meets needs them, and
+        its C API copies a matcher with that automaton copied, not shared (the Python API's copies share one). A
+        copy of the compiled template starts cold and rebuilds, request after request, the states every earlier
+        request of the schema already built: a JSON key's first characters can cost a row ~150 us cold against ~15
+        us warm. A reset keeps the automaton, so copies of a recycled matcher start with everything the schema's
+        earlier requests taught it. Masks do not change: the automaton is a cache. ``matcher`` must not be used by
+        its request afterwards."""
+        if matcher.is_error() or not matcher.reset():
+            return
+        with self._lock:
+            if spec.key in self._matchers:
+                self._matchers[spec.key] = matcher
 
 
 def _message(spec: StructuredOutput, problem: str) -> str:

@@ -165,6 +165,8 @@ def test_the_tokenizer_cache_answers_as_the_tokenizer_and_asks_it_once_per_text(
     def slow(_data: object, data: object, length: int, out: object, cap: int) -> int:
         text = ctypes.string_at(data, length)  # type: ignore[arg-type]
         calls.append(text)
+        if text == b"fail":
+            return 0  # what the engine's callback answers when the tokenizer raised
         ids = list(text) * 3  # 3 tokens a byte: more than the cache's first buffer for long texts
         for i, t in enumerate(ids[:cap]):
             out[i] = t  # type: ignore[index]
@@ -175,7 +177,8 @@ def test_the_tokenizer_cache_answers_as_the_tokenizer_and_asks_it_once_per_text(
     fn = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
                           ctypes.POINTER(ctypes.c_uint32), ctypes.c_size_t)(native._address(lib.tandem_tokenize_cached))
     try:
-        for text in [b"ab", b"ab", b"", b"x" * 40, b"x" * 40, b"ab"] + [bytes([65 + i]) for i in range(12)] + [b"ab"]:
+        texts = [b"ab", b"ab", b"", b"x" * 40, b"x" * 40, b"ab"] + [bytes([65 + i]) for i in range(12)] + [b"ab"]
+        for text in texts:
             out = (ctypes.c_uint32 * 200)()
             n = fn(cache, text, len(text), out, 200)
             assert n == 3 * len(text) and list(out[:n]) == list(text) * 3
@@ -183,9 +186,12 @@ def test_the_tokenizer_cache_answers_as_the_tokenizer_and_asks_it_once_per_text(
             assert fn(cache, text, len(text), short, 2) == n  # a short buffer gets the count and a prefix
             assert list(short[:min(n, 2)]) == (list(text) * 3)[:2]
         assert calls.count(b"ab") == 2 and calls.count(b"x" * 40) == 1  # "ab" again only after the clearing
+        for _ in range(2):  # a failed answer is not cached
+            assert fn(cache, b"fail", 4, (ctypes.c_uint32 * 4)(), 4) == 0
+        assert calls.count(b"fail") == 2
         h, m, e = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
         lib.tandem_tokcache_stats(cache, ctypes.byref(h), ctypes.byref(m), ctypes.byref(e))
-        assert m.value == len(calls) and h.value > m.value and 0 < e.value <= 8
+        assert m.value == len(calls) and h.value + m.value == 2 * len(texts) + 2 and 0 < e.value <= 8
     finally:
         lib.tandem_tokcache_free(cache)
 

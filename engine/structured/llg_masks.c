@@ -260,7 +260,8 @@ size_t tandem_tokenize_cached(const void *user_data, const uint8_t *bytes, size_
     }
     size_t r = copy_out(tokens, ntokens, out, cap);
 
-    uint8_t *k = malloc(len ? len : 1);
+    /* No tokens for a non-empty text means the slow function failed (it logs why): not cached, asked again. */
+    uint8_t *k = ntokens > 0 || len == 0 ? malloc(len ? len : 1) : NULL;
     if (k == NULL) {
         free(tokens);
         return r;

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ import grpc
 import jsonschema
 import openai
 import pytest
-from gateway_harness import RouterThread, routed_worker
+from gateway_harness import RouterThread, routed_worker, wait_idle
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -126,6 +127,51 @@ def test_each_constraint_kind_streams_and_answers_the_offline_engine_output(colo
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert whole.choices[0].finish_reason == [c for c in chunks if c.choices][-1].choices[0].finish_reason
+
+
+def test_constrained_streams_cut_off_by_their_clients_leave_the_others_exact_and_free_every_block(
+        colocated: Any, model: Path, offline: LLM) -> None:
+    """24 constrained streams at once (JSON schema, regex, grammar; seeded sampling), half of them closed by their
+    clients after the first chunk, while the masks thread fills masks for the batch: the other half answer exactly
+    the offline engine's text for the same seed, the workers live on, and no KV block or request is left."""
+    rt, workers = colocated
+    kinds = [("response_format", {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}},
+              StructuredOutput("json_schema", json.dumps(SCHEMA, sort_keys=True))),  # as the router writes it
+             ("guided_regex", "[a-z]{3,8}-[0-9]{2,5}", StructuredOutput("regex", "[a-z]{3,8}-[0-9]{2,5}")),
+             ("guided_grammar", LONG, StructuredOutput("grammar", LONG))]
+    prompt = offline.tokenizer.encode("Record:")
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        field, value, _ = kinds[i % 3]
+        try:
+            stream = _client(rt).completions.create(
+                model=model.name, prompt=prompt, max_tokens=32, temperature=0.9, seed=i, stream=True,
+                extra_body={field: value})
+            if i % 2:  # this client goes away after its first chunk
+                next(iter(stream))
+                stream.close()
+                return
+            results[i] = "".join(c.choices[0].text for c in stream if c.choices)
+        except BaseException as e:  # reported below, with the request
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors[:3]
+    assert sorted(results) == list(range(0, 24, 2))
+    for i, text in results.items():
+        spec = kinds[i % 3][2]
+        want = offline.generate([prompt], SamplingParams(max_tokens=32, temperature=0.9, seed=i, structured=spec)
+                                )[0].text
+        assert text == want, (i, spec.kind)
+    assert all(w.proc.poll() is None for w in workers)
+    loads = wait_idle(workers)
+    assert all(ld.used_blocks == 0 and ld.running == 0 for ld in loads), loads
 
 
 @pytest.mark.parametrize(("body", "param", "problem"), [

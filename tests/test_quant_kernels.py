@@ -12,7 +12,9 @@ import torch
 
 from engine.quant.kernels import (
     WQ_I8,
+    WQ_I8_BLOCKED,
     WQ_U4_CHUNKS,
+    WQ_U4_CHUNKS_BLOCKED,
     WQ_U4_PAIRS,
     QuantLinear,
     pack_int4_chunks,
@@ -41,12 +43,13 @@ def test_int4_chunk_layout_round_trips_and_puts_four_inputs_in_each_word() -> No
     assert [(word >> (4 * s)) & 15 for s in range(4)] == [int(q[1, 128 + 5 + 32 * s]) + 8 for s in range(4)]
 
 
-@pytest.mark.parametrize("bits,cols,fmt", [(8, 96, WQ_I8), (4, 96, WQ_U4_PAIRS), (4, 384, WQ_U4_CHUNKS)])
-def test_layout_choice_and_dequantize(bits: int, cols: int, fmt: int) -> None:
+@pytest.mark.parametrize("bits,cols,group,fmt", [(8, 96, 32, WQ_I8_BLOCKED), (8, 100, 20, WQ_I8),
+                                                (4, 96, 32, WQ_U4_PAIRS), (4, 384, 32, WQ_U4_CHUNKS_BLOCKED)])
+def test_layout_choice_and_dequantize(bits: int, cols: int, group: int, fmt: int) -> None:
     fn = wq_linear_kernel()
     if fn is None:
         pytest.skip("no C compiler: quantized weights run dequantized")
-    m = _matrix(bits, 5, cols, 32, True, seed=1)
+    m = _matrix(bits, 5, cols, group, True, seed=1)
     ql = QuantLinear(m, fn)
     assert ql.fmt == fmt
     assert torch.equal(ql.dequantize(), m.dequantize())
@@ -73,3 +76,28 @@ def test_bf16_path_matches_dequantize_then_matmul(bits: int, cols: int, group: i
     torch.testing.assert_close(ql(x[-1:]).float(), got[-1:].float(), rtol=2 ** -8, atol=0)
     strided = torch.cat([x, x], dim=1)[:, :cols]  # a row stride other than the row length
     torch.testing.assert_close(ql(strided), got, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bits,piece,fmt,plain", [(8, 32, WQ_I8_BLOCKED, WQ_I8),
+                                                  (4, 64, WQ_U4_CHUNKS_BLOCKED, WQ_U4_CHUNKS)])
+def test_blocked_layouts_interleave_four_rows_and_give_the_row_major_kernels_sums_bit_for_bit(
+        bits: int, piece: int, fmt: int, plain: int) -> None:
+    fn = wq_linear_kernel()
+    if fn is None:
+        pytest.skip("no C compiler: quantized weights run dequantized")
+    m = _matrix(bits, 70, 384, 128, bits == 4, seed=5)  # 70 rows: the last block padded with two zero rows
+    blocked = QuantLinear(m, fn)
+    width = 384 if bits == 8 else 192
+    assert blocked.fmt == fmt and blocked.q.shape == (72, width)
+    rows = m.q.contiguous() if bits == 8 else pack_int4_chunks(m.q)
+    flat = blocked.q.view(-1)  # row 5 is row 1 of block 1; its second piece: 4 * width + 1 * 4 * piece + piece
+    assert torch.equal(flat[4 * width + 4 * piece + piece:][:piece], rows[5, piece:2 * piece])
+    padding = blocked.q.view(18, width // piece, 4, piece)[-1, :, 2:]  # rows 70 and 71 of the last block
+    assert not padding.any()
+    rowmajor = QuantLinear(m, fn)
+    rowmajor.fmt, rowmajor.q = plain, rows
+    rowmajor._args = (rowmajor.q.data_ptr(), plain, *rowmajor._args[2:])
+    for n_in in (1, 3, 32):
+        x = torch.randn(n_in, 384, generator=torch.Generator().manual_seed(n_in))
+        for xx in (x, x.bfloat16()):  # the fp32 kernel and the bf16 one (one row: widened as read)
+            assert torch.equal(blocked(xx), rowmajor(xx)), (n_in, xx.dtype)

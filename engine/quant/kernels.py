@@ -57,8 +57,10 @@ def _library() -> ctypes.CDLL | None:
 
 
 # The weight layouts of ``wlinear.c`` (its ``fmt`` argument).
-WQ_I8, WQ_U4_PAIRS, WQ_U4_CHUNKS = 8, 4, 5
+WQ_I8, WQ_U4_PAIRS, WQ_U4_CHUNKS, WQ_U4_CHUNKS_BLOCKED, WQ_I8_BLOCKED = 8, 4, 5, 6, 9
 U4_CHUNK = 128  # inputs per WQ_U4_CHUNKS chunk
+BLOCK_ROWS = 4  # the blocked layouts' rows per block (wlinear.c's RB)
+I8_PIECE = 32  # WQ_I8_BLOCKED: bytes per interleaved piece (WQ_U4_CHUNKS_BLOCKED's is one chunk, 64 bytes)
 
 
 def _bind(lib: ctypes.CDLL, name: str, argtypes: list[type]) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
@@ -85,6 +87,24 @@ def wq_linear_bf16_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-def
         return None
     return _bind(lib, "tandem_wq_linear_bf16",
                  [_p, _i, _p, ctypes.c_int, _p, _p, _p, ctypes.c_int, _i, _i, _i, _i])
+
+
+def interleave_blocks(p: torch.Tensor, piece: int) -> torch.Tensor:
+    """A [N, B] byte matrix (B a multiple of ``piece``) -> the blocked layouts of ``wlinear.c``: rows padded with
+    zeros to a multiple of 4, each block of 4 rows as ``piece``-byte pieces interleaved (row 0's first piece, row 1's,
+    row 2's, row 3's, then their second pieces, ...): a block is read as one linear stream."""
+    n, width = p.shape
+    padded = -(-n // BLOCK_ROWS) * BLOCK_ROWS
+    full = torch.zeros(padded, width, dtype=p.dtype)
+    full[:n] = p
+    blocks = full.view(padded // BLOCK_ROWS, BLOCK_ROWS, width // piece, piece)
+    return blocks.permute(0, 2, 1, 3).contiguous().view(padded, width)
+
+
+def deinterleave_blocks(p: torch.Tensor, n: int, piece: int) -> torch.Tensor:
+    padded, width = p.shape
+    blocks = p.view(padded // BLOCK_ROWS, width // piece, BLOCK_ROWS, piece)
+    return blocks.permute(0, 2, 1, 3).contiguous().view(padded, width)[:n]
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -127,10 +147,12 @@ class QuantLinear:
         self.groups = m.scale.shape[1]
         if self.bits == 4 and self.k % 2:
             raise ValueError(f"an INT4 weight needs an even number of inputs, got {self.k}")
-        if self.bits == 8:
+        if self.bits == 8 and self.k % I8_PIECE == 0:
+            self.fmt, self.q = WQ_I8_BLOCKED, interleave_blocks(m.q, I8_PIECE)
+        elif self.bits == 8:
             self.fmt, self.q = WQ_I8, m.q.contiguous()
         elif self.k % U4_CHUNK == 0:
-            self.fmt, self.q = WQ_U4_CHUNKS, pack_int4_chunks(m.q)
+            self.fmt, self.q = WQ_U4_CHUNKS_BLOCKED, interleave_blocks(pack_int4_chunks(m.q), U4_CHUNK // 2)
         else:
             self.fmt, self.q = WQ_U4_PAIRS, pack_int4(m.q)
         self.scale = m.scale.float().contiguous()
@@ -147,7 +169,10 @@ class QuantLinear:
                                                                                  else ()))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        q = {WQ_I8: lambda p: p, WQ_U4_PAIRS: unpack_int4, WQ_U4_CHUNKS: unpack_int4_chunks}[self.fmt](self.q)
+        q = {WQ_I8: lambda p: p, WQ_U4_PAIRS: unpack_int4, WQ_U4_CHUNKS: unpack_int4_chunks,
+             WQ_I8_BLOCKED: lambda p: deinterleave_blocks(p, self.n, I8_PIECE),
+             WQ_U4_CHUNKS_BLOCKED: lambda p: unpack_int4_chunks(deinterleave_blocks(p, self.n, U4_CHUNK // 2))
+             }[self.fmt](self.q)
         zero = None if self.zero is None else self.zero.to(torch.int8)
         return QuantizedMatrix(q, self.scale, zero, self.bits).dequantize().to(dtype)
 

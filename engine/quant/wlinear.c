@@ -6,15 +6,22 @@
  * high one; WQ_U4_CHUNKS (K a multiple of 128), uint8 [N, K / 2] in chunks of 128 inputs, 64 bytes each, whose
  * 16-bit word t holds inputs t, t + 32, t + 64 and t + 96 in its bits 0-3, 4-7, 8-11 and 12-15, so that one 64-byte
  * load becomes four vectors of 32 consecutive inputs with a shift and a mask each, no shuffle. INT4 values are
- * stored as q + 8. Each thread takes a range of output rows, four at a time. Above one input row each block of four
+ * stored as q + 8. WQ_I8_BLOCKED (K a multiple of 32) and WQ_U4_CHUNKS_BLOCKED (K a multiple of 128): WQ_I8's and
+ * WQ_U4_CHUNKS's rows padded with zeros to a multiple of four, each block of four rows stored as pieces interleaved
+ * (32 bytes of int8, one 64-byte chunk of INT4: row 0's first piece, row 1's, row 2's, row 3's, then their second
+ * pieces, ...), so that a block's rows are read as one linear stream: at one input row INT8 streamed 2.3-2.5x faster
+ * than as four row streams 768 bytes apart (the same instructions, bit-identical sums; AMD EPYC Zen 4, one thread).
+ * Each thread takes a range of output rows, four at a time. Above one input row each block of four
  * weight rows is widened once and dotted with every input row; at one row (single-sequence decode) the rows are
  * widened in registers and dotted as they are read. */
 #include <stdint.h>
 #include <string.h>
 
 #define WQ_I8 8
+#define WQ_I8_BLOCKED 9
 #define WQ_U4_PAIRS 4
 #define WQ_U4_CHUNKS 5
+#define WQ_U4_CHUNKS_BLOCKED 6
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -120,7 +127,7 @@ static void block_dots(const float *x, const float *w, const float *scale, int64
 void tandem_wq_linear(const float *x, int64_t xstride, const float *xs, const void *q, int fmt, const float *scale,
                       const float *zero, float *y, int64_t m, int64_t n, int64_t k, int64_t group) {
     const int64_t groups = k / group;
-    const int64_t row_bytes = fmt == WQ_I8 ? k : k / 2;
+    const int64_t row_bytes = fmt == WQ_I8 || fmt == WQ_I8_BLOCKED ? k : k / 2;
     const int64_t blocks = (n + RB - 1) / RB;
 #pragma omp parallel
     {
@@ -130,8 +137,14 @@ void tandem_wq_linear(const float *x, int64_t xstride, const float *xs, const vo
             const int64_t r0 = b * RB, nrows = n - r0 < RB ? n - r0 : RB;
             for (int64_t j = 0; j < nrows; j++) {
                 const uint8_t *qr = (const uint8_t *)q + (r0 + j) * row_bytes;
-                if (fmt == WQ_I8)
+                if (fmt == WQ_I8_BLOCKED) /* row j's pieces: 32 bytes every 32 * RB from the block's start + 32 j */
+                    for (int64_t i = 0; i < k; i += 32)
+                        widen_i8((const int8_t *)q + r0 * k + i * RB + 32 * j, w + j * k + i, 32);
+                else if (fmt == WQ_I8)
                     widen_i8((const int8_t *)qr, w + j * k, k);
+                else if (fmt == WQ_U4_CHUNKS_BLOCKED) /* row j's chunks: 64 bytes every 64 * RB, + 64 j */
+                    for (int64_t i = 0; i < k; i += 128)
+                        widen_u4c((const uint8_t *)q + r0 * (k / 2) + (i / 2) * RB + 64 * j, w + j * k + i, 128);
                 else if (fmt == WQ_U4_CHUNKS)
                     widen_u4c(qr, w + j * k, k);
                 else
@@ -184,13 +197,15 @@ static inline __m512bh widen_u4_pairs_vec(const uint8_t *q) {
 #define U4C_PART3(w) ((__m512bh)_mm512_or_si512(_mm512_srli_epi16((w), 12), _mm512_set1_epi16(0x4300)))
 
 static inline void widen_row_bf16(int fmt, const uint8_t *q, __m512bh *w, int64_t k) {
-    if (fmt == WQ_I8) {
-        for (int64_t i = 0; i < k; i += 32) w[i / 32] = widen_i8_vec((const int8_t *)q + i);
+    if (fmt == WQ_I8 || fmt == WQ_I8_BLOCKED) { /* a blocked row's pieces are 32 * RB bytes apart */
+        const int64_t step = fmt == WQ_I8 ? 1 : RB;
+        for (int64_t i = 0; i < k; i += 32) w[i / 32] = widen_i8_vec((const int8_t *)q + i * step);
     } else if (fmt == WQ_U4_PAIRS) {
         for (int64_t i = 0; i < k; i += 32) w[i / 32] = widen_u4_pairs_vec(q + i / 2);
-    } else {
+    } else { /* WQ_U4_CHUNKS, blocked or not */
+        const int64_t step = fmt == WQ_U4_CHUNKS_BLOCKED ? RB : 1;
         for (int64_t i = 0; i < k; i += 128) {
-            const __m512i b = _mm512_loadu_si512((const void *)(q + i / 2));
+            const __m512i b = _mm512_loadu_si512((const void *)(q + i / 2 * step));
             w[i / 32] = U4C_PART0(b);
             w[i / 32 + 1] = U4C_PART(b, 1);
             w[i / 32 + 2] = U4C_PART(b, 2);
@@ -234,15 +249,18 @@ static inline void block_m1(int fmt, const uint16_t *x, const uint8_t *const *ro
     __m512 d[RB];
     for (int j = 0; j < RB; j++) d[j] = tot[j] = _mm512_setzero_ps();
     int64_t g = 0, left = gvecs;
-    if (fmt == WQ_U4_CHUNKS) {
+    if (fmt == WQ_U4_CHUNKS || fmt == WQ_U4_CHUNKS_BLOCKED) {
+        const int64_t step = fmt == WQ_U4_CHUNKS ? 1 : RB; /* input i of row j at rows[j] + i / 2 * step */
         for (int64_t i = 0; i < k; i += 128) {
             const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(x + i));
             const __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(x + i + 32));
             const __m512bh x2 = (__m512bh)_mm512_loadu_si512((const void *)(x + i + 64));
             const __m512bh x3 = (__m512bh)_mm512_loadu_si512((const void *)(x + i + 96));
             __m512i b[RB];
-            for (int j = 0; j < RB; j++) b[j] = _mm512_loadu_si512((const void *)(rows[j] + i / 2));
-            for (int j = 0; j < RB; j++) _mm_prefetch((const char *)(rows[j] + i / 2 + PREFETCH), _MM_HINT_T0);
+            for (int j = 0; j < RB; j++) b[j] = _mm512_loadu_si512((const void *)(rows[j] + i / 2 * step));
+            for (int j = 0; j < RB; j++) /* blocked: the block's four chunks, one stream */
+                _mm_prefetch((const char *)(step == 1 ? rows[j] + i / 2 + PREFETCH : rows[0] + i / 2 * RB + 64 * j + PREFETCH),
+                             _MM_HINT_T0);
             if (gvecs % 4 == 0) { /* groups of 128 or more: fold once per chunk at most */
                 for (int j = 0; j < RB; j++) {
                     d[j] = _mm512_dpbf16_ps(d[j], x0, U4C_PART0(b[j]));
@@ -263,7 +281,8 @@ static inline void block_m1(int fmt, const uint16_t *x, const uint8_t *const *ro
                 FOLD();
             }
         }
-    } else if (fmt == WQ_I8) {
+    } else if (fmt == WQ_I8 || fmt == WQ_I8_BLOCKED) {
+        const int64_t step = fmt == WQ_I8 ? 1 : RB; /* input i of row j at rows[j] + i * step */
         /* INT8 has no exact integer-only route to bf16, so rows widen to fp32 and FMA with x widened to fp32 (one
          * shift: bf16 is fp32's upper half); the products are exact either way (8 by 8 significant bits), and this
          * measured 6-25% faster than widening to bf16 for vdpbf16ps */
@@ -273,10 +292,12 @@ static inline void block_m1(int fmt, const uint16_t *x, const uint8_t *const *ro
                 _mm512_castsi512_si256(xw)), 16));
             const __m512 xb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
                 _mm512_extracti64x4_epi64(xw, 1)), 16));
-            if (i % 64 == 0)
+            if (step == 1 && i % 64 == 0)
                 for (int j = 0; j < RB; j++) _mm_prefetch((const char *)(rows[j] + i + PREFETCH), _MM_HINT_T0);
+            else if (step != 1) /* the block's 128 bytes for these 32 inputs are two lines of one stream */
+                for (int l = 0; l < 2; l++) _mm_prefetch((const char *)(rows[0] + i * RB + 64 * l + PREFETCH), _MM_HINT_T0);
             for (int j = 0; j < RB; j++) {
-                const int8_t *r = (const int8_t *)rows[j] + i;
+                const int8_t *r = (const int8_t *)rows[j] + i * step;
                 const __m512 wa = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)r)));
                 const __m512 wb = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + 16))));
                 d[j] = _mm512_fmadd_ps(xb, wb, _mm512_fmadd_ps(xa, wa, d[j]));
@@ -328,9 +349,10 @@ static inline void block_rows(const uint16_t *x, int64_t xstride, int64_t mr, co
 void tandem_wq_linear_bf16(const uint16_t *x, int64_t xstride, const void *q, int fmt, const float *scale,
                            const float *zero, void *y, int y_bf16, int64_t m, int64_t n, int64_t k, int64_t group) {
     const int64_t groups = k / group, vecs = k / 32, gvecs = group / 32;
-    const int64_t row_bytes = fmt == WQ_I8 ? k : k / 2;
+    const int is_i8 = fmt == WQ_I8 || fmt == WQ_I8_BLOCKED;
+    const int64_t row_bytes = is_i8 ? k : k / 2;
     const int64_t blocks = (n + RB - 1) / RB;
-    const int biased = zero != NULL || fmt != WQ_I8;
+    const int biased = zero != NULL || !is_i8;
     float xs_stack[256];
     float *xs = m * groups <= 256 ? xs_stack : (float *)__builtin_alloca((size_t)(m * groups) * sizeof(float));
     if (biased) { /* group sums of x: vdpbf16ps against ones, exact products, fp32 sums */
@@ -344,7 +366,7 @@ void tandem_wq_linear_bf16(const uint16_t *x, int64_t xstride, const void *q, in
                 xs[i * groups + g] = _mm512_reduce_add_ps(acc);
             }
     }
-    const float bias = fmt == WQ_I8 ? 0.0f : U4_BIAS;
+    const float bias = is_i8 ? 0.0f : U4_BIAS;
 #pragma omp parallel if (blocks > 1)
     {
         __m512bh *w = NULL;
@@ -357,9 +379,11 @@ void tandem_wq_linear_bf16(const uint16_t *x, int64_t xstride, const void *q, in
             const int64_t r0 = b * RB, nrows = n - r0 < RB ? n - r0 : RB;
             const uint8_t *rows[RB];
             const float *srow[RB];
-            for (int64_t j = 0; j < RB; j++) { /* a partial block repeats its first row */
+            for (int64_t j = 0; j < RB; j++) { /* a partial block repeats its first row (blocked: its zero rows) */
                 const int64_t r = r0 + (j < nrows ? j : 0);
-                rows[j] = (const uint8_t *)q + r * row_bytes;
+                rows[j] = fmt == WQ_I8_BLOCKED          ? (const uint8_t *)q + r0 * k + 32 * j
+                          : fmt == WQ_U4_CHUNKS_BLOCKED ? (const uint8_t *)q + r0 * (k / 2) + 64 * j
+                                                        : (const uint8_t *)q + r * row_bytes;
                 srow[j] = scale + r * groups;
             }
             if (m > 1)

@@ -42,10 +42,21 @@ class Sampler:
         self._prefetch: MaskPrefetch | None = None
         self._mask_buffers = MaskBuffers()  # one step's masks at a time, prefetched or inline
         self._width = 0  # the logits' width, as last seen
-        # Grammar masks filled on the native masks thread during the forward pass; the engine's thread takes the
-        # rows it has not begun, so this is never slower than inline (tandem bench structured times both). False:
-        # filled inline, in __call__. Off where no C compiler built the thread.
-        self.mask_overlap = self.filler().threaded
+        self._mask_overlap: bool | None = None  # None: the default, decided at the first constrained step
+
+    @property
+    def mask_overlap(self) -> bool:
+        """Grammar masks filled on the native masks thread during the forward pass; the engine's thread takes the
+        rows it has not begun, so this is never slower than inline (tandem bench structured times both). False:
+        filled inline, in __call__. Off by default where no C compiler built the thread; decided on first use, so
+        an engine that never sees a constrained request never builds or loads it."""
+        if self._mask_overlap is None:
+            self._mask_overlap = self.filler().threaded
+        return self._mask_overlap
+
+    @mask_overlap.setter
+    def mask_overlap(self, on: bool) -> None:
+        self._mask_overlap = on
 
     def filler(self) -> MaskFiller:
         if self._filler is None:
@@ -54,7 +65,7 @@ class Sampler:
 
     def prefetch(self, requests: list[Request]) -> None:
         """Start filling the grammar masks of ``requests`` (the rows of the next call) on the masks thread."""
-        if not self.mask_overlap or not self._width or all(r.matcher is None for r in requests):
+        if not self._width or all(r.matcher is None for r in requests) or not self.mask_overlap:
             return
         if self._prefetch is None:
             self._prefetch = MaskPrefetch(self.filler(), self._mask_buffers)

@@ -22,10 +22,9 @@ from auth.token import ensure_cluster_token
 # otherwise sit on 4 KiB pages, and a memory-bound decode step pays a TLB miss every 4 KiB of weights it streams.
 # Measured on this project's AMD EPYC VM (docs/benchmarks.md §1): small-llama fp32 single-sequence decode 36.0 ->
 # 29.8 ms a step, bf16 20.4-20.8 -> 17.1-17.5 ms a token; batch-32 decode and the tiny model (cache-resident)
-# unchanged. Only
-# read when a process starts, so it goes into the environment of every engine process Tandem starts, and the CLI's
-# own engine commands re-exec once to get it (``cli.main``). A GLIBC_TUNABLES that already names it wins (``=0``
-# turns it off).
+# unchanged. Only read when a process starts, so it goes into the environment of every engine process Tandem
+# starts, and the CLI's own engine commands re-exec once to get it (``cli.main``). A GLIBC_TUNABLES that already
+# names it wins (``=0`` turns it off).
 HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb"
 _ADDED_MARK = "TANDEM_ADDED_MALLOC_TUNABLE"  # set where Tandem added the tunable, so a peer's env can drop it again
 

@@ -105,7 +105,6 @@ class GrammarCompiler:
             raise ValueError(_message(spec, f"the {len(replay)} replayed tokens do not match it: {m.get_error()}"))
         return m
 
-
     def recycle(self, spec: StructuredOutput, matcher: NativeMatcher) -> None:
         """A finished request's matcher, reset to the grammar's start, becomes its spec's template.
 
